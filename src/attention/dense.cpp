@@ -1,0 +1,98 @@
+#include "attention/dense.h"
+
+#include <cmath>
+
+#include "util/error.h"
+
+namespace kvx::attention {
+
+DenseKVCache::DenseKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim)
+    : batch_(batch), kv_heads_(kv_heads), head_dim_(head_dim) {}
+
+int64_t DenseKVCache::bytes() const { return length_ * batch_ * kv_heads_ * head_dim_ * 2 * 4; }
+double DenseKVCache::bytes_per_token() const { return static_cast<double>(kv_heads_ * head_dim_ * 2 * 4); }
+
+void DenseKVCache::append(const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t t = k.size(2);
+  const int64_t capacity = k_.defined() ? k_.size(2) : 0;
+  if (length_ + t > capacity || k_.scalar_type() != k.scalar_type()) {
+    int64_t cap = std::max<int64_t>({length_ + t, capacity * 2, 64});
+    auto nk = torch::empty({batch_, kv_heads_, cap, head_dim_}, k.options());
+    auto nv = torch::empty({batch_, kv_heads_, cap, head_dim_}, v.options());
+    if (length_ > 0) {
+      nk.narrow(2, 0, length_).copy_(k_.narrow(2, 0, length_));
+      nv.narrow(2, 0, length_).copy_(v_.narrow(2, 0, length_));
+    }
+    k_ = nk;
+    v_ = nv;
+  }
+  k_.narrow(2, length_, t).copy_(k);
+  v_.narrow(2, length_, t).copy_(v);
+  length_ += t;
+}
+
+torch::Tensor DenseKVCache::keys() const { return k_.narrow(2, 0, length_); }
+torch::Tensor DenseKVCache::values() const { return v_.narrow(2, 0, length_); }
+
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t q_start) {
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Tk = k.size(2), G = H / Hkv;
+  // Group query heads by their KV head: [B, Hkv, G*Tq, d_h], so K/V are read as they are.
+  auto qg = q.reshape({B, Hkv, G * Tq, D});
+  auto scores = torch::matmul(qg, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
+  scores = scores.view({B, Hkv, G, Tq, Tk});
+  if (Tq > 1 || q_start + Tq < Tk) {
+    auto qpos = torch::arange(q_start, q_start + Tq, torch::kLong).unsqueeze(1);
+    auto kpos = torch::arange(Tk, torch::kLong).unsqueeze(0);
+    auto masked = kpos > qpos;  // [Tq, Tk]
+    scores = scores.masked_fill(masked, -std::numeric_limits<double>::infinity());
+  }
+  auto probs = torch::softmax(scores, -1).view({B, Hkv, G * Tq, Tk});
+  return torch::matmul(probs, v).view({B, H, Tq, D});
+}
+
+DenseAttention::DenseAttention(const model::ModelConfig& c, int layer)
+    : heads_(c.num_attention_heads), kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim),
+      rope_(c.head_dim, c.rope_theta) {
+  (void)layer;
+  q_proj = register_module("q_proj", nn::linear_no_bias(c.hidden_size, heads_ * head_dim_));
+  k_proj = register_module("k_proj", nn::linear_no_bias(c.hidden_size, kv_heads_ * head_dim_));
+  v_proj = register_module("v_proj", nn::linear_no_bias(c.hidden_size, kv_heads_ * head_dim_));
+  o_proj = register_module("o_proj", nn::linear_no_bias(heads_ * head_dim_, c.hidden_size));
+}
+
+void DenseAttention::project(const torch::Tensor& x, int64_t start, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v) {
+  const int64_t B = x.size(0), T = x.size(1);
+  q = rope_.apply(q_proj(x).view({B, T, heads_, head_dim_}).transpose(1, 2), start);
+  k = rope_.apply(k_proj(x).view({B, T, kv_heads_, head_dim_}).transpose(1, 2), start);
+  v = v_proj(x).view({B, T, kv_heads_, head_dim_}).transpose(1, 2);
+}
+
+torch::Tensor DenseAttention::merge_heads(const torch::Tensor& o) {
+  const int64_t B = o.size(0), T = o.size(2);
+  return o_proj(o.transpose(1, 2).reshape({B, T, heads_ * head_dim_}));
+}
+
+torch::Tensor DenseAttention::forward(const torch::Tensor& x) {
+  torch::Tensor q, k, v;
+  project(x, 0, q, k, v);
+  return merge_heads(causal_attention(q, k, v, 0));
+}
+
+std::unique_ptr<MixerCache> DenseAttention::new_cache(int64_t batch) const {
+  return std::make_unique<DenseKVCache>(batch, kv_heads_, head_dim_);
+}
+
+torch::Tensor DenseAttention::step(const torch::Tensor& x, MixerCache& cache) {
+  auto* kv = dynamic_cast<DenseKVCache*>(&cache);
+  if (!kv) throw Error("DenseAttention::step: cache is not a DenseKVCache (layer/cache mismatch)");
+  const int64_t start = kv->length();
+  torch::Tensor q, k, v;
+  project(x, start, q, k, v);
+  kv->append(k.contiguous(), v.contiguous());
+  return merge_heads(causal_attention(q, kv->keys(), kv->values(), start));
+}
+
+int64_t DenseAttention::cache_bytes_per_token() const { return 2 * kv_heads_ * head_dim_ * 4; }
+
+}  // namespace kvx::attention

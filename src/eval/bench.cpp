@@ -1,0 +1,126 @@
+#include "eval/bench.h"
+
+#include <chrono>
+#include <iostream>
+
+#include "model/transformer.h"
+#include "text/bpe.h"
+#include "text/corpus.h"
+#include "train/adamw.h"
+#include "util/error.h"
+
+namespace kvx::eval {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+}  // namespace
+
+double measure_sgemm_gflops(int n, double seconds) {
+  torch::NoGradGuard ng;
+  auto a = torch::randn({n, n}), b = torch::randn({n, n}), c = torch::empty({n, n});
+  torch::mm_out(c, a, b);  // warm-up
+  double best = 0;
+  auto t_end = Clock::now() + std::chrono::duration<double>(seconds);
+  while (Clock::now() < t_end) {
+    auto t0 = Clock::now();
+    torch::mm_out(c, a, b);
+    best = std::max(best, 2.0 * n * n * n / since(t0) / 1e9);
+  }
+  return best;
+}
+
+double training_flops_per_step(const model::ModelConfig& m, int batch, int seq_len) {
+  const double d = m.hidden_size, H = m.num_attention_heads, Hkv = m.num_key_value_heads, dh = m.head_dim;
+  const double per_layer = 2 * d * H * dh + 2 * 2 * d * Hkv * dh + 2 * H * dh * d + 3 * 2 * d * m.intermediate_size +
+                           2 * 2 * static_cast<double>(seq_len) * H * dh;
+  const double per_token = m.num_hidden_layers * per_layer + 2 * d * m.vocab_size;
+  return 3.0 * per_token * batch * seq_len;
+}
+
+nlohmann::json bench_train(const train::RunConfig& cfg, int steps, bool verbose) {
+  const auto& t = cfg.train;
+  torch::manual_seed(0);
+  model::Transformer model(cfg.model);
+  model->train();
+  train::AdamW opt(model->named_parameters().pairs(), train::AdamWOptions{});
+  auto x = torch::randint(cfg.model.vocab_size, {t.batch_size, t.seq_len}, torch::kLong);
+  auto y = torch::randint(cfg.model.vocab_size, {t.batch_size, t.seq_len}, torch::kLong);
+  double fwd = 0, bwd = 0, upd = 0;
+  auto one_step = [&](bool timed) {
+    auto t0 = Clock::now();
+    opt.zero_grad();
+    auto logits = model->forward(x);
+    auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+    auto t1 = Clock::now();
+    loss.backward();
+    auto t2 = Clock::now();
+    torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+    opt.step(1e-4);
+    if (timed) {
+      fwd += std::chrono::duration<double>(t1 - t0).count();
+      bwd += std::chrono::duration<double>(t2 - t1).count();
+      upd += since(t2);
+    }
+  };
+  for (int i = 0; i < 2; ++i) one_step(false);
+  auto t0 = Clock::now();
+  for (int i = 0; i < steps; ++i) {
+    one_step(true);
+    if (verbose) std::cerr << "\rbench train: step " << i + 1 << "/" << steps << std::flush;
+  }
+  const double secs = since(t0);
+  if (verbose) std::cerr << "\n";
+  const double flops = training_flops_per_step(cfg.model, t.batch_size, t.seq_len);
+  const double achieved = flops * steps / secs / 1e9;
+  const double sgemm = measure_sgemm_gflops(1024, 1.5);
+  return {{"preset", cfg.name},
+          {"threads", torch::get_num_threads()},
+          {"batch_size", t.batch_size},
+          {"seq_len", t.seq_len},
+          {"parameters", model->num_parameters()},
+          {"steps", steps},
+          {"seconds_per_step", secs / steps},
+          {"forward_share", fwd / secs},
+          {"backward_share", bwd / secs},
+          {"optimizer_share", upd / secs},
+          {"tokens_per_second", static_cast<double>(t.batch_size) * t.seq_len * steps / secs},
+          {"model_gflop_per_step", flops / 1e9},
+          {"achieved_gflops", achieved},
+          {"sgemm_gflops_1024", sgemm},
+          {"ratio_to_sgemm", achieved / sgemm}};
+}
+
+nlohmann::json bench_tokenizer(const std::string& data_dir, int vocab_size, bool verbose) {
+  std::vector<text::Document> brown;
+  for (auto& d : text::load_documents(data_dir))
+    if (d.source == "brown") brown.push_back(std::move(d));
+  if (brown.empty()) throw Error("no Brown corpus under " + data_dir + "; run `kvx data fetch`");
+  std::string corpus;
+  for (const auto& d : brown) corpus += d.text + "\n\n";
+  const double mb = corpus.size() / 1e6;
+  if (verbose) std::cerr << "bench tokenizer: training " << vocab_size << " tokens on " << mb << " MB of Brown text\n";
+  auto t0 = Clock::now();
+  text::BpeTrainOptions o;
+  o.vocab_size = vocab_size;
+  auto tok = text::BpeTokenizer::train(corpus, o);
+  const double train_s = since(t0);
+  t0 = Clock::now();
+  auto ids = tok.encode(corpus);
+  const double enc_s = since(t0);
+  t0 = Clock::now();
+  auto back = tok.decode(ids);
+  const double dec_s = since(t0);
+  if (back != corpus) throw Error("bench tokenizer: decode(encode(brown)) differs from the input: tokenizer bug");
+  return {{"corpus_mb", mb},
+          {"vocab_size", tok.vocab_size()},
+          {"tokens", ids.size()},
+          {"bytes_per_token", corpus.size() / static_cast<double>(ids.size())},
+          {"train_seconds", train_s},
+          {"train_mb_per_s", mb / train_s},
+          {"encode_mb_per_s", mb / enc_s},
+          {"decode_mb_per_s", mb / dec_s},
+          {"round_trip_exact", true}};
+}
+
+}  // namespace kvx::eval

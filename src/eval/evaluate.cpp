@@ -1,0 +1,72 @@
+#include "eval/evaluate.h"
+
+#include <cmath>
+
+namespace kvx::eval {
+
+namespace {
+std::vector<int64_t> token_byte_lengths(const text::BpeTokenizer& tok, int vocab) {
+  std::vector<int64_t> len(vocab, 0);
+  for (int i = 0; i < std::min(vocab, tok.vocab_size()); ++i) len[i] = static_cast<int64_t>(tok.token_bytes(i).size());
+  return len;
+}
+int64_t target_bytes(const torch::Tensor& y, const std::vector<int64_t>& len) {
+  int64_t b = 0;
+  auto yc = y.contiguous();
+  const int64_t* p = yc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < yc.numel(); ++i) b += len[p[i]];
+  return b;
+}
+LmQuality finish(double nats, int64_t tokens, int64_t bytes) {
+  LmQuality q;
+  q.tokens = tokens;
+  q.bytes = bytes;
+  q.cross_entropy = tokens ? nats / tokens : 0;
+  q.perplexity = std::exp(q.cross_entropy);
+  q.bits_per_byte = bytes ? nats / std::log(2.0) / bytes : 0;
+  return q;
+}
+}  // namespace
+
+LmQuality evaluate_lm(model::Transformer& model, const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
+                      const text::BpeTokenizer& tokenizer) {
+  torch::NoGradGuard ng;
+  const bool was_training = model->is_training();
+  model->eval();
+  auto len = token_byte_lengths(tokenizer, model->config().vocab_size);
+  double nats = 0;
+  int64_t tokens = 0, bytes = 0;
+  for (const auto& [x, y] : batches) {
+    auto logits = model->forward(x);
+    auto loss = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}).to(torch::kFloat64), y.reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    nats += loss.item<double>();
+    tokens += y.numel();
+    bytes += target_bytes(y, len);
+  }
+  if (was_training) model->train();
+  return finish(nats, tokens, bytes);
+}
+
+LmQuality unigram_quality(const std::vector<int32_t>& train, int vocab_size,
+                          const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
+                          const text::BpeTokenizer& tokenizer) {
+  std::vector<double> count(vocab_size, 1.0);
+  for (int32_t t : train) count[t] += 1.0;
+  double total = 0;
+  for (double c : count) total += c;
+  auto len = token_byte_lengths(tokenizer, vocab_size);
+  double nats = 0;
+  int64_t tokens = 0, bytes = 0;
+  for (const auto& [x, y] : batches) {
+    auto yc = y.contiguous();
+    const int64_t* p = yc.data_ptr<int64_t>();
+    for (int64_t i = 0; i < yc.numel(); ++i) nats -= std::log(count[p[i]] / total);
+    tokens += yc.numel();
+    bytes += target_bytes(yc, len);
+  }
+  return finish(nats, tokens, bytes);
+}
+
+}  // namespace kvx::eval

@@ -1,0 +1,15 @@
+// Whole-file reads and crash-safe writes (temp file + fsync + rename), so a kill at any moment
+// leaves either the old file or the new one, never a torn one.
+#pragma once
+#include <string>
+#include <string_view>
+
+namespace kvx::io {
+
+std::string read_file(const std::string& path);  // throws kvx::Error naming the path
+void write_file_atomic(const std::string& path, std::string_view bytes);
+bool file_exists(const std::string& path);
+void make_dirs(const std::string& path);
+void fsync_dir(const std::string& dir);
+
+}  // namespace kvx::io

@@ -1,0 +1,101 @@
+#include "model/config.h"
+
+#include <sstream>
+
+#include "io/json_config.h"
+#include "util/error.h"
+
+namespace kvx::model {
+
+ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
+  io::JsonReader r(j, "model config");
+  ModelConfig c;
+  c.vocab_size = r.require<int>("vocab_size");
+  c.hidden_size = r.require<int>("hidden_size");
+  c.num_hidden_layers = r.require<int>("num_hidden_layers");
+  c.num_attention_heads = r.require<int>("num_attention_heads");
+  c.num_key_value_heads = r.get<int>("num_key_value_heads", c.num_attention_heads);
+  c.head_dim = r.get<int>("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
+  c.intermediate_size = r.require<int>("intermediate_size");
+  c.max_position_embeddings = r.require<int>("max_position_embeddings");
+  c.rope_theta = r.get<double>("rope_theta", c.rope_theta);
+  c.rms_norm_eps = r.get<double>("rms_norm_eps", c.rms_norm_eps);
+  c.tie_word_embeddings = r.get<bool>("tie_word_embeddings", c.tie_word_embeddings);
+  c.layout = r.get<std::string>("layout", c.layout);
+  std::string arch = r.get<std::string>("model_type", "kvx");
+  if (arch != "kvx") throw Error("model config: model_type '" + arch + "' is not a kvx model (expected \"kvx\")");
+  r.finish();
+  c.validate();
+  return c;
+}
+
+nlohmann::json ModelConfig::to_json() const {
+  return {{"model_type", "kvx"},
+          {"vocab_size", vocab_size},
+          {"hidden_size", hidden_size},
+          {"num_hidden_layers", num_hidden_layers},
+          {"num_attention_heads", num_attention_heads},
+          {"num_key_value_heads", num_key_value_heads},
+          {"head_dim", head_dim},
+          {"intermediate_size", intermediate_size},
+          {"max_position_embeddings", max_position_embeddings},
+          {"rope_theta", rope_theta},
+          {"rms_norm_eps", rms_norm_eps},
+          {"tie_word_embeddings", tie_word_embeddings},
+          {"layout", layout}};
+}
+
+void ModelConfig::validate() const {
+  auto positive = [](int v, const char* name) {
+    if (v <= 0) throw Error(std::string("model config: ") + name + " must be positive, got " + std::to_string(v));
+  };
+  positive(vocab_size, "vocab_size");
+  positive(hidden_size, "hidden_size");
+  positive(num_hidden_layers, "num_hidden_layers");
+  positive(num_attention_heads, "num_attention_heads");
+  positive(num_key_value_heads, "num_key_value_heads");
+  positive(head_dim, "head_dim");
+  positive(intermediate_size, "intermediate_size");
+  positive(max_position_embeddings, "max_position_embeddings");
+  if (num_attention_heads % num_key_value_heads != 0)
+    throw Error("model config: num_key_value_heads (" + std::to_string(num_key_value_heads) +
+                ") must divide num_attention_heads (" + std::to_string(num_attention_heads) +
+                "); use H (MHA), a divisor of H (GQA) or 1 (MQA)");
+  if (head_dim % 2 != 0) throw Error("model config: head_dim must be even for RoPE, got " + std::to_string(head_dim));
+  if (rope_theta <= 0) throw Error("model config: rope_theta must be positive");
+  if (rms_norm_eps <= 0) throw Error("model config: rms_norm_eps must be positive");
+  layer_kinds();  // validates the layout
+}
+
+std::vector<std::string> ModelConfig::layer_kinds() const { return expand_layout(layout, num_hidden_layers); }
+
+std::vector<std::string> expand_layout(const std::string& layout, int num_layers) {
+  std::vector<std::string> kinds;
+  std::stringstream ss(layout);
+  std::string item;
+  int items = 0;
+  while (std::getline(ss, item, ',')) {
+    ++items;
+    std::string kind = item;
+    int count = 1;
+    auto star = item.find('*');
+    if (star != std::string::npos) {
+      kind = item.substr(0, star);
+      try {
+        count = std::stoi(item.substr(star + 1));
+      } catch (...) {
+        count = -1;
+      }
+      if (count <= 0) throw Error("layout '" + layout + "': bad repeat count in '" + item + "' (write kind*N with N >= 1)");
+    }
+    if (kind.empty()) throw Error("layout '" + layout + "': empty mixer kind");
+    for (int i = 0; i < count; ++i) kinds.push_back(kind);
+  }
+  if (items == 1 && layout.find('*') == std::string::npos) kinds.assign(num_layers, kinds.empty() ? "" : kinds[0]);
+  if (static_cast<int>(kinds.size()) != num_layers)
+    throw Error("layout '" + layout + "' describes " + std::to_string(kinds.size()) + " layers but num_hidden_layers is " +
+                std::to_string(num_layers) + "; make them agree");
+  return kinds;
+}
+
+}  // namespace kvx::model

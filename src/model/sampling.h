@@ -1,0 +1,34 @@
+// Autoregressive generation with the model's decode caches: prefill the prompt, then one token
+// per step. Sampling: temperature, nucleus (top-p); temperature 0 is greedy.
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "model/transformer.h"
+
+namespace kvx::model {
+
+struct SamplingOptions {
+  double temperature = 0.8;
+  double top_p = 0.95;
+};
+
+// logits: [V]. Deterministic given the rng state.
+int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& opt, std::mt19937_64& rng);
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;  // generated only
+  double prefill_seconds = 0, decode_seconds = 0;
+  int64_t cache_bytes = 0;      // cache held at the end
+  double cache_bytes_per_token = 0;
+};
+
+GenerateResult generate(Transformer& model, const std::vector<int32_t>& prompt, int max_new,
+                        const SamplingOptions& opt, uint64_t seed,
+                        const std::function<void(int32_t)>& on_token = nullptr);
+
+}  // namespace kvx::model

@@ -1,0 +1,144 @@
+#include "model/transformer.h"
+
+#include <cmath>
+
+#include "util/error.h"
+
+namespace kvx::model {
+
+BlockImpl::BlockImpl(const ModelConfig& c, int layer) {
+  input_layernorm = register_module("input_layernorm", nn::RMSNorm(c.hidden_size, c.rms_norm_eps));
+  self_attn = register_module("self_attn", attention::make_mixer(c.layer_kinds()[layer], c, layer));
+  post_attention_layernorm = register_module("post_attention_layernorm", nn::RMSNorm(c.hidden_size, c.rms_norm_eps));
+  mlp = register_module("mlp", nn::SwiGLU(c.hidden_size, c.intermediate_size));
+}
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& h) {
+  auto x = h + self_attn->forward(input_layernorm(h));
+  return x + mlp(post_attention_layernorm(x));
+}
+
+torch::Tensor BlockImpl::step(const torch::Tensor& h, attention::MixerCache& cache) {
+  auto x = h + self_attn->step(input_layernorm(h), cache);
+  return x + mlp(post_attention_layernorm(x));
+}
+
+int64_t DecodeState::bytes() const {
+  int64_t b = 0;
+  for (const auto& l : layers) b += l->bytes();
+  return b;
+}
+double DecodeState::bytes_per_token() const {
+  double b = 0;
+  for (const auto& l : layers) b += l->bytes_per_token();
+  return b;
+}
+void DecodeState::clear() {
+  for (auto& l : layers) l->clear();
+}
+
+TransformerImpl::TransformerImpl(const ModelConfig& c) : config_(c) {
+  c.validate();
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int i = 0; i < c.num_hidden_layers; ++i) layers->push_back(Block(c, i));
+  norm = register_module("norm", nn::RMSNorm(c.hidden_size, c.rms_norm_eps));
+  if (!c.tie_word_embeddings) lm_head = register_module("lm_head", nn::linear_no_bias(c.hidden_size, c.vocab_size));
+  init_weights();
+}
+
+void TransformerImpl::init_weights() {
+  torch::NoGradGuard ng;
+  const double out_std = 0.02 / std::sqrt(2.0 * config_.num_hidden_layers);
+  for (auto& p : named_parameters()) {
+    const std::string& n = p.key();
+    if (p.value().dim() < 2) continue;  // norms keep their ones
+    bool residual_out = n.find("o_proj") != std::string::npos || n.find("down_proj") != std::string::npos;
+    p.value().normal_(0.0, residual_out ? out_std : 0.02);
+  }
+}
+
+torch::Tensor TransformerImpl::logits(const torch::Tensor& h) {
+  auto x = norm(h);
+  return config_.tie_word_embeddings ? torch::matmul(x, embed_tokens->weight.t()) : lm_head(x);
+}
+
+torch::Tensor TransformerImpl::forward(const torch::Tensor& ids) {
+  if (ids.size(1) > config_.max_position_embeddings)
+    throw Error("sequence of " + std::to_string(ids.size(1)) + " tokens exceeds the model's context limit of " +
+                std::to_string(config_.max_position_embeddings) + " (max_position_embeddings); use a shorter input");
+  auto h = embed_tokens(ids);
+  for (auto& layer : *layers) h = layer->as<BlockImpl>()->forward(h);
+  return logits(h);
+}
+
+DecodeState TransformerImpl::new_state(int64_t batch) const {
+  DecodeState s;
+  for (const auto& layer : *layers) s.layers.push_back(layer->as<BlockImpl>()->self_attn->new_cache(batch));
+  return s;
+}
+
+torch::Tensor TransformerImpl::step(const torch::Tensor& ids, DecodeState& state) {
+  const int64_t end = state.length() + ids.size(1);
+  if (end > config_.max_position_embeddings)
+    throw Error("context of " + std::to_string(end) + " tokens exceeds the model's limit of " +
+                std::to_string(config_.max_position_embeddings) +
+                " (max_position_embeddings); shorten the prompt or lower --max-new");
+  if (state.layers.size() != layers->size()) throw Error("decode state has the wrong number of layers for this model");
+  auto h = embed_tokens(ids);
+  for (size_t i = 0; i < layers->size(); ++i) h = layers[i]->as<BlockImpl>()->step(h, *state.layers[i]);
+  return logits(h);
+}
+
+int64_t TransformerImpl::kv_bytes_per_token() const {
+  int64_t b = 0;
+  for (const auto& layer : *layers) b += layer->as<BlockImpl>()->self_attn->cache_bytes_per_token();
+  return b;
+}
+
+int64_t TransformerImpl::num_parameters(bool include_embedding) const {
+  int64_t n = 0;
+  for (const auto& p : named_parameters()) {
+    if (!include_embedding && p.key().rfind("embed_tokens", 0) == 0) continue;
+    n += p.value().numel();
+  }
+  return n;
+}
+
+namespace {
+std::string to_hf(const std::string& name) { return name.rfind("lm_head", 0) == 0 ? name : "model." + name; }
+}  // namespace
+
+nn::TensorMap TransformerImpl::state_dict_hf() const {
+  nn::TensorMap out;
+  for (const auto& p : named_parameters()) out[to_hf(p.key())] = p.value().detach();
+  return out;
+}
+
+void TransformerImpl::load_state_dict_hf(const nn::TensorMap& tensors, const std::string& what) {
+  torch::NoGradGuard ng;
+  size_t used = 0;
+  for (auto& p : named_parameters()) {
+    const std::string name = to_hf(p.key());
+    auto it = tensors.find(name);
+    if (it == tensors.end())
+      throw Error(what + ": missing tensor '" + name + "'; the weights do not match config.json (different layout or tie_word_embeddings?)");
+    if (it->second.sizes() != p.value().sizes()) {
+      std::ostringstream ss;
+      ss << what << ": tensor '" << name << "' has shape " << it->second.sizes() << " but config.json implies "
+         << p.value().sizes() << "; the weights do not match the config";
+      throw Error(ss.str());
+    }
+    p.value().copy_(it->second.to(p.value().scalar_type()));
+    ++used;
+  }
+  if (used != tensors.size()) {
+    for (const auto& [name, t] : tensors) {
+      bool known = false;
+      for (const auto& p : named_parameters()) known = known || to_hf(p.key()) == name;
+      if (!known) throw Error(what + ": unexpected tensor '" + name + "' not used by config.json; the weights do not match the config");
+    }
+  }
+}
+
+}  // namespace kvx::model

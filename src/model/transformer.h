@@ -1,0 +1,64 @@
+// Decoder-only transformer: embedding, pre-RMSNorm blocks (mixer from the layout + SwiGLU MLP),
+// final norm, tied or untied LM head. Parameter names follow Hugging Face Llama
+// ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight").
+#pragma once
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+#include "attention/mixer.h"
+#include "model/config.h"
+#include "nn/layers.h"
+#include "nn/tensor_io.h"
+
+namespace kvx::model {
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl(const ModelConfig& c, int layer);
+  torch::Tensor forward(const torch::Tensor& h);
+  torch::Tensor step(const torch::Tensor& h, attention::MixerCache& cache);
+  nn::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  std::shared_ptr<attention::Mixer> self_attn;
+  nn::SwiGLU mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+// One cache per layer; the decode state of a whole model.
+struct DecodeState {
+  std::vector<std::unique_ptr<attention::MixerCache>> layers;
+  int64_t length() const { return layers.empty() ? 0 : layers[0]->length(); }
+  int64_t bytes() const;
+  double bytes_per_token() const;
+  void clear();
+};
+
+class TransformerImpl : public torch::nn::Module {
+ public:
+  explicit TransformerImpl(const ModelConfig& c);
+  // ids: [B, T] int64 -> logits [B, T, V] (float32).
+  torch::Tensor forward(const torch::Tensor& ids);
+  DecodeState new_state(int64_t batch) const;
+  // Appends ids [B, T] to the state and returns their logits [B, T, V]. Errors past the context limit.
+  torch::Tensor step(const torch::Tensor& ids, DecodeState& state);
+  int64_t kv_bytes_per_token() const;  // all layers, f32 cache, per batch row
+  int64_t num_parameters(bool include_embedding = true) const;
+
+  nn::TensorMap state_dict_hf() const;            // HF names -> tensors
+  void load_state_dict_hf(const nn::TensorMap& tensors, const std::string& what);  // strict, clear errors
+  const ModelConfig& config() const { return config_; }
+
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers;
+  nn::RMSNorm norm{nullptr};
+  torch::nn::Linear lm_head{nullptr};
+
+ private:
+  torch::Tensor logits(const torch::Tensor& h);
+  void init_weights();
+  ModelConfig config_;
+};
+TORCH_MODULE(Transformer);
+
+}  // namespace kvx::model

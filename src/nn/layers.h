@@ -1,0 +1,44 @@
+// Building blocks shared by every model: RMSNorm, rotary position embedding, SwiGLU MLP.
+#pragma once
+#include <torch/torch.h>
+
+namespace kvx::nn {
+
+// y = x / sqrt(mean(x^2) + eps) * weight
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+  double eps;
+};
+TORCH_MODULE(RMSNorm);
+
+// Rotary embedding in the Llama "rotate half" convention: dims i and i + d_h/2 form a plane
+// rotated by angle pos * theta^(-2i/d_h).
+class Rope {
+ public:
+  Rope(int64_t head_dim, double theta);
+  // x: [B, heads, T, d_h] at positions start .. start+T-1.
+  torch::Tensor apply(const torch::Tensor& x, int64_t start) const;
+  int64_t head_dim() const { return head_dim_; }
+
+ private:
+  void ensure(int64_t positions, torch::ScalarType dtype) const;
+  int64_t head_dim_;
+  double theta_;
+  mutable torch::Tensor cos_, sin_;  // [P, d_h/2], grown on demand
+};
+
+// down(silu(gate(x)) * up(x))
+class SwiGLUImpl : public torch::nn::Module {
+ public:
+  SwiGLUImpl(int64_t dim, int64_t hidden);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(SwiGLU);
+
+torch::nn::Linear linear_no_bias(int64_t in, int64_t out);
+
+}  // namespace kvx::nn

@@ -1,0 +1,929 @@
+// Byte-level BPE: hand-written GPT-2 pre-tokeniser, incremental trainer, cached encoder.
+//
+// Deviations from Hugging Face `tokenizers` (ByteLevel pre-tokenizer + BPE model):
+//  - Input is raw bytes, not a Rust str: invalid UTF-8 bytes are single "other"
+//    characters (HF cannot see such input at all).
+//  - \p{L} and \p{N} use built-in range tables covering the common scripts
+//    (Latin, Greek, Cyrillic, Armenian, Hebrew, Arabic, Indic, Thai, Georgian,
+//    Hangul, Kana, CJK, fullwidth forms, ...), not the full Unicode database;
+//    rare letters/digits outside them count as "other".
+//  - Trained tokenizers use byte-value order for ids 0..255 (HF uses the
+//    bytes_to_unicode character order); loaded files keep their own ids.
+//  - added_tokens are not special-cased (they are ordinary vocab entries);
+//    normalizers, non-ByteLevel pre-tokenizers, dropout, byte_fallback,
+//    prefixes/suffixes and ignore_merges are rejected at load time.
+#include "text/bpe.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <queue>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#include <nlohmann/json.hpp>
+
+#include "util/error.h"
+
+namespace kvx::text {
+namespace {
+
+// ---------------------------------------------------------------- characters
+
+enum Cls : uint8_t { kOther = 0, kLetter = 1, kNumber = 2, kSpace = 3 };
+
+struct Range {
+  uint32_t lo, hi;
+};
+
+// Letters (\p{L}) outside ASCII, sorted, approximate per script.
+const Range kLetters[] = {
+    {0xAA, 0xAA},       {0xB5, 0xB5},       {0xBA, 0xBA},       {0xC0, 0xD6},
+    {0xD8, 0xF6},       {0xF8, 0x2C1},      {0x2C6, 0x2D1},     {0x2E0, 0x2E4},
+    {0x2EC, 0x2EC},     {0x2EE, 0x2EE},     {0x370, 0x374},     {0x376, 0x377},
+    {0x37A, 0x37D},     {0x37F, 0x37F},     {0x386, 0x386},     {0x388, 0x38A},
+    {0x38C, 0x38C},     {0x38E, 0x3A1},     {0x3A3, 0x3F5},     {0x3F7, 0x481},
+    {0x48A, 0x52F},     {0x531, 0x556},     {0x559, 0x559},     {0x560, 0x588},
+    {0x5D0, 0x5EA},     {0x5EF, 0x5F2},     {0x620, 0x64A},     {0x66E, 0x66F},
+    {0x671, 0x6D3},     {0x6D5, 0x6D5},     {0x6E5, 0x6E6},     {0x6EE, 0x6EF},
+    {0x6FA, 0x6FC},     {0x6FF, 0x6FF},     {0x710, 0x710},     {0x712, 0x72F},
+    {0x74D, 0x7A5},     {0x7B1, 0x7B1},     {0x904, 0x939},     {0x93D, 0x93D},
+    {0x950, 0x950},     {0x958, 0x961},     {0x971, 0x980},     {0x985, 0x9B9},
+    {0x9BD, 0x9BD},     {0x9CE, 0x9CE},     {0x9DC, 0x9E1},     {0x9F0, 0x9F1},
+    {0xA05, 0xA39},     {0xA59, 0xA5E},     {0xA72, 0xA74},     {0xA85, 0xAB9},
+    {0xABD, 0xABD},     {0xAD0, 0xAD0},     {0xAE0, 0xAE1},     {0xB05, 0xB39},
+    {0xB3D, 0xB3D},     {0xB5C, 0xB61},     {0xB71, 0xB71},     {0xB83, 0xBB9},
+    {0xBD0, 0xBD0},     {0xC05, 0xC39},     {0xC3D, 0xC3D},     {0xC58, 0xC61},
+    {0xC80, 0xC80},     {0xC85, 0xCB9},     {0xCBD, 0xCBD},     {0xCDD, 0xCE1},
+    {0xCF1, 0xCF2},     {0xD04, 0xD3A},     {0xD3D, 0xD3D},     {0xD4E, 0xD4E},
+    {0xD54, 0xD56},     {0xD5F, 0xD61},     {0xD7A, 0xD7F},     {0xD85, 0xDC6},
+    {0xE01, 0xE30},     {0xE32, 0xE33},     {0xE40, 0xE46},     {0xE81, 0xEB0},
+    {0xEB2, 0xEB3},     {0xEBD, 0xEC6},     {0xEDC, 0xEDF},     {0xF00, 0xF00},
+    {0xF40, 0xF6C},     {0xF88, 0xF8C},     {0x1000, 0x102A},   {0x103F, 0x103F},
+    {0x1050, 0x1055},   {0x10A0, 0x10FA},   {0x10FC, 0x1248},   {0x124A, 0x135A},
+    {0x1380, 0x138F},   {0x13A0, 0x13F5},   {0x13F8, 0x13FD},   {0x1401, 0x166C},
+    {0x166F, 0x167F},   {0x1681, 0x169A},   {0x16A0, 0x16EA},   {0x1780, 0x17B3},
+    {0x17D7, 0x17D7},   {0x17DC, 0x17DC},   {0x1820, 0x1878},   {0x1C80, 0x1C88},
+    {0x1C90, 0x1CBF},   {0x1D00, 0x1DBF},   {0x1E00, 0x1FBC},   {0x1FBE, 0x1FBE},
+    {0x1FC2, 0x1FCC},   {0x1FD0, 0x1FDB},   {0x1FE0, 0x1FEC},   {0x1FF2, 0x1FFC},
+    {0x2071, 0x2071},   {0x207F, 0x207F},   {0x2090, 0x209C},   {0x2102, 0x2102},
+    {0x2107, 0x2107},   {0x210A, 0x2113},   {0x2115, 0x2115},   {0x2119, 0x211D},
+    {0x2124, 0x2124},   {0x2126, 0x2126},   {0x2128, 0x2128},   {0x212A, 0x212D},
+    {0x212F, 0x2139},   {0x213C, 0x213F},   {0x2145, 0x2149},   {0x214E, 0x214E},
+    {0x2183, 0x2184},   {0x2C00, 0x2CE4},   {0x2CEB, 0x2CEE},   {0x2D00, 0x2D25},
+    {0x2D30, 0x2D67},   {0x2D80, 0x2DDE},   {0x3005, 0x3006},   {0x3031, 0x3035},
+    {0x303B, 0x303C},   {0x3041, 0x3096},   {0x309D, 0x309F},   {0x30A1, 0x30FA},
+    {0x30FC, 0x30FF},   {0x3105, 0x312F},   {0x3131, 0x318E},   {0x31A0, 0x31BF},
+    {0x31F0, 0x31FF},   {0x3400, 0x4DBF},   {0x4E00, 0xA48C},   {0xA4D0, 0xA4FD},
+    {0xA500, 0xA60C},   {0xA610, 0xA61F},   {0xA62A, 0xA62B},   {0xA640, 0xA66E},
+    {0xA67F, 0xA69D},   {0xA6A0, 0xA6E5},   {0xA717, 0xA71F},   {0xA722, 0xA788},
+    {0xA78B, 0xA7CA},   {0xA7F2, 0xA801},   {0xAC00, 0xD7A3},   {0xD7B0, 0xD7C6},
+    {0xD7CB, 0xD7FB},   {0xF900, 0xFA6D},   {0xFA70, 0xFAD9},   {0xFB00, 0xFB06},
+    {0xFB13, 0xFB17},   {0xFB1D, 0xFB1D},   {0xFB1F, 0xFB28},   {0xFB2A, 0xFBB1},
+    {0xFBD3, 0xFD3D},   {0xFD50, 0xFDC7},   {0xFDF0, 0xFDFB},   {0xFE70, 0xFEFC},
+    {0xFF21, 0xFF3A},   {0xFF41, 0xFF5A},   {0xFF66, 0xFFBE},   {0xFFC2, 0xFFDC},
+    {0x10000, 0x100FA}, {0x10280, 0x1029C}, {0x102A0, 0x102D0}, {0x10300, 0x1031F}, {0x10330, 0x10340}, {0x10400, 0x1049D},
+    {0x1D400, 0x1D6C0}, {0x1D6C2, 0x1D6DA}, {0x1D6DC, 0x1D6FA}, {0x1D6FC, 0x1D714},
+    {0x1D716, 0x1D734}, {0x1D736, 0x1D74E}, {0x1D750, 0x1D76E}, {0x1D770, 0x1D788},
+    {0x1D78A, 0x1D7A8}, {0x1D7AA, 0x1D7C2}, {0x1D7C4, 0x1D7CB},
+    {0x20000, 0x2A6DF}, {0x2A700, 0x2EBE0}, {0x2F800, 0x2FA1D}, {0x30000, 0x3134A},
+};
+
+// Numbers (\p{N}) outside ASCII.
+const Range kNumbers[] = {
+    {0xB2, 0xB3},     {0xB9, 0xB9},     {0xBC, 0xBE},     {0x660, 0x669},
+    {0x6F0, 0x6F9},   {0x7C0, 0x7C9},   {0x966, 0x96F},   {0x9E6, 0x9EF},   {0x9F4, 0x9F9},
+    {0xA66, 0xA6F},   {0xAE6, 0xAEF},   {0xB66, 0xB6F},   {0xBE6, 0xBF2},
+    {0xC66, 0xC6F},   {0xCE6, 0xCEF},   {0xD58, 0xD5E},   {0xD66, 0xD78},   {0xDE6, 0xDEF},   {0xE50, 0xE59},
+    {0xED0, 0xED9},   {0xF20, 0xF33},   {0x1040, 0x1049}, {0x1090, 0x1099}, {0x1369, 0x137C},
+    {0x17E0, 0x17E9}, {0x17F0, 0x17F9}, {0x1810, 0x1819}, {0x2070, 0x2070}, {0x2074, 0x2079},
+    {0x2080, 0x2089}, {0x2150, 0x2182}, {0x2185, 0x2189}, {0x2460, 0x249B},
+    {0x24EA, 0x24FF}, {0x2776, 0x2793}, {0x3007, 0x3007}, {0x3021, 0x3029},
+    {0x3038, 0x303A}, {0x3192, 0x3195}, {0x3220, 0x3229}, {0x3248, 0x324F}, {0x3251, 0x325F},
+    {0x3280, 0x3289}, {0x32B1, 0x32BF},
+    {0xFF10, 0xFF19}, {0x1D7CE, 0x1D7FF},
+};
+
+template <size_t N>
+bool in_ranges(const Range (&t)[N], uint32_t cp) {
+  size_t lo = 0, hi = N;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (t[mid].hi < cp) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < N && t[lo].lo <= cp;
+}
+
+Cls classify_cp(uint32_t cp) {
+  switch (cp) {
+    case 0x85: case 0xA0: case 0x1680: case 0x2028: case 0x2029: case 0x202F:
+    case 0x205F: case 0x3000:
+      return kSpace;
+    default:
+      break;
+  }
+  if (cp >= 0x2000 && cp <= 0x200A) return kSpace;
+  if (in_ranges(kLetters, cp)) return kLetter;
+  if (in_ranges(kNumbers, cp)) return kNumber;
+  return kOther;
+}
+
+struct AsciiTable {
+  uint8_t cls[128];
+  AsciiTable() {
+    for (int c = 0; c < 128; ++c) {
+      Cls k = kOther;
+      if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')) k = kLetter;
+      else if (c >= '0' && c <= '9') k = kNumber;
+      else if (c == ' ' || (c >= 9 && c <= 13)) k = kSpace;
+      cls[c] = k;
+    }
+  }
+};
+const AsciiTable kAscii;
+
+// Length of the valid UTF-8 sequence at p (2..4) with its code point, or 0.
+inline int decode_utf8(const uint8_t* p, const uint8_t* e, uint32_t* cp) {
+  uint8_t c = p[0];
+  auto cont = [](uint8_t x) { return (x & 0xC0) == 0x80; };
+  if (c >= 0xC2 && c <= 0xDF) {
+    if (e - p < 2 || !cont(p[1])) return 0;
+    *cp = ((c & 0x1Fu) << 6) | (p[1] & 0x3Fu);
+    return 2;
+  }
+  if (c >= 0xE0 && c <= 0xEF) {
+    if (e - p < 3 || !cont(p[1]) || !cont(p[2])) return 0;
+    if (c == 0xE0 && p[1] < 0xA0) return 0;  // overlong
+    if (c == 0xED && p[1] > 0x9F) return 0;  // surrogate
+    *cp = ((c & 0x0Fu) << 12) | ((p[1] & 0x3Fu) << 6) | (p[2] & 0x3Fu);
+    return 3;
+  }
+  if (c >= 0xF0 && c <= 0xF4) {
+    if (e - p < 4 || !cont(p[1]) || !cont(p[2]) || !cont(p[3])) return 0;
+    if (c == 0xF0 && p[1] < 0x90) return 0;
+    if (c == 0xF4 && p[1] > 0x8F) return 0;
+    *cp = ((c & 0x07u) << 18) | ((p[1] & 0x3Fu) << 12) | ((p[2] & 0x3Fu) << 6) | (p[3] & 0x3Fu);
+    return 4;
+  }
+  return 0;
+}
+
+inline Cls classify(const uint8_t* p, const uint8_t* e, int* len) {
+  if (*p < 0x80) {
+    *len = 1;
+    return static_cast<Cls>(kAscii.cls[*p]);
+  }
+  uint32_t cp;
+  int n = decode_utf8(p, e, &cp);
+  if (n == 0) {
+    *len = 1;
+    return kOther;
+  }
+  *len = n;
+  return classify_cp(cp);
+}
+
+// End of the run of characters of class k starting at p.
+inline const uint8_t* run_end(const uint8_t* p, const uint8_t* e, Cls k) {
+  while (p < e) {
+    if (*p < 0x80) {
+      if (kAscii.cls[*p] != k) break;
+      ++p;
+      continue;
+    }
+    int l;
+    if (classify(p, e, &l) != k) break;
+    p += l;
+  }
+  return p;
+}
+
+// Calls f(begin, end) (byte offsets) for every pre-token of the GPT-2 pattern
+// 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+template <class F>
+void for_each_pretoken(std::string_view text, F&& f) {
+  const uint8_t* const b = reinterpret_cast<const uint8_t*>(text.data());
+  const uint8_t* const e = b + text.size();
+  const uint8_t* p = b;
+  while (p < e) {
+    const uint8_t c = *p;
+    if (c == '\'' && e - p >= 2) {
+      const uint8_t c1 = p[1];
+      int n = 0;
+      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') n = 2;
+      else if (e - p >= 3 && ((c1 == 'r' && p[2] == 'e') || (c1 == 'v' && p[2] == 'e') ||
+                              (c1 == 'l' && p[2] == 'l')))
+        n = 3;
+      if (n) {
+        f(p - b, p + n - b);
+        p += n;
+        continue;
+      }
+    }
+    if (c == ' ' && e - p >= 2) {
+      int l;
+      Cls k = classify(p + 1, e, &l);
+      if (k != kSpace) {
+        const uint8_t* q = run_end(p + 1 + l, e, k);
+        f(p - b, q - b);
+        p = q;
+        continue;
+      }
+    }
+    int l;
+    Cls k = classify(p, e, &l);
+    if (k != kSpace) {
+      const uint8_t* q = run_end(p + l, e, k);
+      f(p - b, q - b);
+      p = q;
+      continue;
+    }
+    // Whitespace: \s+(?!\S) leaves the last space before a non-space; \s+ otherwise.
+    const uint8_t* q = p + l;
+    const uint8_t* last = p;
+    while (q < e) {
+      int l2;
+      if (classify(q, e, &l2) != kSpace) break;
+      last = q;
+      q += l2;
+    }
+    if (q < e && last > p) q = last;
+    f(p - b, q - b);
+    p = q;
+  }
+}
+
+// ------------------------------------------------------------ bytes_to_unicode
+
+struct ByteUnicode {
+  uint32_t cp[256];
+  int16_t inv[512];
+  ByteUnicode() {
+    std::fill(std::begin(inv), std::end(inv), int16_t(-1));
+    int n = 0;
+    for (int b = 0; b < 256; ++b) {
+      bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+      cp[b] = printable ? uint32_t(b) : uint32_t(256 + n++);
+      inv[cp[b]] = int16_t(b);
+    }
+  }
+};
+const ByteUnicode kByteUnicode;
+
+void append_utf8(uint32_t cp, std::string* out) {
+  if (cp < 0x80) {
+    out->push_back(char(cp));
+  } else {  // the mapping only produces code points < 0x800
+    out->push_back(char(0xC0 | (cp >> 6)));
+    out->push_back(char(0x80 | (cp & 0x3F)));
+  }
+}
+
+inline uint64_t pair_key(int32_t a, int32_t b) {
+  return (uint64_t(uint32_t(a)) << 32) | uint32_t(b);
+}
+inline uint64_t pair_hash(uint64_t key) {
+  key *= 0x9E3779B97F4A7C15ull;
+  return key ^ (key >> 31);
+}
+
+const char* kRetrain = "re-train the tokenizer with `kvx tokenizer train`";
+
+std::string OrRetrain(const char* fix) { return std::string(fix) + " or " + kRetrain; }
+
+[[noreturn]] void bad_json(const std::string& what, const std::string& fix = kRetrain) {
+  throw Error("tokenizer.json: " + what + "; " + fix);
+}
+
+}  // namespace
+
+// ================================================================ BpeTokenizer
+
+BpeTokenizer::BpeTokenizer() {
+  tok_bytes_.resize(256);
+  tok_off_.resize(257);
+  for (int b = 0; b < 256; ++b) {
+    tok_bytes_[b] = char(b);
+    tok_off_[b] = uint32_t(b);
+    byte_id_[b] = b;
+  }
+  tok_off_[256] = 256;
+  build_tables();
+}
+
+int BpeTokenizer::vocab_size() const { return int(tok_off_.size()) - 1; }
+
+std::string BpeTokenizer::token_bytes(int32_t id) const {
+  if (id < 0 || id >= vocab_size())
+    throw Error("token id " + std::to_string(id) + " is out of range [0, " +
+                std::to_string(vocab_size()) + "); use ids produced by this tokenizer");
+  return tok_bytes_.substr(tok_off_[id], tok_off_[id + 1] - tok_off_[id]);
+}
+
+void BpeTokenizer::build_tables() {
+  size_t cap = 16;
+  while (cap < merges_.size() * 2 + 2) cap <<= 1;
+  pair_keys_.assign(cap, ~uint64_t(0));
+  pair_vals_.assign(cap, 0);
+  pair_mask_ = cap - 1;
+  for (size_t r = 0; r < merges_.size(); ++r) {
+    uint64_t key = pair_key(merges_[r].first, merges_[r].second);
+    size_t h = pair_hash(key) & pair_mask_;
+    while (pair_keys_[h] != ~uint64_t(0) && pair_keys_[h] != key) h = (h + 1) & pair_mask_;
+    if (pair_keys_[h] == key) continue;  // duplicate merge: the first (lowest rank) wins
+    pair_keys_[h] = key;
+    pair_vals_[h] = (uint64_t(r) << 32) | uint32_t(merge_result_[r]);
+  }
+}
+
+inline bool BpeTokenizer::find_pair(int32_t a, int32_t b, uint64_t* val) const {
+  const uint64_t key = pair_key(a, b);
+  size_t h = pair_hash(key) & pair_mask_;
+  for (;;) {
+    const uint64_t k = pair_keys_[h];
+    if (k == key) {
+      *val = pair_vals_[h];
+      return true;
+    }
+    if (k == ~uint64_t(0)) return false;
+    h = (h + 1) & pair_mask_;
+  }
+}
+
+// Applies merges to one pre-token: always the lowest-rank pair, leftmost first
+// (same result as HF's BPE word merge).
+void BpeTokenizer::bpe_word(std::string_view word, std::vector<int32_t>* out) const {
+  const size_t n0 = word.size();
+  const auto* w = reinterpret_cast<const uint8_t*>(word.data());
+  constexpr size_t kShort = 64;
+  constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+  if (n0 <= kShort) {
+    int32_t sym[kShort];
+    uint32_t rank[kShort];
+    int32_t res[kShort];
+    size_t n = n0;
+    for (size_t i = 0; i < n; ++i) sym[i] = byte_id_[w[i]];
+    auto set = [&](size_t i) {
+      uint64_t v;
+      if (find_pair(sym[i], sym[i + 1], &v)) {
+        rank[i] = uint32_t(v >> 32);
+        res[i] = int32_t(uint32_t(v));
+      } else {
+        rank[i] = kNone;
+      }
+    };
+    for (size_t i = 0; i + 1 < n; ++i) set(i);
+    while (n > 1) {
+      size_t best = 0;
+      for (size_t i = 1; i + 1 < n; ++i)
+        if (rank[i] < rank[best]) best = i;
+      if (rank[best] == kNone) break;
+      sym[best] = res[best];
+      std::memmove(sym + best + 1, sym + best + 2, (n - best - 2) * sizeof(int32_t));
+      if (best + 2 < n) {
+        std::memmove(rank + best + 1, rank + best + 2, (n - best - 2) * sizeof(uint32_t));
+        std::memmove(res + best + 1, res + best + 2, (n - best - 2) * sizeof(int32_t));
+      }
+      --n;
+      if (best > 0) set(best - 1);
+      if (best + 1 < n) set(best);
+    }
+    out->insert(out->end(), sym, sym + n);
+    return;
+  }
+  // Long word: linked list + min-heap of (rank, position), validated lazily.
+  const uint32_t n = uint32_t(n0);
+  std::vector<int32_t> sym(n);
+  std::vector<uint32_t> prev(n), next(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    sym[i] = byte_id_[w[i]];
+    prev[i] = i - 1;  // wraps to kNone for i == 0
+    next[i] = i + 1;  // n means none
+  }
+  std::priority_queue<uint64_t, std::vector<uint64_t>, std::greater<uint64_t>> heap;
+  auto push = [&](uint32_t i) {
+    uint64_t v;
+    if (find_pair(sym[i], sym[next[i]], &v)) heap.push((v >> 32 << 32) | i);
+  };
+  for (uint32_t i = 0; i + 1 < n; ++i) push(i);
+  while (!heap.empty()) {
+    const uint64_t top = heap.top();
+    heap.pop();
+    const uint32_t i = uint32_t(top);
+    if (sym[i] < 0 || next[i] >= n) continue;
+    uint64_t v;
+    if (!find_pair(sym[i], sym[next[i]], &v) || (v >> 32) != (top >> 32)) continue;
+    const uint32_t j = next[i];
+    sym[i] = int32_t(uint32_t(v));
+    sym[j] = -1;
+    next[i] = next[j];
+    if (next[i] < n) prev[next[i]] = i;
+    if (prev[i] != kNone) push(prev[i]);
+    if (next[i] < n) push(i);
+  }
+  for (uint32_t i = 0; i < n; i = next[i]) out->push_back(sym[i]);
+}
+
+void BpeTokenizer::encode_range(std::string_view text, std::vector<int32_t>* out) const {
+  // Per-call cache: pre-token (a view into `text`) -> ids stored in `arena`.
+  std::unordered_map<std::string_view, uint64_t> cache;
+  cache.reserve(std::min<size_t>(text.size() / 16 + 16, size_t(1) << 16));
+  std::vector<int32_t> arena;
+  constexpr size_t kMaxCached = 256;
+  constexpr size_t kMaxEntries = size_t(1) << 20;
+  constexpr size_t kMaxArena = size_t(1) << 24;
+  for_each_pretoken(text, [&](size_t b, size_t e) {
+    if (e - b == 1) {
+      out->push_back(byte_id_[uint8_t(text[b])]);
+      return;
+    }
+    std::string_view w = text.substr(b, e - b);
+    if (w.size() > kMaxCached) {
+      bpe_word(w, out);
+      return;
+    }
+    auto it = cache.find(w);
+    if (it != cache.end()) {
+      const int32_t* ids = arena.data() + (it->second >> 32);
+      out->insert(out->end(), ids, ids + uint32_t(it->second));
+      return;
+    }
+    if (cache.size() >= kMaxEntries || arena.size() >= kMaxArena) {
+      cache.clear();
+      arena.clear();
+    }
+    const size_t off = arena.size();
+    bpe_word(w, &arena);
+    const size_t len = arena.size() - off;
+    cache.emplace(w, (uint64_t(off) << 32) | len);
+    out->insert(out->end(), arena.begin() + off, arena.end());
+  });
+}
+
+std::vector<int32_t> BpeTokenizer::encode(std::string_view bytes) const { return encode(bytes, 0); }
+
+std::vector<int32_t> BpeTokenizer::encode(std::string_view bytes, int num_threads) const {
+  constexpr size_t kMinChunk = size_t(2) << 20;
+  if (num_threads <= 0) {
+    num_threads = int(std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()),
+                                       bytes.size() / kMinChunk));
+    num_threads = std::min(num_threads, 16);
+  }
+  std::vector<int32_t> out;
+  if (num_threads <= 1 || bytes.size() < 2 * 1024) {
+    out.reserve(bytes.size() / 3 + 16);
+    encode_range(bytes, &out);
+    return out;
+  }
+  // Split where the pattern always has a boundary: after "X\n" with X and the
+  // next byte ASCII non-space, the "\n" is its own pre-token in both halves.
+  auto safe = [&](size_t i) {
+    auto ok = [](uint8_t c) { return c < 0x80 && kAscii.cls[c] != kSpace; };
+    return i >= 2 && i < bytes.size() && bytes[i - 1] == '\n' && ok(uint8_t(bytes[i - 2])) &&
+           ok(uint8_t(bytes[i]));
+  };
+  std::vector<size_t> cuts{0};
+  for (int t = 1; t < num_threads; ++t) {
+    size_t i = std::max(cuts.back() + 1, bytes.size() * size_t(t) / size_t(num_threads));
+    const size_t limit = std::min(bytes.size(), i + bytes.size() / size_t(num_threads) / 2);
+    while (i < limit && !safe(i)) ++i;
+    if (i < limit) cuts.push_back(i);
+  }
+  cuts.push_back(bytes.size());
+  const size_t parts = cuts.size() - 1;
+  std::vector<std::vector<int32_t>> res(parts);
+  std::vector<std::thread> threads;
+  for (size_t t = 1; t < parts; ++t)
+    threads.emplace_back([&, t] {
+      res[t].reserve((cuts[t + 1] - cuts[t]) / 3 + 16);
+      encode_range(bytes.substr(cuts[t], cuts[t + 1] - cuts[t]), &res[t]);
+    });
+  res[0].reserve(cuts[1] / 3 + 16);
+  encode_range(bytes.substr(0, cuts[1]), &res[0]);
+  for (auto& th : threads) th.join();
+  size_t total = 0;
+  for (auto& r : res) total += r.size();
+  out = std::move(res[0]);
+  out.reserve(total);
+  for (size_t t = 1; t < parts; ++t) out.insert(out.end(), res[t].begin(), res[t].end());
+  return out;
+}
+
+std::string BpeTokenizer::decode(const std::vector<int32_t>& ids) const {
+  return decode(ids.data(), ids.size());
+}
+
+std::string BpeTokenizer::decode(const int32_t* ids, size_t n) const {
+  std::string out;
+  out.reserve(n * 4);
+  const uint32_t v = uint32_t(vocab_size());
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t id = uint32_t(ids[i]);
+    if (id >= v)
+      throw Error("decode: token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
+                  " is out of range [0, " + std::to_string(v) +
+                  "); decode with the tokenizer that produced the ids");
+    out.append(tok_bytes_.data() + tok_off_[id], tok_off_[id + 1] - tok_off_[id]);
+  }
+  return out;
+}
+
+std::vector<std::string_view> BpeTokenizer::pretokenize(std::string_view text) {
+  std::vector<std::string_view> out;
+  for_each_pretoken(text, [&](size_t b, size_t e) { out.push_back(text.substr(b, e - b)); });
+  return out;
+}
+
+std::string BpeTokenizer::bytes_to_unicode(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (unsigned char c : bytes) append_utf8(kByteUnicode.cp[c], &out);
+  return out;
+}
+
+bool BpeTokenizer::unicode_to_bytes(std::string_view text, std::string* out) {
+  out->clear();
+  const auto* p = reinterpret_cast<const uint8_t*>(text.data());
+  const auto* e = p + text.size();
+  while (p < e) {
+    uint32_t cp;
+    int l = 1;
+    if (*p < 0x80) cp = *p;
+    else if ((l = decode_utf8(p, e, &cp)) == 0) return false;
+    if (cp >= 512 || kByteUnicode.inv[cp] < 0) return false;
+    out->push_back(char(kByteUnicode.inv[cp]));
+    p += l;
+  }
+  return true;
+}
+
+// ==================================================================== training
+
+namespace {
+
+struct HeapEntry {
+  int64_t count;
+  uint64_t key;
+  // Max-heap on count; ties: the smallest (left id, right id) pair first.
+  bool operator<(const HeapEntry& o) const {
+    return count != o.count ? count < o.count : key > o.key;
+  }
+};
+
+}  // namespace
+
+BpeTokenizer BpeTokenizer::train(std::string_view corpus, const BpeTrainOptions& opt) {
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  const int64_t min_freq = std::max(1, opt.min_frequency);
+  const size_t target = size_t(std::max(256, opt.vocab_size));
+
+  // 1. Unique pre-tokens with counts.
+  std::unordered_map<std::string_view, int64_t> word_counts;
+  word_counts.reserve(1 << 16);
+  for_each_pretoken(corpus, [&](size_t b, size_t e) { ++word_counts[corpus.substr(b, e - b)]; });
+  std::vector<std::pair<std::string_view, int64_t>> sorted(word_counts.begin(), word_counts.end());
+  std::sort(sorted.begin(), sorted.end());  // fixed word order, independent of hashing
+  word_counts = {};
+
+  std::vector<std::vector<int32_t>> words(sorted.size());
+  std::vector<int64_t> freq(sorted.size());
+  for (size_t w = 0; w < sorted.size(); ++w) {
+    words[w].assign(reinterpret_cast<const uint8_t*>(sorted[w].first.data()),
+                    reinterpret_cast<const uint8_t*>(sorted[w].first.data()) + sorted[w].first.size());
+    freq[w] = sorted[w].second;
+  }
+  sorted = {};
+
+  // 2. Pair counts and pair -> words index.
+  std::unordered_map<uint64_t, int64_t> pair_count;
+  std::unordered_map<uint64_t, std::vector<int32_t>> where;
+  for (size_t w = 0; w < words.size(); ++w) {
+    const auto& s = words[w];
+    for (size_t i = 0; i + 1 < s.size(); ++i) {
+      const uint64_t k = pair_key(s[i], s[i + 1]);
+      pair_count[k] += freq[w];
+      auto& v = where[k];
+      if (v.empty() || v.back() != int32_t(w)) v.push_back(int32_t(w));
+    }
+  }
+  std::vector<HeapEntry> init;
+  init.reserve(pair_count.size());
+  for (auto& [k, c] : pair_count) init.push_back({c, k});
+  std::priority_queue<HeapEntry> heap(std::less<HeapEntry>(), std::move(init));
+
+  if (opt.verbose)
+    std::fprintf(stderr, "bpe train: %zu bytes, %zu unique words, %zu pairs (%.2fs)\n",
+                 corpus.size(), words.size(), pair_count.size(),
+                 std::chrono::duration<double>(Clock::now() - t0).count());
+
+  // 3. Greedy merges with incremental pair-count updates.
+  std::vector<std::string> tok(256);
+  std::unordered_map<std::string, int32_t> tok_id;
+  for (int b = 0; b < 256; ++b) {
+    tok[b] = std::string(1, char(b));
+    tok_id[tok[b]] = b;
+  }
+  std::vector<std::pair<int32_t, int32_t>> merges;
+  std::vector<int32_t> results;
+  std::vector<int32_t> stamp(words.size(), -1);
+  std::vector<uint64_t> touched;
+
+  while (tok.size() < target && !heap.empty()) {
+    const HeapEntry top = heap.top();
+    heap.pop();
+    auto pit = pair_count.find(top.key);
+    if (pit == pair_count.end() || pit->second != top.count) continue;  // stale
+    if (top.count < min_freq) break;
+    const int32_t a = int32_t(top.key >> 32), b = int32_t(uint32_t(top.key));
+    std::string nb = tok[a] + tok[b];
+    int32_t x;
+    auto tit = tok_id.find(nb);
+    if (tit != tok_id.end()) {
+      x = tit->second;  // same bytes as an existing token (HF reuses the id too)
+    } else {
+      x = int32_t(tok.size());
+      tok_id.emplace(nb, x);
+      tok.push_back(std::move(nb));
+    }
+    const int32_t m = int32_t(merges.size());
+    merges.emplace_back(a, b);
+    results.push_back(x);
+    pair_count.erase(pit);
+    std::vector<int32_t> wl = std::move(where[top.key]);
+    where.erase(top.key);
+
+    touched.clear();
+    int32_t cur_w = 0;
+    int64_t c = 0;
+    auto add = [&](int32_t l, int32_t r, int64_t d) {
+      const uint64_t k = pair_key(l, r);
+      if (k == top.key) return;
+      pair_count[k] += d;
+      touched.push_back(k);
+      if (d > 0) {
+        auto& v = where[k];
+        if (v.empty() || v.back() != cur_w) v.push_back(cur_w);
+      }
+    };
+    for (int32_t w : wl) {
+      if (stamp[w] == m) continue;
+      stamp[w] = m;
+      cur_w = w;
+      c = freq[w];
+      auto& s = words[w];
+      const size_t n = s.size();
+      size_t j = 0;
+      for (size_t i = 0; i < n;) {
+        if (i + 1 < n && s[i] == a && s[i + 1] == b) {
+          if (j > 0) {
+            add(s[j - 1], a, -c);
+            add(s[j - 1], x, c);
+          }
+          if (i + 2 < n) {
+            add(b, s[i + 2], -c);
+            add(x, s[i + 2], c);
+          }
+          s[j++] = x;
+          i += 2;
+        } else {
+          s[j++] = s[i++];
+        }
+      }
+      s.resize(j);
+    }
+    std::sort(touched.begin(), touched.end());
+    touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+    for (uint64_t k : touched) {
+      auto it = pair_count.find(k);
+      if (it == pair_count.end()) continue;
+      if (it->second <= 0) {
+        pair_count.erase(it);
+        where.erase(k);
+      } else {
+        heap.push({it->second, k});
+      }
+    }
+    if (opt.verbose && (merges.size() % 500 == 0))
+      std::fprintf(stderr, "bpe train: %zu merges, vocab %zu, last count %lld (%.2fs)\n",
+                   merges.size(), tok.size(), (long long)top.count,
+                   std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  if (opt.verbose)
+    std::fprintf(stderr, "bpe train: done, %zu merges, vocab %zu (%.2fs)\n", merges.size(), tok.size(),
+                 std::chrono::duration<double>(Clock::now() - t0).count());
+
+  BpeTokenizer t;
+  t.tok_bytes_.clear();
+  t.tok_off_.assign(1, 0);
+  for (const auto& s : tok) {
+    t.tok_bytes_ += s;
+    t.tok_off_.push_back(uint32_t(t.tok_bytes_.size()));
+  }
+  t.merges_ = std::move(merges);
+  t.merge_result_ = std::move(results);
+  t.build_tables();
+  return t;
+}
+
+// ======================================================================== JSON
+
+std::string BpeTokenizer::to_json() const {
+  using ojson = nlohmann::ordered_json;
+  ojson vocab = ojson::object();
+  for (int32_t i = 0; i < vocab_size(); ++i) vocab[bytes_to_unicode(token_bytes(i))] = i;
+  ojson merges = ojson::array();
+  for (const auto& [a, b] : merges_)
+    merges.push_back(bytes_to_unicode(token_bytes(a)) + " " + bytes_to_unicode(token_bytes(b)));
+  ojson byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false},
+                      {"trim_offsets", true}, {"use_regex", true}};
+  ojson decoder = {{"type", "ByteLevel"}, {"add_prefix_space", true},
+                   {"trim_offsets", true}, {"use_regex", true}};
+  ojson model = {{"type", "BPE"},
+                 {"dropout", nullptr},
+                 {"unk_token", nullptr},
+                 {"continuing_subword_prefix", nullptr},
+                 {"end_of_word_suffix", nullptr},
+                 {"fuse_unk", false},
+                 {"byte_fallback", false},
+                 {"vocab", std::move(vocab)},
+                 {"merges", std::move(merges)}};
+  ojson j = {{"version", "1.0"},
+             {"truncation", nullptr},
+             {"padding", nullptr},
+             {"added_tokens", ojson::array()},
+             {"normalizer", nullptr},
+             {"pre_tokenizer", std::move(byte_level)},
+             {"post_processor", nullptr},
+             {"decoder", std::move(decoder)},
+             {"model", std::move(model)}};
+  return j.dump(2);
+}
+
+BpeTokenizer BpeTokenizer::from_json(const std::string& json_text) {
+  using json = nlohmann::json;
+  json j;
+  try {
+    j = json::parse(json_text);
+  } catch (const json::exception& e) {
+    bad_json(std::string("not valid JSON (") + e.what() +
+             "); the file may be truncated or corrupt",
+             OrRetrain("restore it from a good copy"));
+  }
+  try {
+    return from_parsed_json(&j);
+  } catch (const json::exception& e) {
+    bad_json(std::string("unexpected structure (") + e.what() + ")");
+  }
+}
+
+BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
+  using json = nlohmann::json;
+  const json& j = *static_cast<const json*>(jp);
+  if (!j.is_object()) bad_json("top level is not a JSON object");
+
+  auto is_set = [](const json& o, const char* key) {
+    return o.contains(key) && !o[key].is_null();
+  };
+  if (is_set(j, "normalizer"))
+    bad_json("'normalizer' is not null, kvx supports only plain byte-level BPE", OrRetrain("remove it"));
+  if (is_set(j, "pre_tokenizer")) {
+    const json& pt = j["pre_tokenizer"];
+    if (!pt.is_object() || pt.value("type", "") != "ByteLevel")
+      bad_json("'pre_tokenizer' must be of type ByteLevel (GPT-2 split), got " + pt.dump().substr(0, 80),
+               OrRetrain("use a GPT-2 style tokenizer"));
+    if (pt.value("add_prefix_space", false))
+      bad_json("'pre_tokenizer.add_prefix_space' = true is not supported", OrRetrain("set it to false"));
+    if (!pt.value("use_regex", true))
+      bad_json("'pre_tokenizer.use_regex' = false is not supported", OrRetrain("set it to true"));
+  }
+  if (!j.contains("model") || !j["model"].is_object()) bad_json("missing 'model' object");
+  const json& model = j["model"];
+  if (!model.contains("type") || !model["type"].is_string())
+    bad_json("'model.type' is missing (expected \"BPE\")");
+  if (model["type"].get<std::string>() != "BPE")
+    bad_json("'model.type' is \"" + model["type"].get<std::string>() +
+             "\" but only \"BPE\" models are supported");
+  if (is_set(model, "dropout") && !(model["dropout"].is_number() && model["dropout"].get<double>() == 0.0))
+    bad_json("'model.dropout' is set but BPE dropout is not supported", OrRetrain("set it to null"));
+  if (model.value("byte_fallback", false)) bad_json("'model.byte_fallback' = true is not supported");
+  if (model.value("ignore_merges", false)) bad_json("'model.ignore_merges' = true is not supported");
+  for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"})
+    if (is_set(model, k) && !(model[k].is_string() && model[k].get<std::string>().empty()))
+      bad_json(std::string("'model.") + k + "' is set; word prefixes/suffixes are not supported");
+
+  if (!model.contains("vocab") || !model["vocab"].is_object()) bad_json("'model.vocab' is missing or not an object");
+  const json& vocab = model["vocab"];
+  const size_t n = vocab.size();
+  if (n > (size_t(1) << 30)) bad_json("'model.vocab' is too large");
+  std::vector<std::string> tokens(n);
+  std::vector<char> seen(n, 0);
+  std::unordered_map<std::string, int32_t> key_id;
+  key_id.reserve(n * 2);
+  BpeTokenizer t;
+  std::fill(std::begin(t.byte_id_), std::end(t.byte_id_), -1);
+  for (auto it = vocab.begin(); it != vocab.end(); ++it) {
+    const std::string& key = it.key();
+    if (!it.value().is_number_integer())
+      bad_json("'model.vocab' entry \"" + key + "\" has a non-integer id");
+    const int64_t id = it.value().get<int64_t>();
+    if (id < 0 || uint64_t(id) >= n)
+      bad_json("'model.vocab' entry \"" + key + "\" has id " + std::to_string(id) +
+               ", but ids must be dense 0.." + std::to_string(n - 1));
+    if (seen[id]) bad_json("'model.vocab' id " + std::to_string(id) + " is used twice (ids must be dense and unique)");
+    seen[id] = 1;
+    std::string bytes;
+    if (!unicode_to_bytes(key, &bytes) || bytes.empty())
+      bad_json("'model.vocab' entry \"" + key +
+               "\" is not a byte-level token (characters outside GPT-2's bytes_to_unicode alphabet)");
+    if (bytes.size() == 1) t.byte_id_[uint8_t(bytes[0])] = int32_t(id);
+    tokens[id] = std::move(bytes);
+    key_id.emplace(key, int32_t(id));
+  }
+  for (int b = 0; b < 256; ++b)
+    if (t.byte_id_[b] < 0)
+      bad_json("'model.vocab' lacks the single-byte token for byte " + std::to_string(b) + " (\"" +
+               bytes_to_unicode(std::string(1, char(b))) + "\"); all 256 bytes must be present");
+
+  if (!model.contains("merges") || !model["merges"].is_array()) bad_json("'model.merges' is missing or not an array");
+  const json& merges = model["merges"];
+  t.merges_.clear();
+  t.merge_result_.clear();
+  t.merges_.reserve(merges.size());
+  t.merge_result_.reserve(merges.size());
+  for (size_t i = 0; i < merges.size(); ++i) {
+    const json& m = merges[i];
+    std::string l, r;
+    if (m.is_string()) {
+      const std::string& s = m.get_ref<const std::string&>();
+      const size_t sp = s.find(' ');
+      if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) {
+        bad_json("'model.merges' entry " + std::to_string(i) + " (\"" + s + "\") is not of the form \"a b\"");
+      }
+      l = s.substr(0, sp);
+      r = s.substr(sp + 1);
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      l = m[0].get<std::string>();
+      r = m[1].get<std::string>();
+    } else {
+      bad_json("'model.merges' entry " + std::to_string(i) + " is neither \"a b\" nor [\"a\", \"b\"]");
+    }
+    auto il = key_id.find(l), ir = key_id.find(r), ix = key_id.find(l + r);
+    if (il == key_id.end() || ir == key_id.end() || ix == key_id.end())
+      bad_json("'model.merges' entry " + std::to_string(i) + " (\"" + l + " " + r +
+               "\") is not a pair of known tokens whose concatenation is in the vocab");
+    t.merges_.emplace_back(il->second, ir->second);
+    t.merge_result_.push_back(ix->second);
+  }
+
+  t.tok_bytes_.clear();
+  t.tok_off_.assign(1, 0);
+  for (const auto& s : tokens) {
+    t.tok_bytes_ += s;
+    t.tok_off_.push_back(uint32_t(t.tok_bytes_.size()));
+  }
+  t.build_tables();
+  return t;
+}
+
+BpeTokenizer BpeTokenizer::load(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    throw Error("cannot open tokenizer file '" + path +
+                "'; check the path or create one with `kvx tokenizer train`");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) throw Error("cannot read tokenizer file '" + path + "'; check the file and its permissions");
+  try {
+    return from_json(ss.str());
+  } catch (const Error& e) {
+    throw Error(path + ": " + e.what());
+  }
+}
+
+void BpeTokenizer::save(const std::string& path) const {
+  const std::string tmp = path + ".tmp";
+  const std::string text = to_json();
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out)
+      throw Error("cannot write tokenizer file '" + tmp + "'; check that the directory exists and is writable");
+    out.write(text.data(), std::streamsize(text.size()));
+    out.flush();
+    if (!out) {
+      std::remove(tmp.c_str());
+      throw Error("failed writing tokenizer file '" + tmp + "'; check free disk space");
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw Error("cannot rename '" + tmp + "' to '" + path + "'; check permissions on the target directory");
+  }
+}
+
+}  // namespace kvx::text

@@ -1,0 +1,102 @@
+#include "train/checkpoint.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <iomanip>
+#include <sstream>
+
+#include "io/atomic_file.h"
+#include "io/json_config.h"
+#include "nn/tensor_io.h"
+#include "util/error.h"
+
+namespace kvx::train {
+
+namespace fs = std::filesystem;
+
+void save_model_dir(const std::string& dir, const model::Transformer& model, const text::BpeTokenizer& tokenizer) {
+  io::make_dirs(dir);
+  io::write_file_atomic(dir + "/config.json", model->config().to_json().dump(2) + "\n");
+  tokenizer.save(dir + "/tokenizer.json");
+  nn::save_safetensors(dir + "/model.safetensors", model->state_dict_hf(), {{"format", "pt"}, {"producer", "kvx"}});
+}
+
+std::string resolve_model_dir(const std::string& path) {
+  if (io::file_exists(path + "/config.json")) return path;
+  std::string latest = latest_checkpoint(path);
+  if (!latest.empty()) return latest;
+  throw Error("'" + path + "' is neither a model directory (no config.json) nor a run directory with a checkpoint (no LATEST); "
+              "train one with `kvx train` or check the path");
+}
+
+LoadedModel load_model(const std::string& path) {
+  LoadedModel out;
+  out.dir = resolve_model_dir(path);
+  model::ModelConfig config;
+  try {
+    config = model::ModelConfig::from_json(io::parse_json_file(out.dir + "/config.json"));
+  } catch (const Error& e) {
+    throw Error(out.dir + "/config.json: " + e.what());
+  }
+  out.tokenizer = text::BpeTokenizer::load(out.dir + "/tokenizer.json");
+  if (out.tokenizer.vocab_size() > config.vocab_size)
+    throw Error(out.dir + ": tokenizer.json has " + std::to_string(out.tokenizer.vocab_size()) +
+                " tokens but config.json's vocab_size is " + std::to_string(config.vocab_size) + "; they do not belong together");
+  out.model = model::Transformer(config);
+  out.model->load_state_dict_hf(nn::load_safetensors(out.dir + "/model.safetensors"), out.dir + "/model.safetensors");
+  return out;
+}
+
+std::string latest_checkpoint(const std::string& run_dir) {
+  const std::string pointer = run_dir + "/LATEST";
+  if (!io::file_exists(pointer)) return "";
+  std::string name = io::read_file(pointer);
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  std::string dir = run_dir + "/" + name;
+  if (name.empty() || !io::file_exists(dir + "/config.json"))
+    throw Error(pointer + " names '" + name + "', which is not a complete checkpoint; remove LATEST to start over");
+  return dir;
+}
+
+void save_checkpoint(const std::string& run_dir, const model::Transformer& model, const text::BpeTokenizer& tokenizer,
+                     const AdamW& optimizer, const TrainerState& state, int keep) {
+  std::ostringstream name;
+  name << "ckpt-" << std::setw(8) << std::setfill('0') << state.step;
+  const std::string final_dir = run_dir + "/" + name.str();
+  const std::string tmp_dir = run_dir + "/." + name.str() + ".tmp";
+  fs::remove_all(tmp_dir);
+  save_model_dir(tmp_dir, model, tokenizer);
+  nn::save_safetensors(tmp_dir + "/optimizer.safetensors", optimizer.state());
+  nlohmann::json st = {{"step", state.step}, {"sampler_state", state.sampler_state}, {"run_config", state.run_config}};
+  io::write_file_atomic(tmp_dir + "/trainer_state.json", st.dump(2) + "\n");
+  if (fs::exists(final_dir)) fs::remove_all(final_dir);  // a leftover from an interrupted save of this step
+  fs::rename(tmp_dir, final_dir);
+  io::fsync_dir(run_dir);
+  io::write_file_atomic(run_dir + "/LATEST", name.str() + "\n");
+  // Drop all but the newest `keep` checkpoints.
+  std::vector<std::string> all;
+  for (const auto& e : fs::directory_iterator(run_dir)) {
+    std::string n = e.path().filename().string();
+    if (e.is_directory() && n.rfind("ckpt-", 0) == 0) all.push_back(n);
+  }
+  std::sort(all.begin(), all.end());
+  for (size_t i = 0; i + keep < all.size(); ++i)
+    if (all[i] != name.str()) fs::remove_all(run_dir + "/" + all[i]);
+}
+
+TrainerState load_trainer_state(const std::string& dir, AdamW& optimizer) {
+  nlohmann::json j = io::parse_json_file(dir + "/trainer_state.json");
+  TrainerState s;
+  try {
+    s.step = j.at("step").get<int64_t>();
+    s.sampler_state = j.at("sampler_state").get<std::string>();
+    s.run_config = j.at("run_config");
+  } catch (const std::exception& e) {
+    throw Error(dir + "/trainer_state.json is incomplete (" + e.what() + "); the checkpoint cannot be resumed");
+  }
+  optimizer.load_state(nn::load_safetensors(dir + "/optimizer.safetensors"), dir + "/optimizer.safetensors");
+  return s;
+}
+
+}  // namespace kvx::train

@@ -1,0 +1,40 @@
+// Model directories and training checkpoints.
+//
+// A model directory holds config.json, tokenizer.json and model.safetensors (HF names). A run
+// directory holds checkpoints ckpt-<step>/ (a model directory plus optimizer.safetensors and
+// trainer_state.json) and a LATEST file naming the newest one. A checkpoint is built in a
+// temporary directory and renamed into place, then LATEST is replaced atomically: a kill at any
+// moment leaves the previous checkpoint intact.
+#pragma once
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "model/transformer.h"
+#include "text/bpe.h"
+#include "train/adamw.h"
+
+namespace kvx::train {
+
+struct TrainerState {
+  int64_t step = 0;
+  std::string sampler_state;
+  nlohmann::json run_config;
+};
+
+struct LoadedModel {
+  model::Transformer model{nullptr};
+  text::BpeTokenizer tokenizer;
+  std::string dir;  // the model directory actually read
+};
+
+void save_model_dir(const std::string& dir, const model::Transformer& model, const text::BpeTokenizer& tokenizer);
+// `path` may be a model directory or a run directory (then LATEST is followed).
+LoadedModel load_model(const std::string& path);
+std::string resolve_model_dir(const std::string& path);
+
+void save_checkpoint(const std::string& run_dir, const model::Transformer& model, const text::BpeTokenizer& tokenizer,
+                     const AdamW& optimizer, const TrainerState& state, int keep = 2);
+std::string latest_checkpoint(const std::string& run_dir);  // "" if the run has none
+TrainerState load_trainer_state(const std::string& checkpoint_dir, AdamW& optimizer);
+
+}  // namespace kvx::train

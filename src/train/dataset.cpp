@@ -1,0 +1,147 @@
+#include "train/dataset.h"
+
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <sstream>
+
+#include "io/atomic_file.h"
+#include "util/error.h"
+
+namespace kvx::train {
+
+namespace {
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : sep) + x;
+  return s;
+}
+
+std::string split_text(const std::string& data_dir, const std::vector<std::string>& sources, text::Split split) {
+  std::vector<text::Document> docs;
+  for (auto& d : text::load_documents(data_dir))
+    for (const auto& s : sources)
+      if (d.source == s) docs.push_back(std::move(d));
+  std::string t = text::join_split(docs, split);
+  if (t.empty())
+    throw Error("the " + text::split_name(split) + " split of sources [" + join(sources, ",") + "] in " + data_dir +
+                " is empty; run `kvx data fetch` (or check data.sources)");
+  return t;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+text::BpeTokenizer load_or_train_tokenizer(const std::string& data_dir, const std::vector<std::string>& sources,
+                                           int vocab_size) {
+  const std::string path = data_dir + "/tokenizers/bpe-" + join(sources, "+") + "-" + std::to_string(vocab_size) + ".json";
+  if (io::file_exists(path)) return text::BpeTokenizer::load(path);
+  std::string corpus = split_text(data_dir, sources, text::Split::Train);
+  std::cerr << "training a " << vocab_size << "-token byte-level BPE on " << corpus.size() / 1e6 << " MB ..." << std::flush;
+  auto t0 = std::chrono::steady_clock::now();
+  text::BpeTrainOptions opt;
+  opt.vocab_size = vocab_size;
+  auto tok = text::BpeTokenizer::train(corpus, opt);
+  std::cerr << " done in " << seconds_since(t0) << " s (" << tok.vocab_size() << " tokens)\n";
+  tok.save(path);
+  return tok;
+}
+
+TokenizedText load_split_tokens(const std::string& data_dir, const std::vector<std::string>& sources,
+                                const text::BpeTokenizer& tokenizer, text::Split split) {
+  const std::string tag = text::sha256_hex(tokenizer.to_json()).substr(0, 16);
+  const std::string path = data_dir + "/tokens/" + join(sources, "+") + "-" + text::split_name(split) + "-" + tag + ".bin";
+  static const char kMagic[8] = {'K', 'V', 'X', 'T', 'O', 'K', '1', '\0'};
+  TokenizedText out;
+  if (io::file_exists(path)) {
+    std::string b = io::read_file(path);
+    uint64_t n = 0;
+    int64_t bytes = 0;
+    if (b.size() >= 24 && std::memcmp(b.data(), kMagic, 8) == 0) {
+      std::memcpy(&n, b.data() + 8, 8);
+      std::memcpy(&bytes, b.data() + 16, 8);
+    }
+    if (b.size() >= 24 && n == (b.size() - 24) / 4 && (b.size() - 24) % 4 == 0) {
+      out.tokens.resize(n);
+      std::memcpy(out.tokens.data(), b.data() + 24, n * 4);
+      out.bytes = bytes;
+      return out;
+    }
+    std::cerr << "warning: token cache " << path << " is damaged; re-tokenising\n";
+  }
+  std::string t = split_text(data_dir, sources, split);
+  out.tokens = tokenizer.encode(t);
+  out.bytes = static_cast<int64_t>(t.size());
+  std::string b(kMagic, 8);
+  uint64_t n = out.tokens.size();
+  b.append(reinterpret_cast<const char*>(&n), 8);
+  b.append(reinterpret_cast<const char*>(&out.bytes), 8);
+  b.append(reinterpret_cast<const char*>(out.tokens.data()), n * 4);
+  io::write_file_atomic(path, b);
+  return out;
+}
+
+BatchSampler::BatchSampler(const std::vector<int32_t>* tokens, int batch, int seq_len, uint64_t seed)
+    : tokens_(tokens), batch_(batch), seq_len_(seq_len), rng_(seed) {
+  if (static_cast<int64_t>(tokens->size()) < seq_len + 1)
+    throw Error("training split has " + std::to_string(tokens->size()) + " tokens, fewer than seq_len + 1 = " +
+                std::to_string(seq_len + 1) + "; use more data or a shorter seq_len");
+}
+
+std::pair<torch::Tensor, torch::Tensor> BatchSampler::next() {
+  const int64_t span = static_cast<int64_t>(tokens_->size()) - seq_len_ - 1;
+  auto x = torch::empty({batch_, seq_len_}, torch::kLong);
+  auto y = torch::empty({batch_, seq_len_}, torch::kLong);
+  int64_t* px = x.data_ptr<int64_t>();
+  int64_t* py = y.data_ptr<int64_t>();
+  for (int b = 0; b < batch_; ++b) {
+    int64_t start = span > 0 ? static_cast<int64_t>(rng_() % static_cast<uint64_t>(span + 1)) : 0;
+    const int32_t* src = tokens_->data() + start;
+    for (int t = 0; t < seq_len_; ++t) {
+      px[b * seq_len_ + t] = src[t];
+      py[b * seq_len_ + t] = src[t + 1];
+    }
+  }
+  return {x, y};
+}
+
+std::string BatchSampler::state() const {
+  std::ostringstream ss;
+  ss << rng_;
+  return ss.str();
+}
+
+void BatchSampler::set_state(const std::string& s) {
+  std::istringstream ss(s);
+  ss >> rng_;
+  if (ss.fail()) throw Error("checkpoint: the data sampler state is corrupt; the checkpoint cannot be resumed");
+}
+
+std::vector<std::pair<torch::Tensor, torch::Tensor>> evaluation_batches(const std::vector<int32_t>& tokens, int count,
+                                                                        int batch, int seq_len) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (n < seq_len + 1)
+    throw Error("evaluation text has " + std::to_string(n) + " tokens, fewer than seq_len + 1 = " + std::to_string(seq_len + 1));
+  const int64_t max_windows = (n - 1) / seq_len;
+  count = static_cast<int>(std::min<int64_t>(count, max_windows));
+  const double stride = count > 1 ? static_cast<double>(n - seq_len - 1) / (count - 1) : 0.0;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> out;
+  for (int first = 0; first < count; first += batch) {
+    const int rows = std::min(batch, count - first);
+    auto x = torch::empty({rows, seq_len}, torch::kLong);
+    auto y = torch::empty({rows, seq_len}, torch::kLong);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t start = static_cast<int64_t>((first + r) * stride);
+      for (int t = 0; t < seq_len; ++t) {
+        x[r][t] = tokens[start + t];
+        y[r][t] = tokens[start + t + 1];
+      }
+    }
+    out.emplace_back(x, y);
+  }
+  return out;
+}
+
+}  // namespace kvx::train

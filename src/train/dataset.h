@@ -1,0 +1,46 @@
+// Training data: the tokenizer (trained once per corpus selection and vocabulary, cached under
+// the data directory), tokenised splits (cached by tokenizer hash), and batch sampling.
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "text/bpe.h"
+#include "text/corpus.h"
+
+namespace kvx::train {
+
+text::BpeTokenizer load_or_train_tokenizer(const std::string& data_dir, const std::vector<std::string>& sources,
+                                           int vocab_size);
+
+struct TokenizedText {
+  std::vector<int32_t> tokens;
+  int64_t bytes = 0;  // UTF-8 bytes of the text the tokens encode (for bits per byte)
+};
+
+TokenizedText load_split_tokens(const std::string& data_dir, const std::vector<std::string>& sources,
+                                const text::BpeTokenizer& tokenizer, text::Split split);
+
+// Random windows of seq_len + 1 tokens; inputs are the first seq_len, targets the last seq_len.
+class BatchSampler {
+ public:
+  BatchSampler(const std::vector<int32_t>* tokens, int batch, int seq_len, uint64_t seed);
+  std::pair<torch::Tensor, torch::Tensor> next();  // [B, T] int64 each
+  std::string state() const;                       // the RNG state, for checkpoints
+  void set_state(const std::string& s);
+
+ private:
+  const std::vector<int32_t>* tokens_;
+  int batch_, seq_len_;
+  std::mt19937_64 rng_;
+};
+
+// `count` windows of seq_len + 1 tokens spread evenly over the tokens (deterministic), as
+// (inputs, targets) batches of at most `batch` rows.
+std::vector<std::pair<torch::Tensor, torch::Tensor>> evaluation_batches(const std::vector<int32_t>& tokens, int count,
+                                                                        int batch, int seq_len);
+
+}  // namespace kvx::train

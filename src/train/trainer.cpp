@@ -1,0 +1,194 @@
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "eval/evaluate.h"
+#include "eval/plot.h"
+#include "io/atomic_file.h"
+#include "model/transformer.h"
+#include "train/adamw.h"
+#include "train/checkpoint.h"
+#include "util/error.h"
+
+namespace kvx::train {
+
+namespace {
+
+std::string format_duration(double s) {
+  char buf[32];
+  int m = static_cast<int>(s) / 60, sec = static_cast<int>(s) % 60;
+  if (m >= 60)
+    std::snprintf(buf, sizeof buf, "%dh%02dm", m / 60, m % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%dm%02ds", m, sec);
+  return buf;
+}
+
+struct LossLog {
+  std::string path;
+  eval::Series train{"train loss", {}, {}}, val{"validation CE", {}, {}}, unigram{"unigram CE (validation)", {}, {}};
+
+  // Reads an existing log, dropping rows after `keep_until` (steps a resumed run will redo).
+  void load(int64_t keep_until) {
+    std::string kept;
+    if (io::file_exists(path)) {
+      std::istringstream in(io::read_file(path));
+      std::string line;
+      while (std::getline(in, line)) {
+        if (line.empty()) continue;
+        auto j = nlohmann::json::parse(line, nullptr, false);
+        if (j.is_discarded() || !j.contains("step") || j["step"].get<int64_t>() > keep_until) continue;
+        kept += line + "\n";
+        add(j);
+      }
+    }
+    io::write_file_atomic(path, kept);
+  }
+  void add(const nlohmann::json& j) {
+    double s = j["step"].get<double>();
+    if (j.contains("loss")) train.x.push_back(s), train.y.push_back(j["loss"].get<double>());
+    if (j.contains("val_ce")) {
+      val.x.push_back(s), val.y.push_back(j["val_ce"].get<double>());
+      unigram.x.push_back(s), unigram.y.push_back(j["unigram_ce"].get<double>());
+    }
+  }
+  void append(const nlohmann::json& j) {
+    std::ofstream(path, std::ios::app) << j.dump() << "\n";
+    add(j);
+  }
+  void plot(const std::string& png, const std::string& name) {
+    eval::plot_lines(png, "kvx train: " + name, "step", "cross-entropy (nats/token)", {train, val, unigram});
+  }
+};
+
+}  // namespace
+
+TrainingData prepare_training_data(const RunConfig& config) {
+  const std::string dir = config.data.data_dir.empty() ? text::default_data_dir() : config.data.data_dir;
+  TrainingData d;
+  d.tokenizer = load_or_train_tokenizer(dir, config.data.sources, config.model.vocab_size);
+  if (d.tokenizer.vocab_size() != config.model.vocab_size)
+    std::cerr << "note: the tokenizer reached " << d.tokenizer.vocab_size() << " tokens (asked " << config.model.vocab_size << ")\n";
+  d.train = load_split_tokens(dir, config.data.sources, d.tokenizer, text::Split::Train);
+  d.validation = load_split_tokens(dir, config.data.sources, d.tokenizer, text::Split::Validation);
+  return d;
+}
+
+TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
+  const RunConfig& cfg = args.config;
+  const TrainOptions& opt = cfg.train;
+  cfg.validate();
+  if (data.tokenizer.vocab_size() > cfg.model.vocab_size)
+    throw Error("the tokenizer has " + std::to_string(data.tokenizer.vocab_size()) + " tokens but model.vocab_size is " +
+                std::to_string(cfg.model.vocab_size));
+  io::make_dirs(args.run_dir);
+  const std::string latest = latest_checkpoint(args.run_dir);
+  if (!latest.empty() && !args.resume)
+    throw Error("run directory '" + args.run_dir + "' already has a checkpoint (" + latest +
+                "); pass --resume to continue it or --out to start a new run elsewhere");
+
+  torch::manual_seed(opt.seed);
+  model::Transformer model(cfg.model);
+  model->train();
+  AdamW optimizer(model->named_parameters().pairs(),
+                  AdamWOptions{opt.beta1, opt.beta2, opt.eps, opt.weight_decay});
+  BatchSampler sampler(&data.train.tokens, opt.batch_size, opt.seq_len, opt.seed);
+  int64_t step = 0;
+
+  LossLog log;
+  log.path = args.run_dir + "/log.jsonl";
+  if (args.resume && !latest.empty()) {
+    TrainerState st = load_trainer_state(latest, optimizer);
+    auto saved = RunConfig::from_json(st.run_config);
+    if (saved.model.to_json() != cfg.model.to_json())
+      throw Error(latest + ": the checkpoint's model config differs from the given config; resume with the same config "
+                  "(see " + latest + "/trainer_state.json) or train into a new --out directory");
+    model->load_state_dict_hf(nn::load_safetensors(latest + "/model.safetensors"), latest + "/model.safetensors");
+    sampler.set_state(st.sampler_state);
+    step = st.step;
+    if (args.verbose) std::cerr << "resuming " << args.run_dir << " from step " << step << "\n";
+  }
+  log.load(step);
+  io::write_file_atomic(args.run_dir + "/run_config.json", cfg.to_json().dump(2) + "\n");
+
+  auto val_batches = evaluation_batches(data.validation.tokens, opt.eval_batches * opt.batch_size, opt.batch_size, opt.seq_len);
+  const eval::LmQuality unigram = eval::unigram_quality(data.train.tokens, cfg.model.vocab_size, val_batches, data.tokenizer);
+  if (args.verbose)
+    std::cerr << "model: " << model->num_parameters() << " parameters (" << model->num_parameters(false)
+              << " without embeddings), KV cache " << model->kv_bytes_per_token() << " bytes/token; "
+              << data.train.tokens.size() << " training tokens\n";
+
+  TrainSummary sum;
+  sum.run_dir = args.run_dir;
+  sum.unigram_cross_entropy = unigram.cross_entropy;
+  const int64_t end = args.stop_after >= 0 ? std::min<int64_t>(args.stop_after, opt.steps) : opt.steps;
+  const int64_t tokens_per_step = static_cast<int64_t>(opt.batch_size) * opt.seq_len;
+  auto t_start = std::chrono::steady_clock::now();
+  auto t_window = t_start;
+  double window_loss = 0;
+  int window_steps = 0;
+  const int64_t first_step = step;
+
+  auto checkpoint = [&] {
+    save_checkpoint(args.run_dir, model, data.tokenizer, optimizer, TrainerState{step, sampler.state(), cfg.to_json()});
+  };
+  auto evaluate = [&] {
+    auto q = eval::evaluate_lm(model, val_batches, data.tokenizer);
+    sum.val_cross_entropy = q.cross_entropy;
+    sum.val_bits_per_byte = q.bits_per_byte;
+    log.append({{"step", step}, {"val_ce", q.cross_entropy}, {"val_bpb", q.bits_per_byte}, {"unigram_ce", unigram.cross_entropy}});
+    if (args.verbose) {
+      std::fprintf(stderr, "eval  step %lld | validation CE %.4f (ppl %.1f, %.3f bits/byte) | unigram CE %.4f\n",
+                   static_cast<long long>(step), q.cross_entropy, q.perplexity, q.bits_per_byte, unigram.cross_entropy);
+    }
+    log.plot(args.run_dir + "/loss.png", cfg.name);
+  };
+
+  while (step < end) {
+    const double lr = learning_rate(opt, static_cast<int>(step));
+    auto [x, y] = sampler.next();
+    optimizer.zero_grad();
+    auto logits = model->forward(x);
+    auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+    loss.backward();
+    double grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), opt.grad_clip);
+    optimizer.step(lr);
+    ++step;
+    const double l = loss.item<double>();
+    if (!std::isfinite(l))
+      throw Error("training diverged at step " + std::to_string(step) + " (loss " + std::to_string(l) +
+                  "); lower train.lr or raise train.warmup, then --resume from the last checkpoint");
+    window_loss += l;
+    ++window_steps;
+    if (step % opt.log_every == 0 || step == end) {
+      auto now = std::chrono::steady_clock::now();
+      const double dt = std::chrono::duration<double>(now - t_window).count();
+      const double elapsed = std::chrono::duration<double>(now - t_start).count();
+      const double tps = window_steps * tokens_per_step / std::max(dt, 1e-9);
+      const double eta = elapsed / (step - first_step) * (end - step);
+      sum.train_loss = window_loss / window_steps;
+      log.append({{"step", step}, {"loss", sum.train_loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"tokens_per_s", tps}});
+      if (args.verbose)
+        std::fprintf(stderr, "step %5lld/%d | loss %.4f | lr %.2e | grad %.2f | %.0f tok/s | %s elapsed, ETA %s\n",
+                     static_cast<long long>(step), opt.steps, sum.train_loss, lr, grad_norm, tps,
+                     format_duration(elapsed).c_str(), format_duration(eta).c_str());
+      t_window = now;
+      window_loss = 0;
+      window_steps = 0;
+    }
+    if (step % opt.eval_every == 0 || step == opt.steps) evaluate();
+    if (step % opt.checkpoint_every == 0 || step == end) checkpoint();
+  }
+  if (step == first_step && sum.val_cross_entropy == 0) evaluate();
+  sum.step = step;
+  sum.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  sum.tokens_per_second = (step - first_step) * tokens_per_step / std::max(sum.seconds, 1e-9);
+  return sum;
+}
+
+}  // namespace kvx::train

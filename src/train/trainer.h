@@ -1,0 +1,39 @@
+// `kvx train`: the training loop (AdamW, warmup + cosine, clipping, held-out evaluation,
+// atomic checkpoints, exact resume, progress line, JSONL log and loss-curve PNG).
+#pragma once
+#include <string>
+
+#include "text/bpe.h"
+#include "train/dataset.h"
+#include "train/train_config.h"
+
+namespace kvx::train {
+
+struct TrainingData {
+  text::BpeTokenizer tokenizer;
+  TokenizedText train, validation;
+};
+
+// Tokenizer and splits for the config's data sources (fetches nothing: run `kvx data fetch` first).
+TrainingData prepare_training_data(const RunConfig& config);
+
+struct TrainArgs {
+  RunConfig config;
+  std::string run_dir;
+  bool resume = false;       // continue from the run's LATEST checkpoint
+  int stop_after = -1;       // stop (after checkpointing) once this step is reached; -1 = run to the end
+  bool verbose = true;
+};
+
+struct TrainSummary {
+  int64_t step = 0;
+  double train_loss = 0;     // mean of the last log window
+  double val_cross_entropy = 0, val_bits_per_byte = 0;
+  double unigram_cross_entropy = 0;
+  double seconds = 0, tokens_per_second = 0;
+  std::string run_dir;
+};
+
+TrainSummary run_training(const TrainArgs& args, const TrainingData& data);
+
+}  // namespace kvx::train

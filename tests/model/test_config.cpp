@@ -1,0 +1,59 @@
+#include <gtest/gtest.h>
+
+#include "model/config.h"
+#include "util/error.h"
+
+using namespace kvx;
+
+namespace {
+std::string error_of(const nlohmann::json& j) {
+  try {
+    model::ModelConfig::from_json(j);
+  } catch (const kvx::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+nlohmann::json good() { return model::ModelConfig{}.to_json(); }
+}  // namespace
+
+TEST(ModelConfig, RoundTripsThroughJson) {
+  model::ModelConfig c;
+  c.num_key_value_heads = 2;
+  c.layout = "dense*4";
+  auto d = model::ModelConfig::from_json(c.to_json());
+  EXPECT_EQ(d.to_json(), c.to_json());
+}
+
+TEST(ModelConfig, UnknownKeysAreRejectedByName) {
+  auto j = good();
+  j["num_heads"] = 4;
+  auto err = error_of(j);
+  EXPECT_NE(err.find("unknown key 'num_heads'"), std::string::npos) << err;
+  EXPECT_NE(err.find("num_attention_heads"), std::string::npos) << err;  // lists the known keys
+}
+
+TEST(ModelConfig, BadValuesNameTheFix) {
+  auto j = good();
+  j["num_key_value_heads"] = 3;
+  EXPECT_NE(error_of(j).find("must divide"), std::string::npos);
+  j = good();
+  j["head_dim"] = 7;
+  EXPECT_NE(error_of(j).find("even"), std::string::npos);
+  j = good();
+  j["hidden_size"] = "wide";
+  EXPECT_NE(error_of(j).find("wrong type"), std::string::npos);
+  j = good();
+  j.erase("vocab_size");
+  EXPECT_NE(error_of(j).find("missing required key 'vocab_size'"), std::string::npos);
+  j = good();
+  j["layout"] = "dense*3";
+  EXPECT_NE(error_of(j).find("describes 3 layers"), std::string::npos);
+}
+
+TEST(Layout, Expands) {
+  EXPECT_EQ(model::expand_layout("dense", 3), (std::vector<std::string>{"dense", "dense", "dense"}));
+  EXPECT_EQ(model::expand_layout("a*2,b", 3), (std::vector<std::string>{"a", "a", "b"}));
+  EXPECT_THROW(model::expand_layout("a*0", 1), kvx::Error);
+  EXPECT_THROW(model::expand_layout("a*x", 1), kvx::Error);
+}

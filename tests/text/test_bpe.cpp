@@ -1,0 +1,323 @@
+#include "text/bpe.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "util/error.h"
+
+using kvx::text::BpeTokenizer;
+using kvx::text::BpeTrainOptions;
+
+namespace {
+
+// Deterministic English-like corpus with some UTF-8, digits and odd spacing.
+std::string synthetic_corpus(size_t n_words, uint32_t seed) {
+  static const char* kSyl[] = {"th", "e", "an", "in", "er", "on", "re", "at", "st", "ing",
+                               "qu", "ou", "al", "ed", "is", "or", "ké", "ñó", "ж", "中"};
+  static const char* kSep[] = {" ", " ", " ", " ", ", ", ". ", "\n", "  ", "'s ", "\t", " 42 ", "!\n\n"};
+  std::mt19937 rng(seed);
+  std::string s;
+  for (size_t i = 0; i < n_words; ++i) {
+    int k = 1 + int(rng() % 4);
+    for (int j = 0; j < k; ++j) s += kSyl[rng() % (sizeof(kSyl) / sizeof(*kSyl))];
+    s += kSep[rng() % (sizeof(kSep) / sizeof(*kSep))];
+  }
+  return s;
+}
+
+const BpeTokenizer& trained() {
+  static const BpeTokenizer tok = [] {
+    BpeTrainOptions o;
+    o.vocab_size = 600;
+    return BpeTokenizer::train(synthetic_corpus(20000, 7), o);
+  }();
+  return tok;
+}
+
+std::vector<std::string> tricky_strings() {
+  std::vector<std::string> v = {
+      "",
+      std::string(1, '\0'),
+      std::string("a\0b\0\0c", 6),
+      std::string(1000, ' '),
+      "   x   \n\n\t  y  ",
+      "\xff\xfe\xc0\xaf\xed\xa0\x80\xf4\x90\x80\x80",  // invalid / overlong / surrogate
+      "caf\xc3",                                       // truncated UTF-8 at the end
+      "naïve café — 中文 text, don't we'll I'd 123 ²³ \u3000x\u00a0y",
+      std::string(300, 'a') + std::string(200, '!'),
+  };
+  std::mt19937 rng(123);
+  for (int i = 0; i < 200; ++i) {
+    std::string s(rng() % 200, '\0');
+    const int mode = i % 3;
+    for (auto& c : s) {
+      if (mode == 0) c = char(rng() & 0xFF);                      // any bytes
+      else if (mode == 1) c = " \n'asdb\xc3\xa9\x80"[rng() % 10];  // spaces, quotes, partial UTF-8
+      else c = char('a' + rng() % 3);                             // long mergeable runs
+    }
+    v.push_back(s);
+  }
+  return v;
+}
+
+// Naive reference: merge the lowest-rank pair (leftmost) until none applies.
+std::vector<int32_t> naive_encode(const BpeTokenizer& t, std::string_view text) {
+  std::map<std::pair<int32_t, int32_t>, size_t> rank;
+  for (size_t r = t.merges().size(); r-- > 0;) rank[t.merges()[r]] = r;
+  std::vector<int32_t> out;
+  for (auto w : BpeTokenizer::pretokenize(text)) {
+    std::vector<int32_t> s;
+    for (unsigned char c : w) s.push_back(t.byte_token(c));
+    for (;;) {
+      size_t best_i = 0, best_r = SIZE_MAX;
+      for (size_t i = 0; i + 1 < s.size(); ++i) {
+        auto it = rank.find({s[i], s[i + 1]});
+        if (it != rank.end() && it->second < best_r) {
+          best_r = it->second;
+          best_i = i;
+        }
+      }
+      if (best_r == SIZE_MAX) break;
+      s[best_i] = t.merge_result(best_r);
+      s.erase(s.begin() + long(best_i) + 1);
+    }
+    out.insert(out.end(), s.begin(), s.end());
+  }
+  return out;
+}
+
+std::string tmp_path(const std::string& name) { return ::testing::TempDir() + "kvx_bpe_" + name; }
+
+std::string expect_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const kvx::Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected kvx::Error, got std::exception: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "expected kvx::Error, nothing thrown";
+  return "";
+}
+
+}  // namespace
+
+TEST(Bpe, DefaultIsByteLevel) {
+  BpeTokenizer t;
+  EXPECT_EQ(t.vocab_size(), 256);
+  EXPECT_EQ(t.encode("ab"), (std::vector<int32_t>{97, 98}));
+  EXPECT_EQ(t.encode(std::string_view("a\0", 2)), (std::vector<int32_t>{97, 0}));
+  EXPECT_EQ(t.token_bytes(32), " ");
+  EXPECT_TRUE(t.encode("").empty());
+  EXPECT_EQ(t.decode({}), "");
+}
+
+TEST(Bpe, PretokenizeFollowsGpt2Pattern) {
+  using V = std::vector<std::string_view>;
+  EXPECT_EQ(BpeTokenizer::pretokenize("Hello world's  end\n\n x"),
+            (V{"Hello", " world", "'s", " ", " end", "\n\n", " x"}));
+  EXPECT_EQ(BpeTokenizer::pretokenize("I'm 123abc!! 'Re'll"), (V{"I", "'m", " 123", "abc", "!!", " '", "Re", "'ll"}));
+  EXPECT_EQ(BpeTokenizer::pretokenize("a \t"), (V{"a", " \t"}));
+  EXPECT_EQ(BpeTokenizer::pretokenize("naïve café 中文 x²"), (V{"naïve", " café", " 中文", " x", "²"}));
+  EXPECT_EQ(BpeTokenizer::pretokenize("a\u3000\u3000b"), (V{"a", "\u3000", "\u3000", "b"}));
+  EXPECT_EQ(BpeTokenizer::pretokenize("\xff\xfe a"), (V{"\xff\xfe", " a"}));
+  EXPECT_TRUE(BpeTokenizer::pretokenize("").empty());
+}
+
+TEST(Bpe, RoundTripRandomBytes) {
+  BpeTokenizer base;
+  for (const auto& s : tricky_strings()) {
+    EXPECT_EQ(base.decode(base.encode(s)), s);
+    EXPECT_EQ(trained().decode(trained().encode(s)), s);
+  }
+}
+
+TEST(Bpe, RoundTripAfterTraining) {
+  const auto& t = trained();
+  EXPECT_EQ(t.vocab_size(), 600);
+  const std::string held_out = synthetic_corpus(3000, 99);
+  EXPECT_EQ(t.decode(t.encode(held_out)), held_out);
+  for (int32_t id = 0; id < t.vocab_size(); ++id) EXPECT_FALSE(t.token_bytes(id).empty());
+}
+
+TEST(Bpe, MatchesNaiveReference) {
+  const auto& t = trained();
+  std::vector<std::string> texts = tricky_strings();
+  texts.push_back(synthetic_corpus(300, 5));
+  texts.push_back(std::string(150, 'e') + " " + std::string(70, ' ') + "thththththeeeeerererer" +
+                  std::string(100, 't') + std::string(100, 'h'));
+  for (const auto& s : texts) EXPECT_EQ(t.encode(s), naive_encode(t, s)) << s.substr(0, 60);
+}
+
+TEST(Bpe, MergesCompress) {
+  const std::string text = synthetic_corpus(20000, 7);
+  const auto ids = trained().encode(text);
+  EXPECT_LT(ids.size() * 2, text.size());
+}
+
+TEST(Bpe, TrainingIsDeterministic) {
+  BpeTrainOptions o;
+  o.vocab_size = 400;
+  const std::string corpus = synthetic_corpus(5000, 3);
+  const auto a = BpeTokenizer::train(corpus, o);
+  const auto b = BpeTokenizer::train(corpus, o);
+  EXPECT_EQ(a.to_json(), b.to_json());
+}
+
+TEST(Bpe, HandCheckedTinyCase) {
+  // One pre-token "aaabdaaabac": pairs aa:4 ab:2 ... -> merge (a,a)=256;
+  // then (a,b) and (aa,a) tie at 2 -> smaller pair (a,b)=257; then (aa,ab)=258.
+  BpeTrainOptions o;
+  o.vocab_size = 1000;
+  o.min_frequency = 2;
+  const auto t = BpeTokenizer::train("aaabdaaabac", o);
+  ASSERT_EQ(t.vocab_size(), 259);
+  ASSERT_EQ(t.merges().size(), 3u);
+  EXPECT_EQ(t.merges()[0], std::make_pair(97, 97));
+  EXPECT_EQ(t.merges()[1], std::make_pair(97, 98));
+  EXPECT_EQ(t.merges()[2], std::make_pair(256, 257));
+  EXPECT_EQ(t.token_bytes(258), "aaab");
+  EXPECT_EQ(t.encode("aaabdaaabac"), (std::vector<int32_t>{258, 100, 258, 97, 99}));
+  EXPECT_EQ(t.encode("aa aab"), (std::vector<int32_t>{256, 32, 256, 98}));
+  // Pairs never span pre-token boundaries: "a1a1..." is all 1-byte pre-tokens.
+  EXPECT_EQ(BpeTokenizer::train("a1a1a1a1a1a1", o).vocab_size(), 256);
+
+  o.vocab_size = 257;  // vocab limit stops after one merge
+  EXPECT_EQ(BpeTokenizer::train("aaabdaaabac", o).vocab_size(), 257);
+  o.vocab_size = 1000;
+  o.min_frequency = 5;  // nothing occurs 5 times
+  EXPECT_EQ(BpeTokenizer::train("aaabdaaabac", o).vocab_size(), 256);
+}
+
+TEST(Bpe, SaveLoadGivesIdenticalEncodings) {
+  const std::string path = tmp_path("saveload.json");
+  trained().save(path);
+  std::ifstream tmp(path + ".tmp");
+  EXPECT_FALSE(tmp.good()) << "temporary file left behind";
+  const auto t = BpeTokenizer::load(path);
+  EXPECT_EQ(t.vocab_size(), trained().vocab_size());
+  EXPECT_EQ(t.to_json(), trained().to_json());
+  for (const auto& s : tricky_strings()) EXPECT_EQ(t.encode(s), trained().encode(s));
+  const std::string text = synthetic_corpus(2000, 11);
+  EXPECT_EQ(t.encode(text), trained().encode(text));
+  std::remove(path.c_str());
+}
+
+TEST(Bpe, JsonFormat) {
+  const auto j = nlohmann::json::parse(trained().to_json());
+  EXPECT_EQ(j["version"], "1.0");
+  EXPECT_TRUE(j["added_tokens"].is_array());
+  EXPECT_TRUE(j["normalizer"].is_null());
+  EXPECT_EQ(j["pre_tokenizer"]["type"], "ByteLevel");
+  EXPECT_EQ(j["pre_tokenizer"]["add_prefix_space"], false);
+  EXPECT_EQ(j["decoder"]["type"], "ByteLevel");
+  const auto& m = j["model"];
+  EXPECT_EQ(m["type"], "BPE");
+  EXPECT_TRUE(m["dropout"].is_null());
+  EXPECT_EQ(m["byte_fallback"], false);
+  EXPECT_EQ(m["vocab"].size(), 600u);
+  EXPECT_EQ(m["vocab"]["Ġ"], 32);   // byte 0x20
+  EXPECT_EQ(m["vocab"]["Ċ"], 10);   // byte 0x0A
+  EXPECT_EQ(m["vocab"]["a"], 97);
+  EXPECT_EQ(m["vocab"]["Ā"], 0);    // byte 0x00
+  EXPECT_EQ(m["merges"].size(), trained().merges().size());
+  const std::string first = m["merges"][0];
+  EXPECT_EQ(std::count(first.begin(), first.end(), ' '), 1);
+
+  // The newer ["a", "b"] merge form loads to the same tokenizer.
+  auto j2 = j;
+  for (auto& e : j2["model"]["merges"]) {
+    const std::string s = e;
+    e = nlohmann::json::array({s.substr(0, s.find(' ')), s.substr(s.find(' ') + 1)});
+  }
+  const auto t2 = BpeTokenizer::from_json(j2.dump());
+  EXPECT_EQ(t2.to_json(), trained().to_json());
+
+  // GPT-2 style id order (ids not equal to byte values) is accepted.
+  auto j3 = nlohmann::json::parse(BpeTokenizer().to_json());
+  auto& v3 = j3["model"]["vocab"];
+  v3["Ġ"] = 0;
+  v3["Ā"] = 32;
+  const auto t3 = BpeTokenizer::from_json(j3.dump());
+  EXPECT_EQ(t3.encode(std::string_view(" \0", 2)), (std::vector<int32_t>{0, 32}));
+  EXPECT_EQ(t3.decode({0, 32}), std::string(" \0", 2));
+  EXPECT_EQ(BpeTokenizer::bytes_to_unicode(" \n!"), "ĠĊ!");
+}
+
+TEST(Bpe, BadJsonThrowsUsefulErrors) {
+  const std::string good = trained().to_json();
+  auto with = [&](const std::function<void(nlohmann::json&)>& edit) {
+    auto j = nlohmann::json::parse(good);
+    edit(j);
+    return j.dump();
+  };
+  EXPECT_NE(expect_error([] { BpeTokenizer::from_json("this is not json"); }).find("JSON"), std::string::npos);
+  EXPECT_NE(expect_error([] { BpeTokenizer::from_json("[1,2]"); }).find("object"), std::string::npos);
+  std::string e = expect_error([&] { BpeTokenizer::from_json(with([](auto& j) { j["model"]["type"] = "WordPiece"; })); });
+  EXPECT_NE(e.find("BPE"), std::string::npos) << e;
+  EXPECT_NE(e.find("kvx tokenizer train"), std::string::npos) << e;
+  e = expect_error([&] { BpeTokenizer::from_json(with([](auto& j) { j["model"]["merges"][3] = "Ġ zzzq"; })); });
+  EXPECT_NE(e.find("merges"), std::string::npos) << e;
+  EXPECT_NE(e.find("entry 3"), std::string::npos) << e;
+  e = expect_error([&] { BpeTokenizer::from_json(with([](auto& j) { j["model"]["merges"][0] = "abc"; })); });
+  EXPECT_NE(e.find("\"a b\""), std::string::npos) << e;
+  e = expect_error([&] { BpeTokenizer::from_json(with([](auto& j) { j["model"]["vocab"].erase("Ġ"); })); });
+  EXPECT_NE(e.find("dense"), std::string::npos) << e;
+  e = expect_error([&] {
+    BpeTokenizer::from_json(with([](auto& j) {
+      auto& v = j["model"]["vocab"];
+      const int id = v["Ġ"];
+      v.erase("Ġ");
+      v["ĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠĠ"] = id;
+    }));
+  });
+  EXPECT_NE(e.find("byte 32"), std::string::npos) << e;
+  e = expect_error([&] { BpeTokenizer::from_json(with([](auto& j) { j["model"]["vocab"]["a"] = 5; })); });
+  EXPECT_NE(e.find("twice"), std::string::npos) << e;
+  e = expect_error([&] { BpeTokenizer::from_json(with([](auto& j) { j["model"]["vocab"]["a"] = "x"; })); });
+  EXPECT_NE(e.find("integer"), std::string::npos) << e;
+  e = expect_error([&] { BpeTokenizer::from_json(with([](auto& j) { j["model"].erase("merges"); })); });
+  EXPECT_NE(e.find("merges"), std::string::npos) << e;
+  e = expect_error([&] { BpeTokenizer::from_json(with([](auto& j) { j["pre_tokenizer"]["type"] = "Whitespace"; })); });
+  EXPECT_NE(e.find("pre_tokenizer"), std::string::npos) << e;
+  e = expect_error([&] { BpeTokenizer::from_json(with([](auto& j) { j["model"]["vocab"] = 3; })); });
+  EXPECT_NE(e.find("vocab"), std::string::npos) << e;
+
+  // Truncated file on disk.
+  const std::string path = tmp_path("truncated.json");
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << good.substr(0, good.size() / 2);
+  }
+  e = expect_error([&] { BpeTokenizer::load(path); });
+  EXPECT_NE(e.find("truncated"), std::string::npos) << e;
+  EXPECT_NE(e.find(path), std::string::npos) << e;
+  std::remove(path.c_str());
+  e = expect_error([&] { BpeTokenizer::load(tmp_path("does_not_exist.json")); });
+  EXPECT_NE(e.find("cannot open"), std::string::npos) << e;
+}
+
+TEST(Bpe, BadIdsThrow) {
+  EXPECT_NE(expect_error([] { trained().decode({1, 600}); }).find("out of range"), std::string::npos);
+  EXPECT_NE(expect_error([] { trained().decode({-1}); }).find("out of range"), std::string::npos);
+  EXPECT_NE(expect_error([] { trained().token_bytes(9999); }).find("out of range"), std::string::npos);
+}
+
+TEST(Bpe, ThreadedEncodeMatchesSingleThread) {
+  const std::string text = synthetic_corpus(40000, 21) + "end \n\n  \n" + synthetic_corpus(100, 1);
+  const auto one = trained().encode(text, 1);
+  for (int threads : {2, 3, 8}) EXPECT_EQ(trained().encode(text, threads), one) << threads;
+  EXPECT_EQ(trained().encode(text), one);
+}
