@@ -208,6 +208,16 @@ int main(int argc, char** argv) {
   fetch_cmd->add_flag("--force", fetch.force, "fetch again even if present");
   fetch_cmd->add_flag("--no-verify", fetch.no_verify, "skip the checksum check");
 
+  auto* tokenizer = app.add_subcommand("tokenizer", "byte-level BPE tokenizers");
+  tokenizer->require_subcommand(1);
+  std::string tok_out, tok_data, tok_sources = "brown,kjv";
+  int tok_vocab = 4096;
+  auto* tok_train = tokenizer->add_subcommand("train", "train a BPE on the corpora's training split and save tokenizer.json");
+  tok_train->add_option("--vocab", tok_vocab, "vocabulary size including the 256 bytes (default 4096)");
+  tok_train->add_option("--out", tok_out, "output tokenizer.json path")->required();
+  tok_train->add_option("--data-dir", tok_data, "data directory");
+  tok_train->add_option("--sources", tok_sources, "comma-separated corpora (default brown,kjv)");
+
   TrainCliArgs tr;
   auto* train_cmd = app.add_subcommand("train", "train a model from a run config");
   train_cmd->add_option("--config", tr.config, "run config JSON ({name, model, data, train})");
@@ -260,6 +270,11 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (fetch_cmd->parsed()) cmd_data_fetch(fetch);
+    if (tok_train->parsed()) {
+      auto tok = train::load_or_train_tokenizer(data_dir_or_default(tok_data), split_list(tok_sources), tok_vocab);
+      tok.save(tok_out);
+      std::printf("wrote %s (%d tokens)\n", tok_out.c_str(), tok.vocab_size());
+    }
     if (train_cmd->parsed()) cmd_train(tr);
     if (gen_cmd->parsed()) cmd_generate(gen, true);
     if (eval_cmd->parsed()) cmd_eval(ev);

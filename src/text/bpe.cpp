@@ -27,6 +27,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "io/atomic_file.h"
 #include "util/error.h"
 
 namespace kvx::text {
@@ -892,38 +893,14 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
 }
 
 BpeTokenizer BpeTokenizer::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw Error("cannot open tokenizer file '" + path +
-                "'; check the path or create one with `kvx tokenizer train`");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw Error("cannot read tokenizer file '" + path + "'; check the file and its permissions");
+  std::string text = io::read_file(path);
   try {
-    return from_json(ss.str());
+    return from_json(text);
   } catch (const Error& e) {
     throw Error(path + ": " + e.what());
   }
 }
 
-void BpeTokenizer::save(const std::string& path) const {
-  const std::string tmp = path + ".tmp";
-  const std::string text = to_json();
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out)
-      throw Error("cannot write tokenizer file '" + tmp + "'; check that the directory exists and is writable");
-    out.write(text.data(), std::streamsize(text.size()));
-    out.flush();
-    if (!out) {
-      std::remove(tmp.c_str());
-      throw Error("failed writing tokenizer file '" + tmp + "'; check free disk space");
-    }
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    throw Error("cannot rename '" + tmp + "' to '" + path + "'; check permissions on the target directory");
-  }
-}
+void BpeTokenizer::save(const std::string& path) const { io::write_file_atomic(path, to_json()); }
 
 }  // namespace kvx::text

@@ -30,7 +30,7 @@ class BpeTokenizer {
   static BpeTokenizer from_json(const std::string& json_text);  // HF tokenizer.json
   static BpeTokenizer load(const std::string& path);
   std::string to_json() const;
-  void save(const std::string& path) const;  // atomic: writes path.tmp, then renames
+  void save(const std::string& path) const;  // atomic (io::write_file_atomic)
 
   // Default: single thread for small inputs, up to hardware_concurrency threads
   // for inputs of several MB. num_threads = 1 forces single-threaded encoding;

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# kvx set-up on Debian 12: installs what is missing (idempotent; as root or with sudo), builds
+# into build/, and fetches the corpora into data/ (or $KVX_DATA_DIR).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(cmake make g++ git ccache pkg-config libtorch-dev libopenblas0-pthread libcli11-dev
+          nlohmann-json3-dev libgtest-dev googletest bible-kjv gnuplot-nox)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+command -v npm >/dev/null 2>&1 || missing+=(npm)
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+jobs=$(nproc)
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j"$jobs"
+build/kvx data fetch
