@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "kernels/decode_attention.h"
 #include "util/error.h"
 
 namespace kvx::attention {
@@ -33,6 +34,23 @@ void DenseKVCache::append(const torch::Tensor& k, const torch::Tensor& v) {
 
 torch::Tensor DenseKVCache::keys() const { return k_.narrow(2, 0, length_); }
 torch::Tensor DenseKVCache::values() const { return v_.narrow(2, 0, length_); }
+
+FusedKVCache::FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, const CacheOptions& o)
+    : threads_(o.threads > 0 ? o.threads : torch::get_num_threads()) {
+  stores_.reserve(batch);
+  for (int64_t b = 0; b < batch; ++b)
+    stores_.emplace_back(o.type, static_cast<int>(kv_heads), static_cast<int>(head_dim), o.evict);
+}
+
+int64_t FusedKVCache::bytes() const {
+  int64_t n = 0;
+  for (const auto& s : stores_) n += s.bytes();
+  return n;
+}
+
+void FusedKVCache::clear() {
+  for (auto& s : stores_) s.clear();
+}
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t q_start) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
@@ -79,20 +97,45 @@ torch::Tensor DenseAttention::forward(const torch::Tensor& x) {
   return merge_heads(causal_attention(q, k, v, 0));
 }
 
-std::unique_ptr<MixerCache> DenseAttention::new_cache(int64_t batch) const {
-  return std::make_unique<DenseKVCache>(batch, kv_heads_, head_dim_);
+std::unique_ptr<MixerCache> DenseAttention::new_cache(int64_t batch, const CacheOptions& options) const {
+  if (options.reference) return std::make_unique<DenseKVCache>(batch, kv_heads_, head_dim_);
+  return std::make_unique<FusedKVCache>(batch, kv_heads_, head_dim_, options);
 }
 
 torch::Tensor DenseAttention::step(const torch::Tensor& x, MixerCache& cache) {
-  auto* kv = dynamic_cast<DenseKVCache*>(&cache);
-  if (!kv) throw Error("DenseAttention::step: cache is not a DenseKVCache (layer/cache mismatch)");
-  const int64_t start = kv->length();
+  const int64_t start = cache.length();
   torch::Tensor q, k, v;
   project(x, start, q, k, v);
+  if (auto* fused = dynamic_cast<FusedKVCache*>(&cache)) return merge_heads(step_fused(q, k, v, *fused));
+  auto* kv = dynamic_cast<DenseKVCache*>(&cache);
+  if (!kv) throw Error("DenseAttention::step: the cache was not made by a dense layer (layer/cache mismatch)");
   kv->append(k.contiguous(), v.contiguous());
   return merge_heads(causal_attention(q, kv->keys(), kv->values(), start));
 }
 
-int64_t DenseAttention::cache_bytes_per_token() const { return 2 * kv_heads_ * head_dim_ * 4; }
+torch::Tensor DenseAttention::step_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                         FusedKVCache& cache) {
+  // [B, heads, T, d_h] -> [B, T, heads, d_h] float32, contiguous rows per token.
+  auto qt = q.transpose(1, 2).to(torch::kFloat32).contiguous();
+  auto kt = k.transpose(1, 2).to(torch::kFloat32).contiguous();
+  auto vt = v.transpose(1, 2).to(torch::kFloat32).contiguous();
+  const int64_t B = qt.size(0), T = qt.size(1);
+  auto out = torch::empty_like(qt);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  const int64_t q_row = heads_ * head_dim_, kv_row = kv_heads_ * head_dim_;
+  for (int64_t b = 0; b < B; ++b) {
+    auto& store = cache.store(b);
+    for (int64_t t = 0; t < T; ++t) {
+      store.append(kt.data_ptr<float>() + (b * T + t) * kv_row, vt.data_ptr<float>() + (b * T + t) * kv_row);
+      kernels::decode_attention(qt.data_ptr<float>() + (b * T + t) * q_row, static_cast<int>(heads_), store, scale,
+                                out.data_ptr<float>() + (b * T + t) * q_row, cache.threads());
+    }
+  }
+  return out.to(q.scalar_type()).transpose(1, 2);
+}
+
+double DenseAttention::cache_bytes_per_token(kernels::KVType type) const {
+  return 2.0 * kv_heads_ * kernels::row_bytes(type, static_cast<int>(head_dim_));
+}
 
 }  // namespace kvx::attention

@@ -4,7 +4,8 @@
 
 namespace kvx::attention {
 
-// Grows by doubling its capacity, so appending a token never copies the whole history.
+// The libtorch reference cache (f32 tensors). Grows by doubling its capacity, so appending a
+// token never copies the whole history.
 class DenseKVCache : public MixerCache {
  public:
   DenseKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim);
@@ -21,6 +22,23 @@ class DenseKVCache : public MixerCache {
   torch::Tensor k_, v_;  // [B, Hkv, capacity, d_h]
 };
 
+// The fused decode cache: one torch-free kernels::KVStore per batch row (paged, f32/bf16/q8/q4,
+// optional sink + window eviction), read by kernels::decode_attention.
+class FusedKVCache : public MixerCache {
+ public:
+  FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, const CacheOptions& options);
+  int64_t length() const override { return stores_.front().length(); }
+  int64_t bytes() const override;
+  double bytes_per_token() const override { return stores_.front().bytes_per_token(); }
+  void clear() override;
+  kernels::KVStore& store(int64_t b) { return stores_[b]; }
+  int threads() const { return threads_; }
+
+ private:
+  std::vector<kernels::KVStore> stores_;
+  int threads_;
+};
+
 // softmax(q k^T / sqrt(d_h) + causal mask) v for q: [B, H, Tq, d_h], k, v: [B, Hkv, Tk, d_h]
 // where query i sits at position q_start + i and key j at position j. Grouped: each KV head
 // serves H/Hkv query heads without being copied.
@@ -30,9 +48,9 @@ class DenseAttention : public Mixer {
  public:
   DenseAttention(const model::ModelConfig& config, int layer);
   torch::Tensor forward(const torch::Tensor& x) override;
-  std::unique_ptr<MixerCache> new_cache(int64_t batch) const override;
+  std::unique_ptr<MixerCache> new_cache(int64_t batch, const CacheOptions& options) const override;
   torch::Tensor step(const torch::Tensor& x, MixerCache& cache) override;
-  int64_t cache_bytes_per_token() const override;
+  double cache_bytes_per_token(kernels::KVType type) const override;
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 
@@ -40,6 +58,8 @@ class DenseAttention : public Mixer {
   // q: [B, H, T, d_h], k, v: [B, Hkv, T, d_h], RoPE applied from position `start`.
   void project(const torch::Tensor& x, int64_t start, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v);
   torch::Tensor merge_heads(const torch::Tensor& o);
+  // Token by token: append the token's K/V, then attend with the fused kernel (SPEC 3).
+  torch::Tensor step_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, FusedKVCache& cache);
   int64_t heads_, kv_heads_, head_dim_;
   nn::Rope rope_;
 };

@@ -1,9 +1,55 @@
 #include "attention/mixer.h"
 
 #include "attention/dense.h"
+#include <sstream>
+
 #include "util/error.h"
 
 namespace kvx::attention {
+
+CacheOptions CacheOptions::parse(const std::string& type, const std::string& evict, bool reference) {
+  CacheOptions o;
+  o.type = kernels::parse_kv_type(type);
+  o.reference = reference;
+  if (!evict.empty()) {
+    const std::string usage = "; write --evict sink=S,window=W with S >= 0 and W >= 1";
+    std::stringstream ss(evict);
+    std::string item;
+    bool have_window = false;
+    while (std::getline(ss, item, ',')) {
+      auto eq = item.find('=');
+      if (eq == std::string::npos) throw Error("--evict: '" + item + "' is not key=value" + usage);
+      const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
+      int64_t n = -1;
+      try {
+        size_t used = 0;
+        n = std::stoll(value, &used);
+        if (used != value.size()) n = -1;
+      } catch (...) {
+      }
+      if (n < 0) throw Error("--evict: '" + value + "' is not a non-negative integer" + usage);
+      if (key == "sink") {
+        o.evict.sink = n;
+      } else if (key == "window") {
+        o.evict.window = n;
+        have_window = true;
+      } else {
+        throw Error("--evict: unknown key '" + key + "'" + usage);
+      }
+    }
+    if (!have_window || o.evict.window < 1) throw Error("--evict needs window >= 1" + usage);
+  }
+  if (o.reference && (o.type != kernels::KVType::F32 || o.evict.enabled()))
+    throw Error("the libtorch reference decode path supports only --kv-cache f32 without --evict; drop --reference");
+  return o;
+}
+
+std::string CacheOptions::describe() const {
+  std::string s = kernels::kv_type_name(type);
+  if (evict.enabled()) s += ", sink=" + std::to_string(evict.sink) + ",window=" + std::to_string(evict.window);
+  if (reference) s += ", libtorch reference path";
+  return s;
+}
 
 std::vector<std::string> mixer_kinds() { return {"dense"}; }
 

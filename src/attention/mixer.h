@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/kv_format.h"
+#include "kernels/kv_store.h"
 #include "model/config.h"
 #include "nn/layers.h"
 
@@ -23,15 +25,27 @@ class MixerCache {
   virtual void clear() = 0;                     // reuse across requests
 };
 
+// How a decode cache stores and reads its history.
+struct CacheOptions {
+  kernels::KVType type = kernels::KVType::F32;  // element type, quantised at write
+  kernels::Eviction evict;                      // sink + window (StreamingLLM); off by default
+  bool reference = false;  // the plain libtorch path (f32, no eviction), which the fused kernels are tested against
+  int threads = 0;         // fused-kernel threads; 0 = all hardware threads
+
+  // From CLI strings: type "f32|bf16|q8|q4", evict "" or "sink=S,window=W".
+  static CacheOptions parse(const std::string& type, const std::string& evict, bool reference);
+  std::string describe() const;  // e.g. "q8, sink=4,window=252"
+};
+
 class Mixer : public torch::nn::Module {
  public:
   // x: [B, T, d] (pre-normed). Positions 0..T-1, causal.
   virtual torch::Tensor forward(const torch::Tensor& x) = 0;
-  virtual std::unique_ptr<MixerCache> new_cache(int64_t batch) const = 0;
+  virtual std::unique_ptr<MixerCache> new_cache(int64_t batch, const CacheOptions& options) const = 0;
   // x: [B, T, d] new tokens at positions cache.length() .. +T-1; appends them to the cache.
   virtual torch::Tensor step(const torch::Tensor& x, MixerCache& cache) = 0;
-  // Cache bytes per token per batch row at the default (f32) element type.
-  virtual int64_t cache_bytes_per_token() const = 0;
+  // Cache bytes per token per batch row at the given element type.
+  virtual double cache_bytes_per_token(kernels::KVType type = kernels::KVType::F32) const = 0;
 };
 
 // The registry of mixer kinds used by layout strings. Unknown kinds get an error listing the valid ones.

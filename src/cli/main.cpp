@@ -93,6 +93,8 @@ struct GenerateArgs {
   int max_new = 100;
   double temperature = 0.8, top_p = 0.95;
   uint64_t seed = 0;
+  std::string kv_cache = "f32", evict;
+  bool reference = false;
 };
 std::string cmd_generate(const GenerateArgs& a, bool print) {
   auto m = train::load_model(a.model);
@@ -100,16 +102,17 @@ std::string cmd_generate(const GenerateArgs& a, bool print) {
   if (prompt.empty()) throw Error("--prompt is empty; give some text to continue");
   std::string out;
   if (print) std::cout << a.prompt << std::flush;
+  auto cache = attention::CacheOptions::parse(a.kv_cache, a.evict, a.reference);
   auto r = model::generate(m.model, prompt, a.max_new, {a.temperature, a.top_p}, a.seed, [&](int32_t id) {
     std::string piece = m.tokenizer.token_bytes(id);
     out += piece;
     if (print) std::cout << piece << std::flush;
-  });
+  }, cache);
   if (print) std::cout << "\n";
-  std::fprintf(stderr, "[%zu prompt tokens, %zu generated | prefill %.1f ms, decode %.1f tokens/s | KV cache %lld bytes = %.0f bytes/token]\n",
+  std::fprintf(stderr, "[%zu prompt tokens, %zu generated | prefill %.1f ms, decode %.1f tokens/s | KV cache (%s) %lld bytes = %.0f bytes/token]\n",
                prompt.size(), r.tokens.size(), r.prefill_seconds * 1e3,
                r.tokens.size() > 1 ? (r.tokens.size() - 1) / std::max(r.decode_seconds, 1e-9) : 0.0,
-               static_cast<long long>(r.cache_bytes), r.cache_bytes_per_token);
+               cache.describe().c_str(), static_cast<long long>(r.cache_bytes), r.cache_bytes_per_token);
   return out;
 }
 
@@ -118,6 +121,7 @@ struct EvalArgs {
   std::string model, split = "test", data_dir, sources = "brown,kjv";
   int max_windows = 0, seq_len = 0, batch = 8;
   bool json = false;
+  std::string kv_cache, evict;  // set: also evaluate through this decode cache
 };
 nlohmann::json cmd_eval(const EvalArgs& a) {
   auto m = train::load_model(a.model);
@@ -152,6 +156,16 @@ nlohmann::json cmd_eval(const EvalArgs& a) {
                       {"kv_cache", "f32"},
                       {"parameters", m.model->num_parameters()},
                       {"seconds", secs}};
+  if (!a.kv_cache.empty() || !a.evict.empty()) {
+    auto cache = attention::CacheOptions::parse(a.kv_cache.empty() ? "f32" : a.kv_cache, a.evict, false);
+    auto c = eval::evaluate_lm_cached(m.model, batches, m.tokenizer, cache);
+    j["cache"] = {{"kv_cache", cache.describe()},
+                  {"bytes_per_token", c.cache_bytes_per_token},
+                  {"cross_entropy", c.quality.cross_entropy},
+                  {"bits_per_byte", c.quality.bits_per_byte},
+                  {"kl_vs_f32", c.kl_vs_full},
+                  {"top1_agreement", c.top1_agreement}};
+  }
   if (a.json) {
     std::cout << j.dump(2) << "\n";
   } else {
@@ -160,9 +174,43 @@ nlohmann::json cmd_eval(const EvalArgs& a) {
     std::printf("  cross-entropy   %.4f nats/token   (unigram baseline %.4f)\n", q.cross_entropy, u.cross_entropy);
     std::printf("  perplexity      %.2f\n", q.perplexity);
     std::printf("  bits per byte   %.4f             (unigram baseline %.4f)\n", q.bits_per_byte, u.bits_per_byte);
-    std::printf("  KV cache        %lld bytes/token (f32, all layers)\n", static_cast<long long>(m.model->kv_bytes_per_token()));
+    std::printf("  KV cache        %.0f bytes/token (f32, all layers)\n", m.model->kv_bytes_per_token());
+    if (j.contains("cache")) {
+      const auto& c = j["cache"];
+      std::printf("through the %s decode cache (%.0f bytes/token held):\n", c["kv_cache"].get<std::string>().c_str(),
+                  c["bytes_per_token"].get<double>());
+      std::printf("  cross-entropy   %.4f nats/token   (%+.4f vs f32 full forward)\n", c["cross_entropy"].get<double>(),
+                  c["cross_entropy"].get<double>() - q.cross_entropy);
+      std::printf("  KL(f32 || cache) %.5f nats/token, top-1 agreement %.2f%%\n", c["kl_vs_f32"].get<double>(),
+                  100 * c["top1_agreement"].get<double>());
+    }
   }
   return j;
+}
+
+// --- kvx bench decode ----------------------------------------------------------------------------
+void print_decode_table(const nlohmann::json& rows) {
+  double stream = 0;
+  for (const auto& r : rows)
+    if (r.contains("stream_gbps")) stream = r["stream_gbps"].get<double>();
+  std::printf("read bandwidth (STREAM-like probe, all threads): %.1f GB/s\n\n", stream);
+  std::printf("attention only, H=16, d_h=128\n%-5s %4s %8s %11s %8s %8s %12s\n", "cache", "hkv", "context", "us/step", "GB/s",
+              "of BW", "vs libtorch");
+  for (const auto& r : rows) {
+    if (!r.contains("us_per_step")) continue;
+    std::string vs = r.contains("fused_speedup_vs_torch") ? std::to_string(r["fused_speedup_vs_torch"].get<double>()).substr(0, 4) + "x" : "";
+    std::printf("%-5s %4d %8lld %11.1f %8.1f %7.0f%% %12s\n", r["cache"].get<std::string>().c_str(), r["hkv"].get<int>(),
+                static_cast<long long>(r["context"].get<int64_t>()), r["us_per_step"].get<double>(), r["gbps"].get<double>(),
+                100 * r["bw_ratio"].get<double>(), vs.c_str());
+  }
+  bool header = false;
+  for (const auto& r : rows) {
+    if (!r.contains("tokens_per_s")) continue;
+    if (!header) std::printf("\nwhole tiny model (4 layers, H=Hkv=6, d_h=64), one token per step\n%-5s %8s %12s\n", "cache", "context", "tokens/s");
+    header = true;
+    std::printf("%-5s %8lld %12.1f\n", r["cache"].get<std::string>().c_str(), static_cast<long long>(r["context"].get<int64_t>()),
+                r["tokens_per_s"].get<double>());
+  }
 }
 
 // --- kvx demo -----------------------------------------------------------------------------------
@@ -196,6 +244,11 @@ void cmd_demo(const std::string& out, const std::string& data_dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+    std::cerr << "kvx: error: this CPU lacks AVX2/FMA, which kvx's decode kernels are built for (x86-64-v3)\n";
+    return 2;
+  }
   torch::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   CLI::App app{"kvx: transformer attention with a smaller KV cache"};
   app.require_subcommand(1);
@@ -236,6 +289,9 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--temperature", gen.temperature, "sampling temperature, 0 = greedy (default 0.8)");
   gen_cmd->add_option("--top-p", gen.top_p, "nucleus mass (default 0.95)");
   gen_cmd->add_option("--seed", gen.seed, "sampling seed (default 0)");
+  gen_cmd->add_option("--kv-cache", gen.kv_cache, "cache element type: f32 | bf16 | q8 | q4 (default f32)");
+  gen_cmd->add_option("--evict", gen.evict, "sink + window eviction, e.g. sink=4,window=252 (default off)");
+  gen_cmd->add_flag("--reference", gen.reference, "decode with the plain libtorch path instead of the fused kernels");
 
   EvalArgs ev;
   auto* eval_cmd = app.add_subcommand("eval", "held-out cross-entropy, perplexity, bits/byte, KV bytes/token");
@@ -246,6 +302,8 @@ int main(int argc, char** argv) {
   eval_cmd->add_option("--seq-len", ev.seq_len, "window length (default: the model's context)");
   eval_cmd->add_option("--max-windows", ev.max_windows, "evaluate at most this many windows (default all)");
   eval_cmd->add_flag("--json", ev.json, "print JSON");
+  eval_cmd->add_option("--kv-cache", ev.kv_cache, "also evaluate through a decode cache of this type: f32 | bf16 | q8 | q4 (CE, KL vs f32)");
+  eval_cmd->add_option("--evict", ev.evict, "with sink + window eviction, e.g. sink=4,window=60");
 
   auto* bench = app.add_subcommand("bench", "benchmarks measured against this machine's own reference");
   bench->require_subcommand(1);
@@ -261,6 +319,17 @@ int main(int argc, char** argv) {
   bench_tok->add_option("--vocab", bench_vocab, "vocabulary size (default 4096)");
   bench_tok->add_option("--data-dir", bench_data, "data directory");
   bench_tok->add_flag("--json", bench_json, "print JSON");
+
+  eval::DecodeBenchOptions decode_opts;
+  std::string decode_contexts, decode_types, decode_hkv;
+  bool decode_no_model = false;
+  auto* bench_decode = bench->add_subcommand("decode", "decode attention per cache type and context vs this machine's read bandwidth");
+  bench_decode->add_option("--contexts", decode_contexts, "comma-separated contexts (default 1024,4096,16384,65536)");
+  bench_decode->add_option("--types", decode_types, "comma-separated cache types (default f32,bf16,q8,q4)");
+  bench_decode->add_option("--hkv", decode_hkv, "comma-separated KV head counts at H=16, d_h=128 (default 16,4)");
+  bench_decode->add_option("--seconds", decode_opts.seconds_per_point, "seconds per measurement (default 0.4)");
+  bench_decode->add_flag("--no-model", decode_no_model, "skip the whole-model (tiny) decode rows");
+  bench_decode->add_flag("--json", bench_json, "print JSON rows");
 
   std::string demo_out = "runs/tiny", demo_data;
   auto* demo = app.add_subcommand("demo", "the main job on a small default: data, tiny model, sample, quality");
@@ -302,6 +371,24 @@ int main(int argc, char** argv) {
                     j["corpus_mb"].get<double>(), j["vocab_size"].get<int>(), j["train_mb_per_s"].get<double>(),
                     j["train_seconds"].get<double>(), j["encode_mb_per_s"].get<double>(), j["decode_mb_per_s"].get<double>(),
                     j["bytes_per_token"].get<double>());
+      }
+    }
+    if (bench_decode->parsed()) {
+      if (!decode_contexts.empty()) {
+        decode_opts.contexts.clear();
+        for (const auto& c : split_list(decode_contexts)) decode_opts.contexts.push_back(std::stoll(c));
+      }
+      if (!decode_types.empty()) decode_opts.types = split_list(decode_types);
+      if (!decode_hkv.empty()) {
+        decode_opts.kv_heads.clear();
+        for (const auto& h : split_list(decode_hkv)) decode_opts.kv_heads.push_back(std::stoi(h));
+      }
+      decode_opts.whole_model = !decode_no_model;
+      auto rows = eval::bench_decode(decode_opts, true);
+      if (bench_json) {
+        std::cout << rows.dump(1) << "\n";
+      } else {
+        print_decode_table(rows);
       }
     }
     if (demo->parsed()) cmd_demo(demo_out, demo_data);

@@ -1,8 +1,14 @@
 #include "eval/bench.h"
 
 #include <chrono>
+#include <algorithm>
+#include <cstdio>
 #include <iostream>
+#include <random>
 
+#include "attention/dense.h"
+#include "kernels/decode_attention.h"
+#include "kernels/memory_bandwidth.h"
 #include "model/transformer.h"
 #include "text/bpe.h"
 #include "text/corpus.h"
@@ -89,6 +95,105 @@ nlohmann::json bench_train(const train::RunConfig& cfg, int steps, bool verbose)
           {"achieved_gflops", achieved},
           {"sgemm_gflops_1024", sgemm},
           {"ratio_to_sgemm", achieved / sgemm}};
+}
+
+namespace {
+
+// Mean seconds per call of f over at least 3 calls and about `seconds` in all, after one warm-up.
+template <class F>
+double time_per_call(F&& f, double seconds) {
+  f();
+  int n = 0;
+  auto t0 = Clock::now();
+  do {
+    f();
+    ++n;
+  } while (n < 3 || since(t0) < seconds);
+  return since(t0) / n;
+}
+
+void fill_random(kernels::KVStore& store, int64_t tokens, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t row = static_cast<int64_t>(store.kv_heads()) * store.head_dim();
+  std::vector<float> k(row), v(row);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < row; ++i) k[i] = normal(rng), v[i] = normal(rng);
+    store.append(k.data(), v.data());
+  }
+}
+
+}  // namespace
+
+nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
+  torch::NoGradGuard ng;
+  const int threads = torch::get_num_threads();
+  nlohmann::json rows = nlohmann::json::array();
+  if (verbose) std::cerr << "bench decode: measuring read bandwidth ...\n";
+  const double stream = kernels::measure_read_bandwidth_gbps(1ull << 30, threads, 1.5);
+  rows.push_back({{"stream_gbps", stream}, {"threads", threads}});
+  std::mt19937 rng(0);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(o.head_dim)));
+  std::vector<float> q(static_cast<size_t>(o.heads) * o.head_dim), out(q.size());
+  for (auto& x : q) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+  for (int hkv : o.kv_heads) {
+    for (const auto& name : o.types) {
+      const auto type = kernels::parse_kv_type(name);
+      kernels::KVStore store(type, hkv, o.head_dim);
+      for (int64_t ctx : o.contexts) {
+        fill_random(store, ctx - store.length(), rng);
+        const double s = time_per_call([&] { kernels::decode_attention(q.data(), o.heads, store, scale, out.data(), threads); },
+                                       o.seconds_per_point);
+        const double bytes = static_cast<double>(kernels::decode_bytes_read(store));
+        nlohmann::json row = {{"cache", name},       {"context", ctx},          {"hkv", hkv},
+                              {"heads", o.heads},    {"head_dim", o.head_dim},  {"us_per_step", s * 1e6},
+                              {"bytes_read", bytes}, {"gbps", bytes / s / 1e9}, {"bw_ratio", bytes / s / 1e9 / stream}};
+        if (type == kernels::KVType::F32) {
+          // The libtorch reference path on the same shapes: scores, softmax, weighted sum.
+          auto K = torch::randn({hkv, ctx, o.head_dim}), V = torch::randn({hkv, ctx, o.head_dim});
+          auto Q = torch::randn({hkv, o.heads / hkv, o.head_dim});
+          const double ts = time_per_call(
+              [&] { torch::matmul(torch::softmax(torch::matmul(Q, K.transpose(1, 2)) * scale, -1), V); },
+              o.seconds_per_point);
+          row["torch_us_per_step"] = ts * 1e6;
+          row["fused_speedup_vs_torch"] = ts / s;
+        }
+        if (verbose)
+          std::fprintf(stderr, "  %-4s hkv %2d context %6lld: %9.1f us/step %6.1f GB/s (%3.0f%% of stream)\n", name.c_str(), hkv,
+                       static_cast<long long>(ctx), s * 1e6, bytes / s / 1e9, 100 * bytes / s / 1e9 / stream);
+        rows.push_back(row);
+      }
+    }
+  }
+  if (o.whole_model) {
+    // The tiny preset's shapes with a context limit raised to the longest context; random
+    // weights and random cache rows: speed does not depend on the values.
+    auto cfg = train::preset("tiny").model;
+    cfg.max_position_embeddings = static_cast<int>(*std::max_element(o.contexts.begin(), o.contexts.end())) + 8192;
+    torch::manual_seed(0);
+    model::Transformer m(cfg);
+    m->eval();
+    for (const auto& name : o.types) {
+      attention::CacheOptions co;
+      co.type = kernels::parse_kv_type(name);
+      auto state = m->new_state(1, co);
+      for (int64_t ctx : o.contexts) {
+        for (auto& layer : state.layers) {
+          auto& store = dynamic_cast<attention::FusedKVCache&>(*layer).store(0);
+          fill_random(store, ctx - store.length(), rng);
+        }
+        auto tok = torch::zeros({1, 1}, torch::kLong);
+        const int64_t base = state.length();
+        // Each timed call appends one token: the context grows by steps_appended while measured.
+        const double s = time_per_call([&] { m->step(tok, state); }, o.seconds_per_point);
+        const int64_t extra = state.length() - base;
+        rows.push_back({{"model", "tiny"}, {"cache", name}, {"context", ctx}, {"tokens_per_s", 1.0 / s},
+                        {"kv_bytes", state.bytes()}, {"steps_appended", extra}});
+        if (verbose)
+          std::fprintf(stderr, "  tiny model, %-4s context %6lld: %7.1f tokens/s\n", name.c_str(), static_cast<long long>(ctx), 1.0 / s);
+      }
+    }
+  }
+  return rows;
 }
 
 nlohmann::json bench_tokenizer(const std::string& data_dir, int vocab_size, bool verbose) {

@@ -3,6 +3,7 @@
 #pragma once
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "model/config.h"
 #include "train/train_config.h"
@@ -17,6 +18,19 @@ double measure_sgemm_gflops(int n, double seconds);
 double training_flops_per_step(const model::ModelConfig& m, int batch, int seq_len);
 
 nlohmann::json bench_train(const train::RunConfig& config, int steps, bool verbose);
+struct DecodeBenchOptions {
+  std::vector<int64_t> contexts{1024, 4096, 16384, 65536};
+  std::vector<std::string> types{"f32", "bf16", "q8", "q4"};
+  std::vector<int> kv_heads{16, 4};
+  int heads = 16, head_dim = 128;
+  double seconds_per_point = 0.4;
+  bool whole_model = true;  // also tiny-model decode tokens/s at each context
+};
+// Rows: one {"stream_gbps"}; per (cache, context, hkv) the fused kernel's time per step, bytes
+// read, GB/s and its ratio to the stream figure (f32 rows also time the libtorch reference);
+// per (cache, context) whole-model decode tokens/s.
+nlohmann::json bench_decode(const DecodeBenchOptions& options, bool verbose);
+
 nlohmann::json bench_tokenizer(const std::string& data_dir, int vocab_size, bool verbose);
 
 }  // namespace kvx::eval

@@ -49,6 +49,34 @@ LmQuality evaluate_lm(model::Transformer& model, const std::vector<std::pair<tor
   return finish(nats, tokens, bytes);
 }
 
+CachedQuality evaluate_lm_cached(model::Transformer& model,
+                                 const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
+                                 const text::BpeTokenizer& tokenizer, const attention::CacheOptions& cache) {
+  torch::NoGradGuard ng;
+  const bool was_training = model->is_training();
+  model->eval();
+  auto len = token_byte_lengths(tokenizer, model->config().vocab_size);
+  double nats = 0, kl = 0, agree = 0;
+  int64_t tokens = 0, bytes = 0;
+  CachedQuality out;
+  for (const auto& [x, y] : batches) {
+    auto full = torch::log_softmax(model->forward(x).to(torch::kFloat64), -1);
+    auto state = model->new_state(x.size(0), cache);
+    auto cached = torch::log_softmax(model->step(x, state).to(torch::kFloat64), -1);
+    out.cache_bytes_per_token = state.bytes_per_token();
+    nats -= cached.gather(-1, y.unsqueeze(-1)).sum().item<double>();
+    kl += (full.exp() * (full - cached)).sum().item<double>();
+    agree += full.argmax(-1).eq(cached.argmax(-1)).sum().item<double>();
+    tokens += y.numel();
+    bytes += target_bytes(y, len);
+  }
+  if (was_training) model->train();
+  out.quality = finish(nats, tokens, bytes);
+  out.kl_vs_full = tokens ? kl / tokens : 0;
+  out.top1_agreement = tokens ? agree / tokens : 0;
+  return out;
+}
+
 LmQuality unigram_quality(const std::vector<int32_t>& train, int vocab_size,
                           const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
                           const text::BpeTokenizer& tokenizer) {

@@ -23,6 +23,18 @@ struct LmQuality {
 LmQuality evaluate_lm(model::Transformer& model, const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
                       const text::BpeTokenizer& tokenizer);
 
+// Quality through a decode cache: every window is fed through step() with the given cache
+// (quantised and/or evicted), and compared with the uncached full forward (f32).
+struct CachedQuality {
+  LmQuality quality;
+  double kl_vs_full = 0;       // mean KL(p_full || p_cache) per token, nats
+  double top1_agreement = 0;   // share of tokens whose argmax agrees with the full forward
+  double cache_bytes_per_token = 0;
+};
+CachedQuality evaluate_lm_cached(model::Transformer& model,
+                                 const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
+                                 const text::BpeTokenizer& tokenizer, const attention::CacheOptions& cache);
+
 // Cross-entropy of an add-one-smoothed unigram model fitted on `train`, on the targets of `batches`.
 LmQuality unigram_quality(const std::vector<int32_t>& train, int vocab_size,
                           const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,

@@ -28,7 +28,8 @@ int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& opt, st
 }
 
 GenerateResult generate(Transformer& model, const std::vector<int32_t>& prompt, int max_new,
-                        const SamplingOptions& opt, uint64_t seed, const std::function<void(int32_t)>& on_token) {
+                        const SamplingOptions& opt, uint64_t seed, const std::function<void(int32_t)>& on_token,
+                        const attention::CacheOptions& cache) {
   if (prompt.empty()) throw Error("generate: the prompt is empty; give at least one token of text");
   if (max_new < 0) throw Error("generate: --max-new must be >= 0");
   const int64_t limit = model->config().max_position_embeddings;
@@ -39,7 +40,7 @@ GenerateResult generate(Transformer& model, const std::vector<int32_t>& prompt, 
   model->eval();
   std::mt19937_64 rng(seed);
   GenerateResult r;
-  auto state = model->new_state(1);
+  auto state = model->new_state(1, cache);
   auto t0 = std::chrono::steady_clock::now();
   auto ids = torch::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), torch::kLong).unsqueeze(0);
   auto logits = model->step(ids, state);

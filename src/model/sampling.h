@@ -29,6 +29,7 @@ struct GenerateResult {
 
 GenerateResult generate(Transformer& model, const std::vector<int32_t>& prompt, int max_new,
                         const SamplingOptions& opt, uint64_t seed,
-                        const std::function<void(int32_t)>& on_token = nullptr);
+                        const std::function<void(int32_t)>& on_token = nullptr,
+                        const attention::CacheOptions& cache = {});
 
 }  // namespace kvx::model

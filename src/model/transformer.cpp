@@ -72,9 +72,9 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& ids) {
   return logits(h);
 }
 
-DecodeState TransformerImpl::new_state(int64_t batch) const {
+DecodeState TransformerImpl::new_state(int64_t batch, const attention::CacheOptions& options) const {
   DecodeState s;
-  for (const auto& layer : *layers) s.layers.push_back(layer->as<BlockImpl>()->self_attn->new_cache(batch));
+  for (const auto& layer : *layers) s.layers.push_back(layer->as<BlockImpl>()->self_attn->new_cache(batch, options));
   return s;
 }
 
@@ -90,9 +90,9 @@ torch::Tensor TransformerImpl::step(const torch::Tensor& ids, DecodeState& state
   return logits(h);
 }
 
-int64_t TransformerImpl::kv_bytes_per_token() const {
-  int64_t b = 0;
-  for (const auto& layer : *layers) b += layer->as<BlockImpl>()->self_attn->cache_bytes_per_token();
+double TransformerImpl::kv_bytes_per_token(kernels::KVType type) const {
+  double b = 0;
+  for (const auto& layer : *layers) b += layer->as<BlockImpl>()->self_attn->cache_bytes_per_token(type);
   return b;
 }
 

@@ -39,10 +39,10 @@ class TransformerImpl : public torch::nn::Module {
   explicit TransformerImpl(const ModelConfig& c);
   // ids: [B, T] int64 -> logits [B, T, V] (float32).
   torch::Tensor forward(const torch::Tensor& ids);
-  DecodeState new_state(int64_t batch) const;
+  DecodeState new_state(int64_t batch, const attention::CacheOptions& options = {}) const;
   // Appends ids [B, T] to the state and returns their logits [B, T, V]. Errors past the context limit.
   torch::Tensor step(const torch::Tensor& ids, DecodeState& state);
-  int64_t kv_bytes_per_token() const;  // all layers, f32 cache, per batch row
+  double kv_bytes_per_token(kernels::KVType type = kernels::KVType::F32) const;  // all layers, per batch row
   int64_t num_parameters(bool include_embedding = true) const;
 
   nn::TensorMap state_dict_hf() const;            // HF names -> tensors

@@ -109,7 +109,9 @@ TEST(DenseAttention, StepInChunksEqualsForward) {
   auto x = torch::randn({3, 13, c.hidden_size}, torch::kFloat64);
   torch::NoGradGuard ng;
   auto full = m.forward(x);
-  auto cache = m.new_cache(3);
+  attention::CacheOptions reference;
+  reference.reference = true;
+  auto cache = m.new_cache(3, reference);
   std::vector<torch::Tensor> parts;
   int64_t pos = 0;
   for (int64_t chunk : {5, 1, 1, 4, 2}) {
@@ -123,12 +125,12 @@ TEST(DenseAttention, StepInChunksEqualsForward) {
 TEST(DenseAttention, CacheKnowsItsBytes) {
   auto c = small_config(6, 2);
   attention::DenseAttention m(c, 0);
-  auto cache = m.new_cache(2);
+  auto cache = m.new_cache(2, attention::CacheOptions{});
   torch::NoGradGuard ng;
   m.step(torch::randn({2, 9, c.hidden_size}), *cache);
   EXPECT_EQ(cache->bytes(), 9 * 2 * (2 * 2 * 6 * 4));
   EXPECT_DOUBLE_EQ(cache->bytes_per_token(), 2 * 2 * 6 * 4);
-  EXPECT_EQ(m.cache_bytes_per_token(), 2 * 2 * 6 * 4);
+  EXPECT_EQ(m.cache_bytes_per_token(kernels::KVType::F32), 2 * 2 * 6 * 4);
   cache->clear();
   EXPECT_EQ(cache->length(), 0);
   EXPECT_EQ(cache->bytes(), 0);

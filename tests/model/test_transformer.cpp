@@ -34,7 +34,9 @@ TEST_P(IncrementalDecode, PrefillThenSingleStepsEqualsFullForward) {
   torch::NoGradGuard ng;
   auto ids = torch::randint(37, {2, 20}, torch::kLong);
   auto full = m->forward(ids);
-  auto state = m->new_state(2);
+  attention::CacheOptions reference;
+  reference.reference = true;
+  auto state = m->new_state(2, reference);
   std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, 7), state)};  // odd-length prefill
   for (int t = 7; t < 20; ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
   auto inc = torch::cat(parts, 1);
@@ -42,6 +44,71 @@ TEST_P(IncrementalDecode, PrefillThenSingleStepsEqualsFullForward) {
   EXPECT_EQ(state.length(), 20);
   EXPECT_EQ(state.bytes(), 20 * 2 * m->kv_bytes_per_token());
   EXPECT_EQ(m->kv_bytes_per_token(), 3 * 2 * Hkv * 8 * 4);
+}
+
+// The fused torch-free kernels (f32 cache) against the full forward, in float32.
+TEST_P(IncrementalDecode, FusedKernelsMatchFullForward) {
+  auto [H, Hkv] = GetParam();
+  torch::manual_seed(12);
+  auto c = tiny(H, Hkv);
+  model::Transformer m(c);
+  m->eval();
+  torch::NoGradGuard ng;
+  auto ids = torch::randint(37, {2, 21}, torch::kLong);
+  auto full = m->forward(ids);
+  for (int threads : {1, 2}) {
+    attention::CacheOptions fused;
+    fused.threads = threads;
+    auto state = m->new_state(2, fused);
+    std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, 9), state)};
+    for (int t = 9; t < 21; ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
+    auto inc = torch::cat(parts, 1);
+    EXPECT_TRUE(torch::allclose(inc, full, 1e-4, 1e-5)) << (inc - full).abs().max().item<double>();
+    EXPECT_EQ(state.bytes(), 21 * 2 * m->kv_bytes_per_token());
+  }
+}
+
+TEST(Transformer, QuantisedAndEvictedCachesReportTheirBytes) {
+  auto c = tiny(4, 2);
+  c.head_dim = 32;
+  model::Transformer m(c);
+  torch::NoGradGuard ng;
+  auto ids = torch::randint(37, {1, 30}, torch::kLong);
+  auto full = m->forward(ids);
+  for (const char* type : {"f32", "bf16", "q8", "q4"}) {
+    auto o = attention::CacheOptions::parse(type, "", false);
+    auto state = m->new_state(1, o);
+    auto logits = m->step(ids, state);
+    const double per_token = m->kv_bytes_per_token(o.type);
+    EXPECT_DOUBLE_EQ(state.bytes_per_token(), per_token) << type;
+    EXPECT_EQ(state.bytes(), static_cast<int64_t>(30 * per_token)) << type;
+    // Coarser caches drift further from the f32 logits, but stay close.
+    const double err = (logits - full).abs().max().item<double>();
+    EXPECT_LT(err, std::string(type) == "q4" ? 0.5 : 0.05) << type;
+  }
+  EXPECT_DOUBLE_EQ(m->kv_bytes_per_token(kernels::KVType::Q8), 3 * 2 * 2 * 34);
+  EXPECT_DOUBLE_EQ(m->kv_bytes_per_token(kernels::KVType::Q4), 3 * 2 * 2 * 18);
+  auto evict = attention::CacheOptions::parse("f32", "sink=2,window=5", false);
+  auto state = m->new_state(1, evict);
+  m->step(ids, state);
+  EXPECT_EQ(state.length(), 30);
+  EXPECT_EQ(state.bytes(), static_cast<int64_t>(7 * m->kv_bytes_per_token()));
+}
+
+TEST(CacheOptions, BadNamesListTheValidOnes) {
+  try {
+    attention::CacheOptions::parse("fp8", "", false);
+    FAIL();
+  } catch (const kvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q4"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(attention::CacheOptions::parse("f32", "sink=4", false), kvx::Error);
+  EXPECT_THROW(attention::CacheOptions::parse("f32", "sink=4,window=x", false), kvx::Error);
+  EXPECT_THROW(attention::CacheOptions::parse("f32", "keep=4,window=8", false), kvx::Error);
+  EXPECT_THROW(attention::CacheOptions::parse("q8", "", true), kvx::Error);
+  auto o = attention::CacheOptions::parse("q4", "sink=4,window=60", false);
+  EXPECT_EQ(o.evict.sink, 4);
+  EXPECT_EQ(o.evict.window, 60);
 }
 
 INSTANTIATE_TEST_SUITE_P(MhaGqaMqa, IncrementalDecode,
@@ -78,6 +145,18 @@ TEST(Transformer, ContextPastTheLimitIsAClearError) {
   } catch (const kvx::Error& e) {
     EXPECT_NE(std::string(e.what()).find("context limit"), std::string::npos) << e.what();
   }
+}
+
+TEST(Sampling, FusedGreedyGenerationEqualsTheReferencePath) {
+  torch::manual_seed(8);
+  auto c = tiny(4, 2);
+  model::Transformer m(c);
+  std::vector<int32_t> prompt{3, 1, 4, 1, 5};
+  attention::CacheOptions reference;
+  reference.reference = true;
+  auto ref = model::generate(m, prompt, 20, {0.0, 1.0}, 0, nullptr, reference);
+  auto fused = model::generate(m, prompt, 20, {0.0, 1.0}, 0, nullptr, attention::CacheOptions{});
+  EXPECT_EQ(ref.tokens, fused.tokens);
 }
 
 TEST(Sampling, GreedyAndSeededSamplingAreDeterministic) {

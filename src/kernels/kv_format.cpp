@@ -1,0 +1,233 @@
+#include "kernels/kv_format.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "util/error.h"
+
+namespace kvx::kernels {
+
+namespace {
+
+uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+void store_u16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+void check_finite(bool ok, KVType t) {
+  if (!ok)
+    throw Error("quantize_row(" + kv_type_name(t) +
+                "): a K/V row holds NaN or inf; the model produced invalid activations, fix the "
+                "forward pass (or its input) before caching it");
+}
+
+void check_scale(float d, KVType t) {
+  if (!(std::fabs(d) <= 65504.0f))
+    throw Error("quantize_row(" + kv_type_name(t) + "): block scale " + std::to_string(d) +
+                " exceeds the fp16 range (65504); K/V values this large need an f32 or bf16 cache");
+}
+
+// x ~ q * d with d = max|x| / 127 (rounded to fp16), q in [-127, 127].
+void quantize_q8(const float* x, int n, uint8_t* dst) {
+  const int nb = n / kQBlock;
+  int8_t* qs = reinterpret_cast<int8_t*>(dst + 2 * nb);
+  for (int b = 0; b < nb; ++b, x += kQBlock, qs += kQBlock) {
+    float amax = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < kQBlock; ++i) {
+      const float a = std::fabs(x[i]);
+      finite &= a <= FLT_MAX;
+      amax = std::max(amax, a);
+    }
+    check_finite(finite, KVType::Q8);
+    const float d = amax / 127.0f;
+    check_scale(d, KVType::Q8);
+    const uint16_t dh = float_to_fp16(d);
+    const float d16 = fp16_to_float(dh);
+    const float id = d16 > 0.0f ? 1.0f / d16 : 0.0f;
+    store_u16(dst + 2 * b, dh);
+    for (int i = 0; i < kQBlock; ++i) {
+      const float r = std::nearbyint(x[i] * id);
+      qs[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+    }
+  }
+}
+
+// x ~ (q - 8) * d with d = m / -8, m the value of largest magnitude; q in [0, 15].
+void quantize_q4(const float* x, int n, uint8_t* dst) {
+  const int nb = n / kQBlock;
+  uint8_t* qs = dst + 2 * nb;
+  for (int b = 0; b < nb; ++b, x += kQBlock, qs += kQBlock / 2) {
+    float amax = 0.0f, m = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < kQBlock; ++i) {
+      const float a = std::fabs(x[i]);
+      finite &= a <= FLT_MAX;
+      if (a > amax) {
+        amax = a;
+        m = x[i];
+      }
+    }
+    check_finite(finite, KVType::Q4);
+    const float d = m / -8.0f;
+    check_scale(d, KVType::Q4);
+    const uint16_t dh = float_to_fp16(d);
+    const float d16 = fp16_to_float(dh);
+    const float id = d16 != 0.0f ? 1.0f / d16 : 0.0f;
+    store_u16(dst + 2 * b, dh);
+    uint8_t q[kQBlock];
+    for (int i = 0; i < kQBlock; ++i) {
+      const float r = std::nearbyint(x[i] * id) + 8.0f;
+      q[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, r)));
+    }
+    for (int j = 0; j < kQBlock / 2; ++j) qs[j] = static_cast<uint8_t>(q[2 * j] | (q[2 * j + 1] << 4));
+  }
+}
+
+}  // namespace
+
+uint16_t float_to_bf16(float x) {
+  const uint32_t u = bits_of(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+float bf16_to_float(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
+
+uint16_t float_to_fp16(float x) {
+#if defined(__F16C__)
+  return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+#else
+  const uint32_t u = bits_of(x);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00;       // NaN
+  if (a >= 0x477ff000u) return sign | 0x7c00;      // >= 65520 rounds to inf
+  if (a < 0x38800000u) {                           // below 2^-14: fp16 subnormal or zero
+    if (a <= 0x33000000u) return sign;             // <= 2^-25 rounds to zero
+    const uint32_t e = a >> 23, m = (a & 0x7fffffu) | 0x800000u, s = 126 - e;
+    uint32_t q = m >> s;
+    const uint32_t rem = m & ((1u << s) - 1), half = 1u << (s - 1);
+    if (rem > half || (rem == half && (q & 1))) ++q;
+    return static_cast<uint16_t>(sign | q);
+  }
+  uint32_t r = ((a >> 23) - 112) << 10 | ((a & 0x7fffffu) >> 13);
+  const uint32_t rem = a & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1))) ++r;
+  return static_cast<uint16_t>(sign | r);
+#endif
+}
+
+float fp16_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ffu;
+  if (e == 0) {
+    const float v = std::ldexp(static_cast<float>(m), -24);
+    return sign ? -v : v;
+  }
+  if (e == 31) return float_of(sign | 0x7f800000u | (m << 13));
+  return float_of(sign | ((e + 112) << 23) | (m << 13));
+#endif
+}
+
+KVType parse_kv_type(const std::string& name) {
+  if (name == "f32") return KVType::F32;
+  if (name == "bf16") return KVType::BF16;
+  if (name == "q8") return KVType::Q8;
+  if (name == "q4") return KVType::Q4;
+  throw Error("unknown KV cache type '" + name + "'; valid types are f32, bf16, q8, q4");
+}
+
+std::string kv_type_name(KVType t) {
+  switch (t) {
+    case KVType::F32: return "f32";
+    case KVType::BF16: return "bf16";
+    case KVType::Q8: return "q8";
+    case KVType::Q4: return "q4";
+  }
+  throw Error("kv_type_name: invalid KVType value " + std::to_string(static_cast<int>(t)));
+}
+
+double bits_per_value(KVType t) {
+  switch (t) {
+    case KVType::F32: return 32.0;
+    case KVType::BF16: return 16.0;
+    case KVType::Q8: return 8.0 * kQ8BlockBytes / kQBlock;  // 8.5
+    case KVType::Q4: return 8.0 * kQ4BlockBytes / kQBlock;  // 4.5
+  }
+  throw Error("bits_per_value: invalid KVType value " + std::to_string(static_cast<int>(t)));
+}
+
+size_t row_bytes(KVType t, int n) {
+  if (n <= 0) throw Error("KV row width (head_dim) must be positive, got " + std::to_string(n));
+  switch (t) {
+    case KVType::F32: return 4 * static_cast<size_t>(n);
+    case KVType::BF16: return 2 * static_cast<size_t>(n);
+    case KVType::Q8:
+    case KVType::Q4:
+      if (n % kQBlock != 0)
+        throw Error(kv_type_name(t) + " KV cache needs head_dim to be a multiple of 32, got head_dim = " +
+                    std::to_string(n) + "; use an f32 or bf16 cache for this model");
+      return static_cast<size_t>(n / kQBlock) * (t == KVType::Q8 ? kQ8BlockBytes : kQ4BlockBytes);
+  }
+  throw Error("row_bytes: invalid KVType value " + std::to_string(static_cast<int>(t)));
+}
+
+void quantize_row(KVType t, const float* x, int n, uint8_t* dst) {
+  row_bytes(t, n);  // validates n
+  switch (t) {
+    case KVType::F32: std::memcpy(dst, x, 4 * static_cast<size_t>(n)); return;
+    case KVType::BF16:
+      for (int i = 0; i < n; ++i) store_u16(dst + 2 * i, float_to_bf16(x[i]));
+      return;
+    case KVType::Q8: quantize_q8(x, n, dst); return;
+    case KVType::Q4: quantize_q4(x, n, dst); return;
+  }
+}
+
+void dequantize_row(KVType t, const uint8_t* src, int n, float* dst) {
+  row_bytes(t, n);
+  switch (t) {
+    case KVType::F32: std::memcpy(dst, src, 4 * static_cast<size_t>(n)); return;
+    case KVType::BF16:
+      for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(load_u16(src + 2 * i));
+      return;
+    case KVType::Q8: {
+      const int8_t* q = reinterpret_cast<const int8_t*>(src + 2 * (n / kQBlock));
+      for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(q[i]) * fp16_to_float(load_u16(src + 2 * (i / kQBlock)));
+      return;
+    }
+    case KVType::Q4: {
+      const uint8_t* q = src + 2 * (n / kQBlock);
+      for (int i = 0; i < n; ++i) {
+        const int nib = (q[i / 2] >> (4 * (i & 1))) & 0xf;
+        dst[i] = static_cast<float>(nib - 8) * fp16_to_float(load_u16(src + 2 * (i / kQBlock)));
+      }
+      return;
+    }
+  }
+}
+
+}  // namespace kvx::kernels

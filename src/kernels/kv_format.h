@@ -1,0 +1,47 @@
+// KV-cache element types and their (de)quantisation. Torch-free: raw buffers in and out.
+//
+// Row formats (one row = one head_dim vector of one token):
+//   f32   n floats.
+//   bf16  n uint16: the upper 16 bits of the float, rounded to nearest even.
+//   q8    blocks of 32 values (llama.cpp q8_0 numerics): d = max|x| / 127, q = round(x / d),
+//         x ~ q * d. Row = [n/32 fp16 scales][n int8 q]: 34 bytes per block, 8.5 bits/value.
+//   q4    blocks of 32 values (q4_0 numerics): m = the value of largest magnitude (sign kept),
+//         d = m / -8, q = clamp(round(x / d) + 8, 0, 15), x ~ (q - 8) * d.
+//         Row = [n/32 fp16 scales][n/2 bytes]: byte j holds value 2j in its low nibble and
+//         value 2j+1 in its high nibble, so 32-bit word w holds values 8w..8w+7 at bit offsets
+//         0, 4, ..., 28. 18 bytes per block, 4.5 bits/value.
+//   The scales of a row come first (one load converts them all) and the quants are contiguous;
+//   sizes and numerics are those of q8_0/q4_0, the byte order is ours.
+// q8/q4 quantise with the fp16-rounded scale, so the error bound is in terms of the stored d:
+//   q8: |x - x~| <= d/2 (values never clamp beyond 127 * |d - fp16(d)|, far below d/2).
+//   q4: |x - x~| <= |d|/2, except values of the opposite sign to m with |x| > 7.5|d|,
+//       which clamp to q = 15 and have |x - x~| <= |d| (plus fp16 rounding of d).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace kvx::kernels {
+
+enum class KVType { F32, BF16, Q8, Q4 };
+
+KVType parse_kv_type(const std::string& name);  // "f32", "bf16", "q8", "q4"
+std::string kv_type_name(KVType t);
+double bits_per_value(KVType t);                 // 32, 16, 8.5, 4.5
+size_t row_bytes(KVType t, int n);               // q8/q4 need n % 32 == 0
+
+constexpr int kQBlock = 32;          // values per q8/q4 block
+constexpr size_t kQ8BlockBytes = 34;
+constexpr size_t kQ4BlockBytes = 18;
+
+// x: n floats (finite) -> dst: row_bytes(t, n) bytes.
+void quantize_row(KVType t, const float* x, int n, uint8_t* dst);
+void dequantize_row(KVType t, const uint8_t* src, int n, float* dst);
+
+// Scalar helpers shared with the kernels and tests.
+uint16_t float_to_bf16(float x);  // round to nearest even; NaN stays NaN
+float bf16_to_float(uint16_t h);
+uint16_t float_to_fp16(float x);  // IEEE binary16, round to nearest even
+float fp16_to_float(uint16_t h);
+
+}  // namespace kvx::kernels

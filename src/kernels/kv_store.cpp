@@ -1,0 +1,132 @@
+#include "kernels/kv_store.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <new>
+#include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "util/error.h"
+
+namespace kvx::kernels {
+
+namespace {
+constexpr size_t kHugePage = size_t{2} << 20;
+}
+
+void KVStore::PageFree::operator()(uint8_t* p) const { std::free(p); }
+
+KVStore::KVStore(KVType type, int kv_heads, int head_dim, Eviction evict, int page_tokens)
+    : type_(type), kv_heads_(kv_heads), head_dim_(head_dim), evict_(evict), page_tokens_(page_tokens) {
+  if (kv_heads < 1) throw Error("KVStore: kv_heads must be >= 1, got " + std::to_string(kv_heads));
+  if (page_tokens < 1)
+    throw Error("KVStore: page_tokens must be >= 1, got " + std::to_string(page_tokens) + " (default 256)");
+  if (evict.sink < 0 || evict.window < 0)
+    throw Error("KVStore: eviction sink and window must be >= 0, got sink " + std::to_string(evict.sink) +
+                ", window " + std::to_string(evict.window));
+  if (evict.sink > 0 && evict.window == 0)
+    throw Error("KVStore: eviction sink " + std::to_string(evict.sink) +
+                " without a window keeps everything; set window > 0 or sink = 0");
+  row_bytes_ = kernels::row_bytes(type, head_dim);  // validates head_dim for the type
+  half_page_bytes_ = static_cast<size_t>(kv_heads) * page_tokens * row_bytes_;
+}
+
+KVStore::~KVStore() = default;
+KVStore::KVStore(KVStore&&) noexcept = default;
+KVStore& KVStore::operator=(KVStore&&) noexcept = default;
+
+int64_t KVStore::stored() const {
+  return evict_.enabled() ? std::min(length_, evict_.sink + evict_.window) : length_;
+}
+
+int64_t KVStore::bytes() const { return stored() * 2 * kv_heads_ * static_cast<int64_t>(row_bytes_); }
+
+int64_t KVStore::reserved_bytes() const { return static_cast<int64_t>(pages_.size() * 2 * half_page_bytes_); }
+
+double KVStore::bytes_per_token() const { return 2.0 * kv_heads_ * static_cast<double>(row_bytes_); }
+
+void KVStore::clear() { length_ = 0; }
+
+int64_t KVStore::slot_of(int64_t position) const {
+  if (position < 0 || position >= length_)
+    throw Error("KVStore::slot_of: position " + std::to_string(position) + " is outside [0, " +
+                std::to_string(length_) + ")");
+  if (!evict_.enabled() || position < evict_.sink) return position;
+  if (position < length_ - evict_.window) return -1;  // evicted
+  return evict_.sink + (position - evict_.sink) % evict_.window;
+}
+
+int64_t KVStore::position_of(int64_t slot) const {
+  if (slot < 0 || slot >= stored())
+    throw Error("KVStore::position_of: slot " + std::to_string(slot) + " is outside [0, " +
+                std::to_string(stored()) + ")");
+  if (!evict_.enabled() || slot < evict_.sink) return slot;
+  const int64_t r = slot - evict_.sink, n = length_ - evict_.sink;  // n > r
+  return evict_.sink + r + (n - 1 - r) / evict_.window * evict_.window;
+}
+
+uint8_t* KVStore::page_for_slot(int64_t slot) {
+  const int64_t p = slot / page_tokens_;
+  while (static_cast<int64_t>(pages_.size()) <= p) {
+    const size_t n = 2 * half_page_bytes_;
+    const size_t align = n >= kHugePage ? kHugePage : 64;
+    void* mem = nullptr;
+    if (posix_memalign(&mem, align, n) != 0 || mem == nullptr)
+      throw Error("KVStore: out of memory allocating a " + std::to_string(n) + "-byte page after " +
+                  std::to_string(length_) + " tokens; use a smaller cache type (q8/q4) or eviction");
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (align == kHugePage) madvise(mem, n, MADV_HUGEPAGE);  // fewer TLB misses when streaming
+#endif
+    pages_.emplace_back(static_cast<uint8_t*>(mem));
+  }
+  return pages_[p].get();
+}
+
+void KVStore::append(const float* k, const float* v) {
+  // Validate before writing: with eviction the target slot still holds a live row.
+  const size_t n = static_cast<size_t>(kv_heads_) * head_dim_;
+  float amax = 0.0f;
+  for (size_t i = 0; i < n; ++i) amax = std::max(amax, std::max(std::fabs(k[i]), std::fabs(v[i])));
+  bool finite = amax <= 3.4e38f;
+  for (size_t i = 0; i < n; ++i) finite &= (k[i] == k[i]) & (v[i] == v[i]);
+  if (!finite)
+    throw Error("KVStore::append: K/V holds NaN or inf at position " + std::to_string(length_) +
+                "; the model produced invalid activations, fix the forward pass before caching");
+  const float limit = type_ == KVType::Q8 ? 65504.0f * 127.0f : type_ == KVType::Q4 ? 65504.0f * 8.0f : 3.4e38f;
+  if (amax > limit)
+    throw Error("KVStore::append: |K/V| reaches " + std::to_string(amax) + ", beyond what a " +
+                kv_type_name(type_) + " block scale (fp16) can hold; use an f32 or bf16 cache");
+  int64_t slot = length_;
+  if (evict_.enabled() && length_ >= evict_.sink) slot = evict_.sink + (length_ - evict_.sink) % evict_.window;
+  uint8_t* page = page_for_slot(slot);
+  const size_t row = static_cast<size_t>(slot % page_tokens_) * row_bytes_;
+  const size_t head_stride = static_cast<size_t>(page_tokens_) * row_bytes_;
+  for (int h = 0; h < kv_heads_; ++h) {
+    quantize_row(type_, k + static_cast<size_t>(h) * head_dim_, head_dim_, page + h * head_stride + row);
+    quantize_row(type_, v + static_cast<size_t>(h) * head_dim_, head_dim_,
+                 page + half_page_bytes_ + h * head_stride + row);
+  }
+  ++length_;
+}
+
+const uint8_t* KVStore::k_rows(int64_t page, int head) const {
+  return pages_[page].get() + static_cast<size_t>(head) * page_tokens_ * row_bytes_;
+}
+
+const uint8_t* KVStore::v_rows(int64_t page, int head) const {
+  return pages_[page].get() + half_page_bytes_ + static_cast<size_t>(head) * page_tokens_ * row_bytes_;
+}
+
+const uint8_t* KVStore::k_row(int64_t slot, int head) const {
+  return k_rows(slot / page_tokens_, head) + static_cast<size_t>(slot % page_tokens_) * row_bytes_;
+}
+
+const uint8_t* KVStore::v_row(int64_t slot, int head) const {
+  return v_rows(slot / page_tokens_, head) + static_cast<size_t>(slot % page_tokens_) * row_bytes_;
+}
+
+}  // namespace kvx::kernels

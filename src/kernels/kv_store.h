@@ -1,0 +1,79 @@
+// Per-layer K/V storage for one sequence, in a KVType format, quantised at write.
+//
+// Rows live in pages of page_tokens slots allocated on demand, so growth never copies history.
+// Page layout: K block [kv_heads][page_tokens][row_bytes] then V block, same shape; one head's
+// rows are contiguous within a page.
+//
+// Eviction (StreamingLLM): with window > 0 the store keeps the first `sink` tokens and the last
+// `window` tokens, at most sink + window rows: sink tokens take slots [0, sink), later tokens a
+// ring over slots [sink, sink + window); an evicted row is overwritten, never read. Keys keep
+// the RoPE rotation of their original position (applied before append); a new query gets its
+// true position (length()); nothing is re-rotated. Attention is permutation-invariant over
+// keys, so kernels read the stored slots in slot order.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kernels/kv_format.h"
+
+namespace kvx::kernels {
+
+struct Eviction {
+  int64_t sink = 0, window = 0;
+  bool enabled() const { return window > 0; }
+};
+
+class KVStore {
+ public:
+  KVStore(KVType type, int kv_heads, int head_dim, Eviction evict = {}, int page_tokens = 256);
+  ~KVStore();
+  KVStore(const KVStore&) = delete;
+  KVStore& operator=(const KVStore&) = delete;
+  KVStore(KVStore&&) noexcept;
+  KVStore& operator=(KVStore&&) noexcept;
+
+  // ONE token: k, v are [kv_heads][head_dim] floats (keys already RoPE-rotated).
+  void append(const float* k, const float* v);
+  int64_t length() const { return length_; }  // tokens appended so far (the next position)
+  int64_t stored() const;                     // rows held: length, or at most sink + window
+  int64_t bytes() const;                      // exact bytes of the rows held (K and V, all heads)
+  int64_t reserved_bytes() const;             // bytes allocated (pages)
+  double bytes_per_token() const;             // 2 * kv_heads * row_bytes(type, head_dim)
+  void clear();                               // length 0; pages are kept for reuse
+
+  KVType type() const { return type_; }
+  int kv_heads() const { return kv_heads_; }
+  int head_dim() const { return head_dim_; }
+  const Eviction& eviction() const { return evict_; }
+  size_t row_bytes() const { return row_bytes_; }
+
+  // Read access. Stored rows are slots [0, stored()); slot s is row s % page_tokens of page
+  // s / page_tokens. k_rows(p, h) points at page p's rows for head h ([page_tokens][row_bytes]).
+  int page_tokens() const { return page_tokens_; }
+  int64_t pages() const { return static_cast<int64_t>(pages_.size()); }  // allocated
+  const uint8_t* k_rows(int64_t page, int head) const;
+  const uint8_t* v_rows(int64_t page, int head) const;
+  const uint8_t* k_row(int64_t slot, int head) const;
+  const uint8_t* v_row(int64_t slot, int head) const;
+  int64_t slot_of(int64_t position) const;     // -1 if evicted; position < length()
+  int64_t position_of(int64_t slot) const;     // the token position a stored slot holds
+
+ private:
+  struct PageFree {
+    void operator()(uint8_t* p) const;
+  };
+  using Page = std::unique_ptr<uint8_t[], PageFree>;
+  uint8_t* page_for_slot(int64_t slot);
+
+  KVType type_;
+  int kv_heads_, head_dim_;
+  Eviction evict_;
+  int page_tokens_;
+  size_t row_bytes_;
+  size_t half_page_bytes_;  // one of the K / V blocks of a page
+  int64_t length_ = 0;
+  std::vector<Page> pages_;
+};
+
+}  // namespace kvx::kernels

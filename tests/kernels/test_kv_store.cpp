@@ -1,0 +1,141 @@
+// KVStore: accounting, paging without copies, clear-and-reuse, StreamingLLM eviction.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/kv_store.h"
+#include "util/error.h"
+
+using namespace kvx;
+using namespace kvx::kernels;
+
+namespace {
+
+struct Tokens {  // per token: k, v as [kv_heads][head_dim]
+  std::vector<std::vector<float>> k, v;
+};
+
+Tokens make_tokens(int n, int kv_heads, int d, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  Tokens t;
+  for (int i = 0; i < n; ++i) {
+    std::vector<float> k(kv_heads * d), v(kv_heads * d);
+    for (auto& x : k) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+    t.k.push_back(k);
+    t.v.push_back(v);
+  }
+  return t;
+}
+
+// The stored bytes of (slot, head) equal quantize_row of token `pos`.
+void expect_row(const KVStore& s, const Tokens& tk, int64_t slot, int64_t pos) {
+  const int d = s.head_dim();
+  std::vector<uint8_t> want(s.row_bytes());
+  for (int h = 0; h < s.kv_heads(); ++h) {
+    quantize_row(s.type(), tk.k[pos].data() + h * d, d, want.data());
+    EXPECT_EQ(std::memcmp(s.k_row(slot, h), want.data(), want.size()), 0) << "K slot " << slot << " head " << h;
+    quantize_row(s.type(), tk.v[pos].data() + h * d, d, want.data());
+    EXPECT_EQ(std::memcmp(s.v_row(slot, h), want.data(), want.size()), 0) << "V slot " << slot << " head " << h;
+  }
+}
+
+}  // namespace
+
+TEST(KVStore, AccountingAndPageGrowth) {
+  for (KVType t : {KVType::F32, KVType::BF16, KVType::Q8, KVType::Q4}) {
+    const int H = 3, d = 64, P = 4;
+    KVStore s(t, H, d, {}, P);
+    const double bpt = 2.0 * H * row_bytes(t, d);
+    EXPECT_EQ(s.bytes_per_token(), bpt);
+    EXPECT_EQ(s.length(), 0);
+    EXPECT_EQ(s.reserved_bytes(), 0);
+    const Tokens tk = make_tokens(11, H, d, 5);
+    std::vector<const uint8_t*> first_page_rows;
+    for (int i = 0; i < 11; ++i) {
+      s.append(tk.k[i].data(), tk.v[i].data());
+      EXPECT_EQ(s.length(), i + 1);
+      EXPECT_EQ(s.stored(), i + 1);
+      EXPECT_EQ(s.bytes(), static_cast<int64_t>((i + 1) * bpt));
+      EXPECT_EQ(s.reserved_bytes(), static_cast<int64_t>((i / P + 1) * P * bpt));
+      if (i == 0) first_page_rows = {s.k_row(0, 0), s.v_row(0, H - 1)};
+    }
+    EXPECT_EQ(s.pages(), 3);
+    // Growth never moved history.
+    EXPECT_EQ(s.k_row(0, 0), first_page_rows[0]);
+    EXPECT_EQ(s.v_row(0, H - 1), first_page_rows[1]);
+    for (int i = 0; i < 11; ++i) {
+      EXPECT_EQ(s.slot_of(i), i);
+      EXPECT_EQ(s.position_of(i), i);
+      expect_row(s, tk, i, i);
+    }
+    // One head's rows are contiguous within a page.
+    EXPECT_EQ(s.k_row(5, 1), s.k_row(4, 1) + s.row_bytes());
+    EXPECT_EQ(s.k_rows(1, 2), s.k_row(4, 2));
+  }
+}
+
+TEST(KVStore, ClearKeepsPagesForReuse) {
+  const int H = 2, d = 32;
+  KVStore s(KVType::Q8, H, d, {}, 8);
+  const Tokens tk = make_tokens(20, H, d, 6);
+  for (int i = 0; i < 20; ++i) s.append(tk.k[i].data(), tk.v[i].data());
+  const int64_t reserved = s.reserved_bytes();
+  const uint8_t* p0 = s.k_rows(0, 0);
+  s.clear();
+  EXPECT_EQ(s.length(), 0);
+  EXPECT_EQ(s.stored(), 0);
+  EXPECT_EQ(s.bytes(), 0);
+  EXPECT_EQ(s.reserved_bytes(), reserved);
+  const Tokens tk2 = make_tokens(13, H, d, 7);
+  for (int i = 0; i < 13; ++i) s.append(tk2.k[i].data(), tk2.v[i].data());
+  EXPECT_EQ(s.reserved_bytes(), reserved);
+  EXPECT_EQ(s.k_rows(0, 0), p0);
+  for (int i = 0; i < 13; ++i) expect_row(s, tk2, i, i);
+}
+
+TEST(KVStore, EvictionKeepsFirstSinkAndLastWindow) {
+  const int H = 2, d = 32, S = 3, W = 5, N = 23;
+  KVStore s(KVType::BF16, H, d, {S, W}, 4);
+  const Tokens tk = make_tokens(N, H, d, 8);
+  for (int i = 0; i < N; ++i) {
+    s.append(tk.k[i].data(), tk.v[i].data());
+    EXPECT_EQ(s.stored(), std::min(i + 1, S + W));
+    EXPECT_EQ(s.bytes(), static_cast<int64_t>(s.stored() * s.bytes_per_token()));
+  }
+  EXPECT_EQ(s.length(), N);
+  EXPECT_EQ(s.pages(), 2);  // S + W = 8 slots, never more
+  std::vector<int> seen(N, 0);
+  for (int64_t slot = 0; slot < s.stored(); ++slot) {
+    const int64_t pos = s.position_of(slot);
+    ++seen[pos];
+    EXPECT_EQ(s.slot_of(pos), slot);
+    expect_row(s, tk, slot, pos);
+  }
+  for (int i = 0; i < N; ++i) {
+    const bool kept = i < S || i >= N - W;
+    EXPECT_EQ(seen[i], kept ? 1 : 0) << i;
+    if (!kept) EXPECT_EQ(s.slot_of(i), -1);
+  }
+}
+
+TEST(KVStore, BadArgumentsAreErrors) {
+  EXPECT_THROW(KVStore(KVType::F32, 0, 64), Error);
+  EXPECT_THROW(KVStore(KVType::F32, 2, 64, {}, 0), Error);
+  EXPECT_THROW(KVStore(KVType::F32, 2, 64, {4, 0}), Error);
+  EXPECT_THROW(KVStore(KVType::F32, 2, 64, {-1, 8}), Error);
+  try {
+    KVStore(KVType::Q4, 2, 40);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim"), std::string::npos);
+  }
+  KVStore s(KVType::Q8, 1, 32);
+  std::vector<float> k(32, 0.5f), v(32, 0.5f);
+  v[7] = NAN;
+  EXPECT_THROW(s.append(k.data(), v.data()), Error);
+  EXPECT_EQ(s.length(), 0);
+}
