@@ -6,6 +6,8 @@
 #include <iostream>
 #include <thread>
 
+#include "compare/report.h"
+#include "compare/runner.h"
 #include "eval/bench.h"
 #include "eval/evaluate.h"
 #include "io/atomic_file.h"
@@ -15,6 +17,7 @@
 #include "train/dataset.h"
 #include "train/trainer.h"
 #include "util/error.h"
+#include "util/threads.h"
 
 using namespace kvx;
 
@@ -213,43 +216,51 @@ void print_decode_table(const nlohmann::json& rows) {
   }
 }
 
-// --- kvx demo -----------------------------------------------------------------------------------
+// --- kvx compare / demo ---------------------------------------------------------------------------
+void cmd_compare(const std::string& experiment, const std::string& preset, const std::string& out, const std::string& data_dir) {
+  std::vector<std::string> names = experiment == "all" ? compare::experiment_names() : std::vector<std::string>{experiment};
+  compare::CompareOptions o;
+  o.out_dir = out;
+  o.data_dir = data_dir;
+  for (const auto& name : names) {
+    auto r = compare::run_experiment(compare::builtin_experiment(name, preset), o);
+    auto table = compare::write_report(r);
+    std::printf("\n== %s (%s): %zu arms in %.0f s ==\n%s\nreport: %s/report.md\n", name.c_str(), preset.c_str(), r.arms.size(),
+                r.seconds, table.c_str(), r.dir.c_str());
+    std::fflush(stdout);
+  }
+}
+
 void cmd_demo(const std::string& out, const std::string& data_dir) {
-  std::cout << "== kvx demo: fetch data, train the tiny dense model, generate, evaluate ==\n";
+  auto t0 = std::chrono::steady_clock::now();
+  std::cout << "== kvx demo: data, the tiny preset of every comparison experiment, a sample ==\n";
   FetchArgs f;
   f.data_dir = data_dir;
   cmd_data_fetch(f);
-  TrainCliArgs t;
-  t.preset = "tiny";
-  t.out = out;
-  t.data_dir = data_dir;
-  t.resume = true;
-  cmd_train(t);
-  std::cout << "\n== sample (temperature 0.8, top-p 0.95) ==\n";
+  cmd_compare("all", "tiny", out, data_dir);
+  // A sample from the MHA arm (trained by the arch experiment).
+  auto e = compare::builtin_experiment("arch", "tiny");
+  auto mha = compare::arm_run_config(e, compare::find_arm(e, "mha"));
   GenerateArgs g;
-  g.model = out;
-  g.prompt = "In the beginning";
-  g.max_new = 80;
+  g.model = out + "/arms/" + compare::train_arm_key(mha);
+  g.prompt = "And it came to pass";
+  g.max_new = 60;
+  std::cout << "\n== sample from the MHA arm (temperature 0.8, top-p 0.95) ==\n";
   cmd_generate(g, true);
-  g.prompt = "The jury said that";
-  cmd_generate(g, true);
-  std::cout << "\n== held-out quality ==\n";
-  EvalArgs e;
-  e.model = out;
-  e.data_dir = data_dir;
-  e.seq_len = 128;
-  cmd_eval(e);
+  std::printf("\ndemo finished in %.0f s; reports under %s/\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), out.c_str());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  ensure_passive_openmp(argv);
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
     std::cerr << "kvx: error: this CPU lacks AVX2/FMA, which kvx's decode kernels are built for (x86-64-v3)\n";
     return 2;
   }
-  torch::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  torch::set_num_threads(hardware_threads());
   CLI::App app{"kvx: transformer attention with a smaller KV cache"};
   app.require_subcommand(1);
 
@@ -331,9 +342,16 @@ int main(int argc, char** argv) {
   bench_decode->add_flag("--no-model", decode_no_model, "skip the whole-model (tiny) decode rows");
   bench_decode->add_flag("--json", bench_json, "print JSON rows");
 
-  std::string demo_out = "runs/tiny", demo_data;
-  auto* demo = app.add_subcommand("demo", "the main job on a small default: data, tiny model, sample, quality");
-  demo->add_option("--out", demo_out, "run directory (default runs/tiny)");
+  std::string compare_name, compare_preset = "tiny", compare_out = "runs/compare", compare_data;
+  auto* compare_cmd = app.add_subcommand("compare", "matched-budget comparison experiments with reports and plots");
+  compare_cmd->add_option("experiment", compare_name, "arch | posthoc | decode | all")->required();
+  compare_cmd->add_option("--preset", compare_preset, "tiny | small (default tiny)");
+  compare_cmd->add_option("--out", compare_out, "output directory (default runs/compare; arms cached under <out>/arms)");
+  compare_cmd->add_option("--data-dir", compare_data, "data directory");
+
+  std::string demo_out = "runs/compare", demo_data;
+  auto* demo = app.add_subcommand("demo", "the main job: data, the tiny preset of every comparison experiment, a sample");
+  demo->add_option("--out", demo_out, "output directory (default runs/compare)");
   demo->add_option("--data-dir", demo_data, "data directory");
 
   CLI11_PARSE(app, argc, argv);
@@ -391,6 +409,7 @@ int main(int argc, char** argv) {
         print_decode_table(rows);
       }
     }
+    if (compare_cmd->parsed()) cmd_compare(compare_name, compare_preset, compare_out, compare_data);
     if (demo->parsed()) cmd_demo(demo_out, demo_data);
   } catch (const Error& e) {
     std::cerr << "kvx: error: " << e.what() << "\n";

@@ -124,6 +124,27 @@ void fill_random(kernels::KVStore& store, int64_t tokens, std::mt19937& rng) {
 
 }  // namespace
 
+double decode_tokens_per_second(model::ModelConfig config, const attention::CacheOptions& cache, int64_t context,
+                                double seconds) {
+  torch::NoGradGuard ng;
+  // Random weights and random cache rows (speed does not depend on the values), with the
+  // context limit raised to the context measured.
+  config.max_position_embeddings = static_cast<int>(context) + 16384;
+  torch::manual_seed(0);
+  model::Transformer m(config);
+  m->eval();
+  auto state = m->new_state(1, cache);
+  std::mt19937 rng(0);
+  for (auto& layer : state.layers) {
+    auto* fused = dynamic_cast<attention::FusedKVCache*>(layer.get());
+    if (!fused) throw Error("decode_tokens_per_second: layer caches must be fused (not --reference)");
+    fill_random(fused->store(0), context, rng);
+  }
+  auto tok = torch::zeros({1, 1}, torch::kLong);
+  // Each call appends one token (the margin above covers thousands of calls).
+  return 1.0 / time_per_call([&] { m->step(tok, state); }, seconds);
+}
+
 nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   torch::NoGradGuard ng;
   const int threads = torch::get_num_threads();
@@ -165,31 +186,15 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     }
   }
   if (o.whole_model) {
-    // The tiny preset's shapes with a context limit raised to the longest context; random
-    // weights and random cache rows: speed does not depend on the values.
-    auto cfg = train::preset("tiny").model;
-    cfg.max_position_embeddings = static_cast<int>(*std::max_element(o.contexts.begin(), o.contexts.end())) + 8192;
-    torch::manual_seed(0);
-    model::Transformer m(cfg);
-    m->eval();
+    const auto cfg = train::preset("tiny").model;
     for (const auto& name : o.types) {
       attention::CacheOptions co;
       co.type = kernels::parse_kv_type(name);
-      auto state = m->new_state(1, co);
       for (int64_t ctx : o.contexts) {
-        for (auto& layer : state.layers) {
-          auto& store = dynamic_cast<attention::FusedKVCache&>(*layer).store(0);
-          fill_random(store, ctx - store.length(), rng);
-        }
-        auto tok = torch::zeros({1, 1}, torch::kLong);
-        const int64_t base = state.length();
-        // Each timed call appends one token: the context grows by steps_appended while measured.
-        const double s = time_per_call([&] { m->step(tok, state); }, o.seconds_per_point);
-        const int64_t extra = state.length() - base;
-        rows.push_back({{"model", "tiny"}, {"cache", name}, {"context", ctx}, {"tokens_per_s", 1.0 / s},
-                        {"kv_bytes", state.bytes()}, {"steps_appended", extra}});
+        const double tps = decode_tokens_per_second(cfg, co, ctx, o.seconds_per_point);
+        rows.push_back({{"model", "tiny"}, {"cache", name}, {"context", ctx}, {"tokens_per_s", tps}});
         if (verbose)
-          std::fprintf(stderr, "  tiny model, %-4s context %6lld: %7.1f tokens/s\n", name.c_str(), static_cast<long long>(ctx), 1.0 / s);
+          std::fprintf(stderr, "  tiny model, %-4s context %6lld: %7.1f tokens/s\n", name.c_str(), static_cast<long long>(ctx), tps);
       }
     }
   }

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/mixer.h"
 #include "model/config.h"
 #include "train/train_config.h"
 
@@ -18,6 +19,11 @@ double measure_sgemm_gflops(int n, double seconds);
 double training_flops_per_step(const model::ModelConfig& m, int batch, int seq_len);
 
 nlohmann::json bench_train(const train::RunConfig& config, int steps, bool verbose);
+// Whole-model decode tokens/s at `context` cached tokens with the given cache: a model of this
+// config with random weights and a cache filled with random rows, one token per step.
+double decode_tokens_per_second(model::ModelConfig config, const attention::CacheOptions& cache, int64_t context,
+                                double seconds);
+
 struct DecodeBenchOptions {
   std::vector<int64_t> contexts{1024, 4096, 16384, 65536};
   std::vector<std::string> types{"f32", "bf16", "q8", "q4"};

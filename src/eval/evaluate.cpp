@@ -1,6 +1,10 @@
 #include "eval/evaluate.h"
 
 #include <cmath>
+#include <random>
+
+#include "text/mqar.h"
+#include "train/dataset.h"
 
 namespace kvx::eval {
 
@@ -74,6 +78,43 @@ CachedQuality evaluate_lm_cached(model::Transformer& model,
   out.quality = finish(nats, tokens, bytes);
   out.kl_vs_full = tokens ? kl / tokens : 0;
   out.top1_agreement = tokens ? agree / tokens : 0;
+  return out;
+}
+
+std::vector<MqarPoint> mqar_accuracy(model::Transformer& model, const std::vector<int>& pairs, int sequences, int length,
+                                     uint64_t seed, const attention::CacheOptions* cache) {
+  torch::NoGradGuard ng;
+  const bool was_training = model->is_training();
+  model->eval();
+  std::mt19937_64 rng(seed);
+  std::vector<MqarPoint> out;
+  for (int n : pairs) {
+    auto spec = train::mqar_spec(model->config().vocab_size, n, length);
+    auto x = torch::empty({sequences, length}, torch::kLong);
+    auto want = torch::full({sequences, length}, -1, torch::kLong);
+    for (int s = 0; s < sequences; ++s) {
+      auto seq = text::make_mqar(spec, rng);
+      for (int t = 0; t < length; ++t) {
+        x[s][t] = seq.tokens[t];
+        want[s][t] = seq.answer[t];
+      }
+    }
+    torch::Tensor logits;
+    if (cache) {
+      auto state = model->new_state(sequences, *cache);
+      logits = model->step(x, state);
+    } else {
+      logits = model->forward(x);
+    }
+    auto pred = logits.argmax(-1);
+    auto scored = want.ge(0);
+    MqarPoint p;
+    p.pairs = n;
+    p.queries = scored.sum().item<int64_t>();
+    p.accuracy = p.queries ? pred.eq(want).logical_and(scored).sum().item<double>() / p.queries : 0;
+    out.push_back(p);
+  }
+  if (was_training) model->train();
   return out;
 }
 

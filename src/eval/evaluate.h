@@ -35,6 +35,17 @@ CachedQuality evaluate_lm_cached(model::Transformer& model,
                                  const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
                                  const text::BpeTokenizer& tokenizer, const attention::CacheOptions& cache);
 
+// MQAR recall accuracy (text/mqar.h) at each number of pairs: the share of queries whose
+// argmax prediction is the paired value, over `sequences` fresh sequences of `length` tokens.
+struct MqarPoint {
+  int pairs = 0;
+  double accuracy = 0;
+  int64_t queries = 0;
+};
+// With `cache` set, predictions come through step() with that decode cache (quantised/evicted).
+std::vector<MqarPoint> mqar_accuracy(model::Transformer& model, const std::vector<int>& pairs, int sequences, int length,
+                                     uint64_t seed, const attention::CacheOptions* cache = nullptr);
+
 // Cross-entropy of an add-one-smoothed unigram model fitted on `train`, on the targets of `batches`.
 LmQuality unigram_quality(const std::vector<int32_t>& train, int vocab_size,
                           const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,

@@ -22,15 +22,25 @@ namespace kvx::kernels {
 
 namespace {
 
-constexpr int kTile = 32;  // rows per online-softmax step
+constexpr int kTile = 32;         // rows per online-softmax step
+constexpr int kRow = kTile + 12;  // score row stride (room for a 12-wide tail)
+constexpr int kQBlk = 40;         // floats per 32-block of a q8/q4 query: 4 vectors + bias vector
+constexpr size_t kAheadRows = 8, kAheadBytes = 4096;  // software prefetch distance: the larger
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ---------------------------------------------------------------------------------------------
-// Row readers. load8(q, c) returns values 8c..8c+7 of a row as floats, q pointing at the
-// row's data (past the fp16 scales for q8/q4, which load8 leaves out: integer q or q - 8).
+// Row readers.
+//
+// f32 / bf16: load8(row, c) = values 8c..8c+7 as floats.
+// q8 / q4: load_half(data, h, a, b) = the 16 codes of half-block h (data points past the fp16
+// scales) as two float vectors, without the scale. q8: a = codes 0-7, b = 8-15 of the half.
+// q4: a = nibbles n at even positions 0, 2, .., 14, b = odd positions, so one byte-to-dword
+// widening serves both (the query is permuted to match, the V accumulator un-permuted at the
+// end), and the offset 8 of q4 is taken out after the fact: q.(n - 8) = q.n - 8 sum(q) and
+// sum_t w_t (n_t - 8) = sum_t w_t n_t - 8 sum_t w_t.
 
 struct F32Row {
-  static constexpr bool kQuant = false;
+  static constexpr bool kQuant = false, kOffset8 = false;
   static KVX_INLINE __m256 load8(const uint8_t* q, int c) { return _mm256_loadu_ps(reinterpret_cast<const float*>(q) + 8 * c); }
   static float at(const uint8_t* q, int i) {
     float x;
@@ -40,7 +50,7 @@ struct F32Row {
 };
 
 struct BF16Row {
-  static constexpr bool kQuant = false;
+  static constexpr bool kQuant = false, kOffset8 = false;
   static KVX_INLINE __m256 load8(const uint8_t* q, int c) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * c)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -53,25 +63,28 @@ struct BF16Row {
 };
 
 struct Q8Row {
-  static constexpr bool kQuant = true;
-  static KVX_INLINE __m256 load8(const uint8_t* q, int c) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  static constexpr bool kQuant = true, kOffset8 = false;
+  static KVX_INLINE void load_half(const uint8_t* q, int h, __m256& a, __m256& b) {
+    const uint8_t* p = q + 16 * h;
+    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
   }
-  static float at(const uint8_t*, int) { return 0.0f; }  // no tails: head_dim % 32 == 0
+  static KVX_INLINE void load_half_signed(const uint8_t* q, int h, __m256& a, __m256& b) { load_half(q, h, a, b); }
 };
 
 struct Q4Row {
-  static constexpr bool kQuant = true;
-  // Word c holds nibbles 8c..8c+7; (2^23 + n) - (2^23 + 8) = n - 8 exactly.
-  static KVX_INLINE __m256 load8(const uint8_t* q, int c) {
-    int32_t w;
-    std::memcpy(&w, q + 4 * c, 4);
-    __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    v = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xf)), _mm256_set1_epi32(0x4b000000));
-    return _mm256_sub_ps(_mm256_castsi256_ps(v), _mm256_set1_ps(8388616.0f));
+  static constexpr bool kQuant = true, kOffset8 = true;
+  static KVX_INLINE void load_half(const uint8_t* q, int h, __m256& a, __m256& b) {
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h)));
+    a = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(0xf)));
+    b = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
   }
-  static float at(const uint8_t*, int) { return 0.0f; }
+  static KVX_INLINE void load_half_signed(const uint8_t* q, int h, __m256& a, __m256& b) {  // n - 8
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h)));
+    const __m256i eight = _mm256_set1_epi32(8);
+    a = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0xf)), eight));
+    b = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w, 4), eight));
+  }
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -123,101 +136,123 @@ KVX_INLINE __m256 exp256(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
 }
 
-// ---------------------------------------------------------------------------------------------
-// Scores: out[t * GB + g] = q_g . k_{ti[t]} for TB rows and GB queries (q rows d apart).
+// Software prefetch of one stream (K or V rows of this head and page): bytes [from, to) + dist
+// from base, clipped to `end` (the rows this piece reads on this page).
+struct Prefetch {
+  const uint8_t* base;
+  size_t dist, end;
+  KVX_INLINE void rows(size_t from, size_t to) const {
+    from += dist;
+    to = std::min(to + dist, end);
+    for (size_t o = from & ~size_t{63}; o < to; o += 64) _mm_prefetch(reinterpret_cast<const char*>(base + o), _MM_HINT_T0);
+  }
+};
 
-// f32 / bf16: TB * GB == 8 accumulators.
+// ---------------------------------------------------------------------------------------------
+// Scores for TB rows x GB queries: s[g * kRow + t] = q_g . k_t, t < TB (rows past the tile's
+// end repeat its last row; their scores land in the padding and are overwritten).
+
+// f32 / bf16: GB * TB = 12 accumulators (8 would make the FMA latency the bound), q rows d
+// floats apart.
 template <class R, int GB, int TB>
-KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* base, size_t rb, const int* ti, float* out) {
-  static_assert(GB * TB == 8, "dot_plain uses 8 accumulators");
-  const uint8_t* rows[TB];
-  for (int t = 0; t < TB; ++t) rows[t] = base + ti[t] * rb;
-  __m256 acc[TB * GB];
-  for (int i = 0; i < TB * GB; ++i) acc[i] = _mm256_setzero_ps();
+KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* const* rows, float* s) {
+  constexpr int NA = GB * TB;
+  static_assert(NA == 12 || NA == 8 || NA == 4, "dot_plain reduces 4, 8 or 12 accumulators");
+  __m256 acc[NA];
+  for (int i = 0; i < NA; ++i) acc[i] = _mm256_setzero_ps();
   const int nc = d >> 3;
-  for (int c = 0; c < nc; ++c) {
+  for (int c = 0; c < nc; ++c)
     for (int t = 0; t < TB; ++t) {
       const __m256 k = R::load8(rows[t], c);
-      for (int g = 0; g < GB; ++g) acc[t * GB + g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + 8 * c), k, acc[t * GB + g]);
+      for (int g = 0; g < GB; ++g) acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + 8 * c), k, acc[g * TB + t]);
     }
-  }
-  _mm256_storeu_ps(out, reduce8(acc));
-  for (int i = nc * 8; i < d; ++i)
-    for (int t = 0; t < TB; ++t)
-      for (int g = 0; g < GB; ++g) out[t * GB + g] += q[g * d + i] * R::at(rows[t], i);
+  alignas(32) float r[12];
+  if constexpr (NA >= 8) _mm256_store_ps(r, reduce8(acc));
+  if constexpr (NA != 8) _mm_store_ps(r + NA - 4, reduce4(acc + NA - 4));
+  for (int i = nc * 8; i < d; ++i)  // widths that are not a multiple of 8
+    for (int g = 0; g < GB; ++g)
+      for (int t = 0; t < TB; ++t) r[g * TB + t] += q[g * d + i] * R::at(rows[t], i);
+  for (int g = 0; g < GB; ++g)
+    for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
 }
 
-// q8 / q4, GB * TB == 4: per 32-block the dot of q with the integer codes, times the block's
-// scale: q . k = sum_b d_b (q_b . code_b).
+// q8 / q4: q . k = sum_b d_b (q_b . code_b) with the block dot in code space; 4 block and 4
+// total accumulators. q: per query nb blocks of kQBlk floats (4 vectors in the reader's lane
+// order, then a bias vector: -8 sum(q_b) spread over the lanes for q4, zero for q8).
 template <class R, int GB, int TB>
-KVX_INLINE void dot_quant(const float* q, int d, const uint8_t* base, size_t rb, size_t qoff, const int* ti,
-                          const float* ks, int nb, float* out) {
-  static_assert(GB * TB == 4, "dot_quant uses 4 block and 4 total accumulators");
-  const uint8_t* rows[TB];
-  const float* sc[TB];
-  for (int t = 0; t < TB; ++t) {
-    rows[t] = base + ti[t] * rb + qoff;
-    sc[t] = ks + ti[t] * nb;
-  }
+KVX_INLINE void dot_quant(const float* q, int qstride, int nb, const uint8_t* const* rows, const float* const* ks, float* s) {
+  static_assert(GB * TB == 4, "dot_quant uses 4 + 4 accumulators");
   __m256 acc[4];
   for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
   for (int b = 0; b < nb; ++b) {
     __m256 bs[4];
-    for (int j = 0; j < 4; ++j) {
-      const int c = 4 * b + j;
+    for (int g = 0; g < GB; ++g)
+      for (int t = 0; t < TB; ++t) bs[g * TB + t] = _mm256_loadu_ps(q + g * qstride + b * kQBlk + 32);
+    for (int h = 0; h < 2; ++h)
       for (int t = 0; t < TB; ++t) {
-        const __m256 k = R::load8(rows[t], c);
+        __m256 ka, kb;
+        R::load_half(rows[t], 2 * b + h, ka, kb);
         for (int g = 0; g < GB; ++g) {
-          const __m256 qv = _mm256_loadu_ps(q + g * d + 8 * c);
-          bs[t * GB + g] = j == 0 ? _mm256_mul_ps(qv, k) : _mm256_fmadd_ps(qv, k, bs[t * GB + g]);
+          const float* qg = q + g * qstride + b * kQBlk + 16 * h;
+          bs[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), ka, bs[g * TB + t]);
+          bs[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), kb, bs[g * TB + t]);
         }
       }
-    }
     for (int t = 0; t < TB; ++t) {
-      const __m256 s = _mm256_broadcast_ss(sc[t] + b);
-      for (int g = 0; g < GB; ++g) acc[t * GB + g] = _mm256_fmadd_ps(bs[t * GB + g], s, acc[t * GB + g]);
+      const __m256 sc = _mm256_broadcast_ss(ks[t] + b);
+      for (int g = 0; g < GB; ++g) acc[g * TB + t] = _mm256_fmadd_ps(bs[g * TB + t], sc, acc[g * TB + t]);
     }
   }
-  _mm_storeu_ps(out, reduce4(acc));
+  alignas(16) float r[4];
+  _mm_store_ps(r, reduce4(acc));
+  for (int g = 0; g < GB; ++g)
+    for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
 }
 
-// q8 / q4 with 8 queries on one row: dequantise each 8-chunk once (codes * d_b), 8 FMAs.
+// q8 / q4 with 4 queries: scale each code vector once (codes * d_b, shared by the 4 queries),
+// then plain FMAs; 2 rows x 4 queries = 8 accumulators (12 spill registers).
 template <class R>
-KVX_INLINE void dot_quant8(const float* q, int d, const uint8_t* base, size_t rb, size_t qoff, const int* ti,
-                           const float* ks, int nb, float* out) {
-  const uint8_t* row = base + ti[0] * rb + qoff;
-  const float* sc = ks + ti[0] * nb;
+KVX_INLINE void dot_quant_g4(const float* q, int qstride, int nb, const uint8_t* const* rows, const float* const* ks, float* s) {
+  constexpr int GB = 4, TB = 2;
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    const __m256 s = _mm256_broadcast_ss(sc + b);
-    for (int j = 0; j < 4; ++j) {
-      const int c = 4 * b + j;
-      const __m256 k = _mm256_mul_ps(R::load8(row, c), s);
-      for (int g = 0; g < 8; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + 8 * c), k, acc[g]);
-    }
-  }
-  _mm256_storeu_ps(out, reduce8(acc));
+  for (int b = 0; b < nb; ++b)
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < TB; ++t) {
+        __m256 ka, kb;
+        R::load_half_signed(rows[t], 2 * b + h, ka, kb);
+        const __m256 sc = _mm256_broadcast_ss(ks[t] + b);
+        ka = _mm256_mul_ps(ka, sc);
+        kb = _mm256_mul_ps(kb, sc);
+        for (int g = 0; g < GB; ++g) {
+          const float* qg = q + g * qstride + b * kQBlk + 16 * h;
+          acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), ka, acc[g * TB + t]);
+          acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), kb, acc[g * TB + t]);
+        }
+      }
+  alignas(32) float r[8];
+  _mm256_store_ps(r, reduce8(acc));
+  for (int g = 0; g < GB; ++g)
+    for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
 }
 
 // ---------------------------------------------------------------------------------------------
-// Values: acc[g][8c..] += sum_t w(g, t, block of c) * v_t[8c..] for chunks c0..c0+CB-1,
-// GB * CB accumulators held in registers across the n rows of the tile.
+// Values: acc[g][..] += sum_t w(g, t, block) * v_t[..] over the n rows of a tile, 8
+// accumulators held in registers across the rows. Weight of (g, t, block b): w[g*wg + t*wt + b].
+
+// f32 / bf16: chunks c0 .. c0 + CB - 1.
 template <class R, int GB, int CB>
-KVX_INLINE void acc_pass(const uint8_t* v0, size_t rb, int n, const float* w, int wg, int wt, float* acc, int d,
-                         int c0) {
+KVX_INLINE void acc_pass_plain(const uint8_t* v0, size_t rb, int n, const float* w, int wg, float* acc, int d, int c0,
+                               const Prefetch* pf) {
   __m256 a[GB * CB];
   for (int g = 0; g < GB; ++g)
     for (int cb = 0; cb < CB; ++cb) a[g * CB + cb] = _mm256_loadu_ps(acc + g * d + 8 * (c0 + cb));
   for (int t = 0; t < n; ++t) {
+    if (pf) pf->rows(t * rb, (t + 1) * rb);
     const uint8_t* row = v0 + t * rb;
-    const float* wr = w + t * wt;
     for (int cb = 0; cb < CB; ++cb) {
-      const int c = c0 + cb;
-      const __m256 v = R::load8(row, c);
-      const int blk = R::kQuant ? c >> 2 : 0;
-      for (int g = 0; g < GB; ++g)
-        a[g * CB + cb] = _mm256_fmadd_ps(_mm256_broadcast_ss(wr + g * wg + blk), v, a[g * CB + cb]);
+      const __m256 v = R::load8(row, c0 + cb);
+      for (int g = 0; g < GB; ++g) a[g * CB + cb] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * wg + t), v, a[g * CB + cb]);
     }
   }
   for (int g = 0; g < GB; ++g)
@@ -225,20 +260,60 @@ KVX_INLINE void acc_pass(const uint8_t* v0, size_t rb, int n, const float* w, in
 }
 
 template <class R, int GB>
-void acc_tile(const uint8_t* v0, size_t rb, int n, const float* w, int wg, int wt, float* acc, int d) {
+void acc_tile_plain(const uint8_t* v0, size_t rb, int n, const float* w, int wg, float* acc, int d, const Prefetch* pf) {
   constexpr int CB = 8 / GB;
   const int nc = d >> 3;
   int c = 0;
-  for (; c + CB <= nc; c += CB) acc_pass<R, GB, CB>(v0, rb, n, w, wg, wt, acc, d, c);
+  for (; c + CB <= nc; c += CB) acc_pass_plain<R, GB, CB>(v0, rb, n, w, wg, acc, d, c, c == 0 ? pf : nullptr);
   if constexpr (CB > 4)
-    for (; c + 4 <= nc; c += 4) acc_pass<R, GB, 4>(v0, rb, n, w, wg, wt, acc, d, c);
+    for (; c + 4 <= nc; c += 4) acc_pass_plain<R, GB, 4>(v0, rb, n, w, wg, acc, d, c, c == 0 ? pf : nullptr);
   if constexpr (CB > 2)
-    for (; c + 2 <= nc; c += 2) acc_pass<R, GB, 2>(v0, rb, n, w, wg, wt, acc, d, c);
+    for (; c + 2 <= nc; c += 2) acc_pass_plain<R, GB, 2>(v0, rb, n, w, wg, acc, d, c, c == 0 ? pf : nullptr);
   if constexpr (CB > 1)
-    for (; c < nc; ++c) acc_pass<R, GB, 1>(v0, rb, n, w, wg, wt, acc, d, c);
-  for (int i = nc * 8; i < d; ++i)  // f32/bf16 widths that are not a multiple of 8
+    for (; c < nc; ++c) acc_pass_plain<R, GB, 1>(v0, rb, n, w, wg, acc, d, c, c == 0 ? pf : nullptr);
+  if (nc == 0 && pf)
+    for (int t = 0; t < n; ++t) pf->rows(t * rb, (t + 1) * rb);
+  for (int i = nc * 8; i < d; ++i)
     for (int t = 0; t < n; ++t)
-      for (int g = 0; g < GB; ++g) acc[g * d + i] += w[t * wt + g * wg] * R::at(v0 + t * rb, i);
+      for (int g = 0; g < GB; ++g) acc[g * d + i] += w[g * wg + t] * R::at(v0 + t * rb, i);
+}
+
+// q8 / q4: half-blocks h0 .. h0 + HB - 1 (16 values each, in the reader's lane order).
+template <class R, int GB, int HB>
+KVX_INLINE void acc_pass_quant(const uint8_t* v0, size_t rb, int n, const float* w, int wg, int nb, float* acc, int d,
+                               int h0, const Prefetch* pf) {
+  static_assert(GB * HB <= 4, "acc_pass_quant uses up to 8 accumulators");
+  __m256 a[GB][2 * HB];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < 2 * HB; ++i) a[g][i] = _mm256_loadu_ps(acc + g * d + 16 * h0 + 8 * i);
+  for (int t = 0; t < n; ++t) {
+    if (pf) pf->rows(t * rb, (t + 1) * rb);
+    const uint8_t* row = v0 + t * rb;
+    const float* wt = w + t * nb;
+    for (int h = 0; h < HB; ++h) {
+      __m256 va, vb;
+      R::load_half(row, h0 + h, va, vb);
+      const int blk = (h0 + h) >> 1;
+      for (int g = 0; g < GB; ++g) {
+        const __m256 wv = _mm256_broadcast_ss(wt + g * wg + blk);
+        a[g][2 * h] = _mm256_fmadd_ps(wv, va, a[g][2 * h]);
+        a[g][2 * h + 1] = _mm256_fmadd_ps(wv, vb, a[g][2 * h + 1]);
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < 2 * HB; ++i) _mm256_storeu_ps(acc + g * d + 16 * h0 + 8 * i, a[g][i]);
+}
+
+template <class R, int GB>
+void acc_tile_quant(const uint8_t* v0, size_t rb, int n, const float* w, int wg, int nb, float* acc, int d,
+                    const Prefetch* pf) {
+  constexpr int HB = 4 / GB;
+  const int nh = 2 * nb;  // a multiple of 2
+  int h = 0;
+  for (; h + HB <= nh; h += HB) acc_pass_quant<R, GB, HB>(v0, rb, n, w, wg, nb, acc, d, h, h == 0 ? pf : nullptr);
+  if constexpr (HB > 2)
+    for (; h < nh; h += 2) acc_pass_quant<R, GB, 2>(v0, rb, n, w, wg, nb, acc, d, h, h == 0 ? pf : nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -253,7 +328,7 @@ Scratch& thread_scratch() {
   return sc;
 }
 
-// fp16 scales of a row -> floats.
+// nb fp16 scales -> floats.
 KVX_INLINE void load_scales(const uint8_t* row, int nb, float* dst) {
   int b = 0;
   for (; b + 8 <= nb; b += 8)
@@ -267,52 +342,45 @@ KVX_INLINE void load_scales(const uint8_t* row, int nb, float* dst) {
   }
 }
 
-template <class R>
-void scores_group(int GB, const float* q, int d, const uint8_t* kbase, size_t rb, size_t qoff, int n, const float* ks,
-                  int nb, float* s /* s[g * kTile + t] */) {
-  alignas(32) float tmp[8];
-  int ti[8];
-  auto scatter = [&](int t0, int TB) {
-    for (int i = 0; i < TB && t0 + i < n; ++i)
-      for (int g = 0; g < GB; ++g) s[g * kTile + t0 + i] = tmp[i * GB + g];
-  };
-  auto rows = [&](int t0, int TB) {
-    for (int i = 0; i < TB; ++i) ti[i] = std::min(t0 + i, n - 1);  // tail: repeat the last row
-  };
-  if constexpr (!R::kQuant) {
-    const int TB = 8 / GB;
-    for (int t0 = 0; t0 < n; t0 += TB) {
-      rows(t0, TB);
-      switch (GB) {
-        case 1: dot_plain<R, 1, 8>(q, d, kbase, rb, ti, tmp); break;
-        case 2: dot_plain<R, 2, 4>(q, d, kbase, rb, ti, tmp); break;
-        case 4: dot_plain<R, 4, 2>(q, d, kbase, rb, ti, tmp); break;
-        default: dot_plain<R, 8, 1>(q, d, kbase, rb, ti, tmp); break;
-      }
-      scatter(t0, TB);
-    }
-  } else {
-    const int TB = GB == 8 ? 1 : 4 / GB;
-    for (int t0 = 0; t0 < n; t0 += TB) {
-      rows(t0, TB);
-      switch (GB) {
-        case 1: dot_quant<R, 1, 4>(q, d, kbase, rb, qoff, ti, ks, nb, tmp); break;
-        case 2: dot_quant<R, 2, 2>(q, d, kbase, rb, qoff, ti, ks, nb, tmp); break;
-        case 4: dot_quant<R, 4, 1>(q, d, kbase, rb, qoff, ti, ks, nb, tmp); break;
-        default: dot_quant8<R>(q, d, kbase, rb, qoff, ti, ks, nb, tmp); break;
-      }
-      scatter(t0, TB);
-    }
-  }
+// Query heads go in groups of 4, 2, 1 that share each K/V load (larger groups re-read the tile
+// from L1).
+KVX_INLINE int group_size(int G, int g0) {
+  const int left = G - g0;
+  return left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
 template <class R>
-void values_group(int GB, const uint8_t* v0, size_t rb, int n, const float* w, int wg, int wt, float* acc, int d) {
-  switch (GB) {
-    case 1: acc_tile<R, 1>(v0, rb, n, w, wg, wt, acc, d); break;
-    case 2: acc_tile<R, 2>(v0, rb, n, w, wg, wt, acc, d); break;
-    case 4: acc_tile<R, 4>(v0, rb, n, w, wg, wt, acc, d); break;
-    default: acc_tile<R, 8>(v0, rb, n, w, wg, wt, acc, d); break;
+void scores_tile(int GB, const float* q, int qstride, int d, int nb, const uint8_t* kb, size_t rb, int n,
+                 const float* ks, float* s, const Prefetch* pf) {
+  const uint8_t* rows[12];
+  const float* kst[8];
+  if constexpr (!R::kQuant) {
+    const int TB = 12 / GB;
+    for (int t0 = 0; t0 < n; t0 += TB) {
+      if (pf) pf->rows(t0 * rb, (t0 + TB) * rb);
+      for (int i = 0; i < TB; ++i) rows[i] = kb + std::min(t0 + i, n - 1) * rb;
+      switch (GB) {
+        case 1: dot_plain<R, 1, 12>(q, d, rows, s + t0); break;
+        case 2: dot_plain<R, 2, 6>(q, d, rows, s + t0); break;
+        default: dot_plain<R, 4, 3>(q, d, rows, s + t0); break;
+      }
+    }
+  } else {
+    const int TB = GB == 4 ? 2 : 4 / GB;
+    const size_t qoff = 2 * static_cast<size_t>(nb);
+    for (int t0 = 0; t0 < n; t0 += TB) {
+      if (pf) pf->rows(t0 * rb, (t0 + TB) * rb);
+      for (int i = 0; i < TB; ++i) {
+        const int t = std::min(t0 + i, n - 1);
+        rows[i] = kb + t * rb + qoff;
+        kst[i] = ks + t * nb;
+      }
+      switch (GB) {
+        case 1: dot_quant<R, 1, 4>(q, qstride, nb, rows, kst, s + t0); break;
+        case 2: dot_quant<R, 2, 2>(q, qstride, nb, rows, kst, s + t0); break;
+        default: dot_quant_g4<R>(q, qstride, nb, rows, kst, s + t0); break;
+      }
+    }
   }
 }
 
@@ -321,12 +389,13 @@ struct Piece {
   int64_t r0, r1;
 };
 
+// qs: this KV head's G queries, scaled (and, for q8/q4, laid out in blocks of kQBlk).
 template <class R>
-void run_piece(const KVStore& kv, const Piece& pc, const float* qs /* [G][d], scaled */, int G, float* part) {
+void run_piece(const KVStore& kv, const Piece& pc, const float* qs, int G, float* part) {
   const int d = kv.head_dim(), P = kv.page_tokens();
   const size_t rb = kv.row_bytes();
-  const int nb = R::kQuant ? d / kQBlock : 0;
-  const size_t qoff = R::kQuant ? 2 * static_cast<size_t>(nb) : 0;
+  const int nb = R::kQuant ? d / kQBlock : 1;
+  const int qstride = R::kQuant ? nb * kQBlk : d;
   float* m = part;
   float* l = part + G;
   float* acc = part + 2 * G;
@@ -334,20 +403,18 @@ void run_piece(const KVStore& kv, const Piece& pc, const float* qs /* [G][d], sc
   std::fill(l, l + G, 0.0f);
   std::fill(acc, acc + static_cast<size_t>(G) * d, 0.0f);
 
+  // Scores s[g * kRow + t] (then probabilities); q8/q4 weights w[(g * kTile + t) * nb + b] =
+  // p_gt * (V scale of row t, block b), and their block sums (q4's offset).
   Scratch& sc = thread_scratch();
-  // Weights: plain w(g, t) = s[g][t]; quant w(g, t, b) = p_gt * dv_tb at w[(g * kTile + t) * nb + b].
-  sc.s.resize(static_cast<size_t>(G) * kTile);
+  sc.s.resize(static_cast<size_t>(G) * kRow);
   if (R::kQuant) {
-    sc.w.resize(static_cast<size_t>(G) * kTile * nb);
+    sc.w.resize(static_cast<size_t>(G) * kTile * nb + static_cast<size_t>(G) * nb + 8);
     sc.ks.resize(static_cast<size_t>(kTile) * nb);
     sc.vs.resize(static_cast<size_t>(kTile) * nb);
   }
   float* s = sc.s.data();
-  const float* w = R::kQuant ? sc.w.data() : s;
-  const int wg = R::kQuant ? kTile * nb : kTile, wt = R::kQuant ? nb : 1;
-
-  // Query heads go in groups of 8, 4, 2, 1 that share each K/V load.
-  auto group = [G](int g0) { return G - g0 >= 8 ? 8 : G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1; };
+  float* wsum = R::kQuant ? sc.w.data() + static_cast<size_t>(G) * kTile * nb : nullptr;
+  const size_t ahead = std::max(kAheadRows, (kAheadBytes + rb - 1) / rb);
 
   for (int64_t r = pc.r0; r < pc.r1;) {
     const int64_t page = r / P;
@@ -355,33 +422,27 @@ void run_piece(const KVStore& kv, const Piece& pc, const float* qs /* [G][d], sc
     const int n = static_cast<int>(std::min<int64_t>({kTile, pc.r1 - r, P - off}));
     const uint8_t* kb = kv.k_rows(page, pc.head) + off * rb;
     const uint8_t* vb = kv.v_rows(page, pc.head) + off * rb;
-    {  // The tiles are read column by column; fetch the next tile's rows (same page) ahead.
-      const int nn = static_cast<int>(std::min<int64_t>({kTile, pc.r1 - r - n, P - off - n}));
-      const uint8_t* kn = kb + n * rb;
-      const uint8_t* vn = vb + n * rb;
-      for (size_t o = 0; o < nn * rb; o += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(kn + o), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(vn + o), _MM_HINT_T0);
-      }
-    }
-    if (R::kQuant)
+    if constexpr (R::kQuant)
       for (int t = 0; t < n; ++t) {
         load_scales(kb + t * rb, nb, sc.ks.data() + t * nb);
         load_scales(vb + t * rb, nb, sc.vs.data() + t * nb);
       }
 
-    // Scores, padded to a multiple of 8 with -inf.
-    const int n8 = (n + 7) & ~7;
-    for (int g = 0; g < G; ++g)
-      for (int t = n; t < n8; ++t) s[g * kTile + t] = kNegInf;
+    // The tile is read column by column, which hardware prefetchers follow poorly: fetch the
+    // rows `ahead` rows on (K and V, same page, this piece) while computing the scores.
+    const size_t end = static_cast<size_t>(std::min<int64_t>(P - off, pc.r1 - r)) * rb;
+    const Prefetch kpf{kb, ahead * rb, end}, vpf{vb, ahead * rb, end};
     for (int g0 = 0, gb; g0 < G; g0 += gb) {
-      gb = group(g0);
-      scores_group<R>(gb, qs + static_cast<size_t>(g0) * d, d, kb, rb, qoff, n, sc.ks.data(), nb, s + g0 * kTile);
+      gb = group_size(G, g0);
+      scores_tile<R>(gb, qs + static_cast<size_t>(g0) * qstride, qstride, d, nb, kb, rb, n, sc.ks.data(),
+                     s + g0 * kRow, g0 == 0 ? &kpf : nullptr);
     }
 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
+    const int n8 = (n + 7) & ~7;
     for (int g = 0; g < G; ++g) {
-      float* sg = s + g * kTile;
+      float* sg = s + g * kRow;
+      for (int t = n; t < n8; ++t) sg[t] = kNegInf;
       __m256 mx = _mm256_set1_ps(kNegInf);
       for (int t = 0; t < n8; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
       const float mt = hmax(mx);
@@ -405,27 +466,71 @@ void run_piece(const KVStore& kv, const Piece& pc, const float* qs /* [G][d], sc
         sum = _mm256_add_ps(sum, p);
       }
       l[g] += hsum(sum);
-      if (R::kQuant) {  // fold the V block scales into the weights
+      if constexpr (R::kQuant) {  // fold the V block scales into the weights
         float* wq = sc.w.data() + static_cast<size_t>(g) * kTile * nb;
+        float* ws = wsum + static_cast<size_t>(g) * nb;
         const float* vs = sc.vs.data();
         if (nb % 4 == 0) {
-          for (int t = 0; t < n; ++t) {
-            const __m128 p = _mm_set1_ps(sg[t]);
-            for (int b = 0; b < nb; b += 4)
-              _mm_storeu_ps(wq + t * nb + b, _mm_mul_ps(p, _mm_loadu_ps(vs + t * nb + b)));
+          for (int b = 0; b < nb; b += 4) {
+            __m128 tot = _mm_setzero_ps();
+            for (int t = 0; t < n; ++t) {
+              const __m128 x = _mm_mul_ps(_mm_set1_ps(sg[t]), _mm_loadu_ps(vs + t * nb + b));
+              _mm_storeu_ps(wq + t * nb + b, x);
+              tot = _mm_add_ps(tot, x);
+            }
+            _mm_storeu_ps(ws + b, tot);
           }
         } else {
+          for (int b = 0; b < nb; ++b) ws[b] = 0.0f;
           for (int t = 0; t < n; ++t)
-            for (int b = 0; b < nb; ++b) wq[t * nb + b] = sg[t] * vs[t * nb + b];
+            for (int b = 0; b < nb; ++b) {
+              wq[t * nb + b] = sg[t] * vs[t * nb + b];
+              ws[b] += wq[t * nb + b];
+            }
         }
       }
     }
 
     for (int g0 = 0, gb; g0 < G; g0 += gb) {
-      gb = group(g0);
-      values_group<R>(gb, vb + qoff, rb, n, w + static_cast<size_t>(g0) * wg, wg, wt, acc + static_cast<size_t>(g0) * d, d);
+      gb = group_size(G, g0);
+      float* ag = acc + static_cast<size_t>(g0) * d;
+      const Prefetch* vp = g0 == 0 ? &vpf : nullptr;
+      if constexpr (!R::kQuant) {
+        const float* w = s + g0 * kRow;
+        switch (gb) {
+          case 1: acc_tile_plain<R, 1>(vb, rb, n, w, kRow, ag, d, vp); break;
+          case 2: acc_tile_plain<R, 2>(vb, rb, n, w, kRow, ag, d, vp); break;
+          default: acc_tile_plain<R, 4>(vb, rb, n, w, kRow, ag, d, vp); break;
+        }
+      } else {
+        const float* w = sc.w.data() + static_cast<size_t>(g0) * kTile * nb;
+        const uint8_t* v0 = vb + 2 * static_cast<size_t>(nb);
+        switch (gb) {
+          case 1: acc_tile_quant<R, 1>(v0, rb, n, w, kTile * nb, nb, ag, d, vp); break;
+          case 2: acc_tile_quant<R, 2>(v0, rb, n, w, kTile * nb, nb, ag, d, vp); break;
+          default: acc_tile_quant<R, 4>(v0, rb, n, w, kTile * nb, nb, ag, d, vp); break;
+        }
+      }
     }
+    if constexpr (R::kQuant && R::kOffset8)  // sum_t w (n - 8) = sum_t w n - 8 sum_t w
+      for (int g = 0; g < G; ++g)
+        for (int b = 0; b < nb; ++b) {
+          const __m256 c = _mm256_set1_ps(8.0f * wsum[g * nb + b]);
+          float* ab = acc + static_cast<size_t>(g) * d + 32 * b;
+          for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(ab + i, _mm256_sub_ps(_mm256_loadu_ps(ab + i), c));
+        }
     r += n;
+  }
+
+  if constexpr (R::kQuant && R::kOffset8) {  // lanes (even | odd) per 16 values -> natural order
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < d; i += 16) {
+        float* x = acc + static_cast<size_t>(g) * d + i;
+        const __m256 ev = _mm256_loadu_ps(x), od = _mm256_loadu_ps(x + 8);
+        const __m256 lo = _mm256_unpacklo_ps(ev, od), hi = _mm256_unpackhi_ps(ev, od);
+        _mm256_storeu_ps(x, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(x + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+      }
   }
 }
 
@@ -436,6 +541,28 @@ void run_piece_any(const KVStore& kv, const Piece& pc, const float* qs, int G, f
     case KVType::Q8: run_piece<Q8Row>(kv, pc, qs, G, part); return;
     case KVType::Q4: run_piece<Q4Row>(kv, pc, qs, G, part); return;
   }
+}
+
+// Scaled queries in the layout the kernel reads: f32/bf16 [heads][d]; q8/q4 [heads][nb][kQBlk]
+// with each block's 32 values in the reader's lane order and the q4 bias -8 sum(q_b).
+void prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& qs) {
+  if (type == KVType::F32 || type == KVType::BF16) {
+    qs.resize(static_cast<size_t>(heads) * d);
+    for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
+    return;
+  }
+  const int nb = d / kQBlock;
+  qs.resize(static_cast<size_t>(heads) * nb * kQBlk);
+  for (int h = 0; h < heads; ++h)
+    for (int b = 0; b < nb; ++b) {
+      const float* x = q + static_cast<size_t>(h) * d + 32 * b;
+      float* y = qs.data() + (static_cast<size_t>(h) * nb + b) * kQBlk;
+      for (int i = 0; i < 32; ++i) {
+        const int src = type == KVType::Q8 ? i : 16 * (i / 16) + 2 * (i % 8) + (i % 16) / 8;
+        y[i] = x[src] * scale;
+      }
+      for (int i = 0; i < 8; ++i) y[32 + i] = type == KVType::Q4 ? -8.0f * (y[i] + y[8 + i] + y[16 + i] + y[24 + i]) : 0.0f;
+    }
 }
 
 void check_args(const float* q, int heads, const KVStore& kv, const float* out, const char* who) {
@@ -459,12 +586,12 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
   const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
   const int ns = static_cast<int>(std::clamp<int64_t>(splits, 1, W));
 
-  // Caller-side scratch, reused across calls: scaled queries, pieces, partial results.
+  // Caller-side scratch, reused across calls: queries, pieces, partial results.
   thread_local std::vector<float> qs, parts;
   thread_local std::vector<Piece> pieces;
   thread_local std::vector<int> split_begin;
-  qs.resize(static_cast<size_t>(heads) * d);
-  for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
+  prepare_queries(q, heads, d, scale, kv.type(), qs);
+  const size_t qstride = qs.size() / heads;
 
   // Split i covers work items [W i / ns, W (i+1) / ns) of the (head, row) order, cut at heads.
   pieces.clear();
@@ -490,7 +617,7 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
   for (int i = 0; i < ns; ++i)
     for (int p = sb[i]; p < sb[i + 1]; ++p)
-      run_piece_any(kv, pcs[p], qsp + static_cast<size_t>(pcs[p].head) * G * d, G, pp + p * part_size);
+      run_piece_any(kv, pcs[p], qsp + static_cast<size_t>(pcs[p].head) * G * qstride, G, pp + p * part_size);
 
   // Log-sum-exp merge of the pieces of each KV head (pieces are in head order).
   for (size_t p0 = 0; p0 < pieces.size();) {

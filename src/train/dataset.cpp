@@ -83,8 +83,13 @@ TokenizedText load_split_tokens(const std::string& data_dir, const std::vector<s
   return out;
 }
 
-BatchSampler::BatchSampler(const std::vector<int32_t>* tokens, int batch, int seq_len, uint64_t seed)
-    : tokens_(tokens), batch_(batch), seq_len_(seq_len), rng_(seed) {
+text::MqarSpec mqar_spec(int vocab_size, int pairs, int length) {
+  return text::MqarSpec::for_vocab(vocab_size, pairs, std::max(1, (length - 2 * pairs) / 2), length);
+}
+
+BatchSampler::BatchSampler(const std::vector<int32_t>* tokens, int batch, int seq_len, uint64_t seed, MqarMix mix)
+    : tokens_(tokens), batch_(batch), seq_len_(seq_len), mix_(mix), rng_(seed) {
+  if (mix_.fraction > 0) mqar_spec(mix_.vocab_size, mix_.max_pairs, seq_len + 1);  // validates
   if (static_cast<int64_t>(tokens->size()) < seq_len + 1)
     throw Error("training split has " + std::to_string(tokens->size()) + " tokens, fewer than seq_len + 1 = " +
                 std::to_string(seq_len + 1) + "; use more data or a shorter seq_len");
@@ -97,6 +102,15 @@ std::pair<torch::Tensor, torch::Tensor> BatchSampler::next() {
   int64_t* px = x.data_ptr<int64_t>();
   int64_t* py = y.data_ptr<int64_t>();
   for (int b = 0; b < batch_; ++b) {
+    if (mix_.fraction > 0 && static_cast<double>(rng_() % 1000000) < mix_.fraction * 1e6) {
+      const int pairs = 1 + static_cast<int>(rng_() % static_cast<uint64_t>(mix_.max_pairs));
+      auto seq = text::make_mqar(mqar_spec(mix_.vocab_size, pairs, seq_len_ + 1), rng_);
+      for (int t = 0; t < seq_len_; ++t) {
+        px[b * seq_len_ + t] = seq.tokens[t];
+        py[b * seq_len_ + t] = seq.answer[t] >= 0 ? seq.answer[t] : kIgnoreTarget;
+      }
+      continue;
+    }
     int64_t start = span > 0 ? static_cast<int64_t>(rng_() % static_cast<uint64_t>(span + 1)) : 0;
     const int32_t* src = tokens_->data() + start;
     for (int t = 0; t < seq_len_; ++t) {

@@ -10,6 +10,7 @@
 
 #include "text/bpe.h"
 #include "text/corpus.h"
+#include "text/mqar.h"
 
 namespace kvx::train {
 
@@ -24,10 +25,22 @@ struct TokenizedText {
 TokenizedText load_split_tokens(const std::string& data_dir, const std::vector<std::string>& sources,
                                 const text::BpeTokenizer& tokenizer, text::Split split);
 
+// A share of MQAR rows mixed into training batches (text/mqar.h), so the same model is probed
+// for in-context recall. MQAR rows score only the answers (other targets are kIgnoreTarget).
+struct MqarMix {
+  double fraction = 0;  // share of rows, 0 = text only
+  int max_pairs = 0;    // pairs drawn uniformly from [1, max_pairs]
+  int vocab_size = 0;
+};
+constexpr int64_t kIgnoreTarget = -100;  // torch cross_entropy's default ignore_index
+
+// The MQAR rows' layout at `pairs`: queries fill the rest of a window of `length` tokens.
+text::MqarSpec mqar_spec(int vocab_size, int pairs, int length);
+
 // Random windows of seq_len + 1 tokens; inputs are the first seq_len, targets the last seq_len.
 class BatchSampler {
  public:
-  BatchSampler(const std::vector<int32_t>* tokens, int batch, int seq_len, uint64_t seed);
+  BatchSampler(const std::vector<int32_t>* tokens, int batch, int seq_len, uint64_t seed, MqarMix mix = {});
   std::pair<torch::Tensor, torch::Tensor> next();  // [B, T] int64 each
   std::string state() const;                       // the RNG state, for checkpoints
   void set_state(const std::string& s);
@@ -35,6 +48,7 @@ class BatchSampler {
  private:
   const std::vector<int32_t>* tokens_;
   int batch_, seq_len_;
+  MqarMix mix_;
   std::mt19937_64 rng_;
 };
 

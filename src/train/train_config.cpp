@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "io/json_config.h"
+#include "text/mqar.h"
 #include "util/error.h"
 
 namespace kvx::train {
@@ -16,6 +17,8 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     io::JsonReader d(r.sub("data"), "run config 'data'");
     c.data.data_dir = d.get<std::string>("data_dir", c.data.data_dir);
     c.data.sources = d.get<std::vector<std::string>>("sources", c.data.sources);
+    c.data.mqar_fraction = d.get("mqar_fraction", c.data.mqar_fraction);
+    c.data.mqar_max_pairs = d.get("mqar_max_pairs", c.data.mqar_max_pairs);
     d.finish();
   }
   {
@@ -48,7 +51,9 @@ nlohmann::json RunConfig::to_json() const {
   const auto& o = train;
   return {{"name", name},
           {"model", model.to_json()},
-          {"data", {{"data_dir", data.data_dir}, {"sources", data.sources}}},
+          {"data",
+           {{"data_dir", data.data_dir}, {"sources", data.sources}, {"mqar_fraction", data.mqar_fraction},
+            {"mqar_max_pairs", data.mqar_max_pairs}}},
           {"train",
            {{"steps", o.steps}, {"batch_size", o.batch_size}, {"seq_len", o.seq_len}, {"lr", o.lr},
             {"min_lr_ratio", o.min_lr_ratio}, {"warmup", o.warmup}, {"weight_decay", o.weight_decay},
@@ -77,6 +82,8 @@ void RunConfig::validate() const {
   if (o.warmup < 0) throw Error("run config: train.warmup must be >= 0");
   if (o.min_lr_ratio < 0 || o.min_lr_ratio > 1) throw Error("run config: train.min_lr_ratio must be in [0, 1]");
   if (data.sources.empty()) throw Error("run config: data.sources is empty; use [\"brown\", \"kjv\"] or a subset");
+  if (data.mqar_fraction < 0 || data.mqar_fraction > 1) throw Error("run config: data.mqar_fraction must be in [0, 1]");
+  if (data.mqar_fraction > 0) text::MqarSpec::for_vocab(model.vocab_size, data.mqar_max_pairs, 1, train.seq_len + 1);
   for (const auto& s : data.sources)
     if (s != "brown" && s != "kjv") throw Error("run config: unknown data source '" + s + "' (valid: brown, kjv)");
 }
@@ -107,13 +114,13 @@ RunConfig preset(const std::string& name) {
     m.max_position_embeddings = 512;
     m.layout = "dense";
     auto& t = c.train;
-    t.steps = 360;
+    t.steps = 600;
     t.batch_size = 16;
     t.seq_len = 128;
     t.lr = 2e-3;
     t.warmup = 30;
-    t.eval_every = 60;
-    t.checkpoint_every = 60;
+    t.eval_every = 100;
+    t.checkpoint_every = 100;
     return c;
   }
   std::string valid;

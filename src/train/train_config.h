@@ -12,6 +12,8 @@ namespace kvx::train {
 struct DataOptions {
   std::string data_dir;                              // "" = text::default_data_dir()
   std::vector<std::string> sources{"brown", "kjv"};  // which corpora to train on
+  double mqar_fraction = 0;  // share of training rows that are MQAR sequences (dataset.h)
+  int mqar_max_pairs = 16;
 };
 
 struct TrainOptions {

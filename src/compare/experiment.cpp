@@ -1,0 +1,150 @@
+#include "compare/experiment.h"
+
+#include "text/corpus.h"
+#include "util/error.h"
+
+namespace kvx::compare {
+
+// Bump when a change to kvx alters what an arm's training or metrics produce.
+constexpr int kHarnessVersion = 1;
+
+nlohmann::json EvalSettings::to_json() const {
+  return {{"test_windows", test_windows},     {"context_multiples", context_multiples},
+          {"long_context_tokens", long_context_tokens}, {"mqar_pairs", mqar_pairs},
+          {"mqar_sequences", mqar_sequences}, {"decode_contexts", decode_contexts},
+          {"decode_seconds", decode_seconds}};
+}
+
+nlohmann::json Experiment::to_json() const {
+  nlohmann::json arms_json = nlohmann::json::array();
+  for (const auto& a : arms) arms_json.push_back({{"name", a.name}, {"kind", a.kind}, {"spec", a.spec}});
+  return {{"name", name},           {"preset", preset}, {"base", base.to_json()},
+          {"eval", eval.to_json()}, {"groups", groups}, {"arms", arms_json}};
+}
+
+std::vector<std::string> experiment_names() { return {"arch", "posthoc", "decode"}; }
+std::vector<std::string> preset_names() { return {"tiny", "small"}; }
+
+namespace {
+
+train::RunConfig base_config(const std::string& preset) {
+  train::RunConfig c;
+  auto& m = c.model;
+  auto& t = c.train;
+  m.vocab_size = 4096;
+  m.layout = "dense";
+  c.data.mqar_fraction = 0.25;
+  c.data.mqar_max_pairs = 16;
+  t.seq_len = 128;
+  t.batch_size = 16;
+  t.warmup = 20;
+  t.lr = 2e-3;
+  t.log_every = 10;
+  if (preset == "tiny") {
+    // A few minutes per arm on 2 cores; H = 8 so GQA can take H/2 and H/4.
+    c.name = "compare-tiny";
+    m.hidden_size = 256;
+    m.num_hidden_layers = 4;
+    m.num_attention_heads = 8;
+    m.num_key_value_heads = 8;
+    m.head_dim = 32;
+    m.intermediate_size = 768;
+    m.max_position_embeddings = 512;  // 4x the training context, for the long-context metric
+    t.steps = 400;
+    t.eval_every = 100;
+    t.checkpoint_every = 100;
+  } else if (preset == "small") {
+    c.name = "compare-small";
+    m.hidden_size = 384;
+    m.num_hidden_layers = 6;
+    m.num_attention_heads = 8;
+    m.num_key_value_heads = 8;
+    m.head_dim = 64;
+    m.intermediate_size = 1024;
+    m.max_position_embeddings = 1024;
+    t.seq_len = 256;
+    t.steps = 1500;
+    t.eval_every = 250;
+    t.checkpoint_every = 100;
+  } else {
+    throw Error("unknown compare preset '" + preset + "' (valid: tiny, small)");
+  }
+  c.validate();
+  return c;
+}
+
+}  // namespace
+
+Experiment builtin_experiment(const std::string& name, const std::string& preset) {
+  Experiment e;
+  e.name = name;
+  e.preset = preset;
+  e.base = base_config(preset);
+  if (preset == "small") {
+    e.eval.test_windows = 128;
+    e.eval.long_context_tokens = 8192;
+    e.eval.mqar_pairs = {1, 2, 4, 8, 16, 32, 48};
+  }
+  e.groups = {"quality", "mqar", "decode"};
+  const int H = e.base.model.num_attention_heads;
+  auto dense = [&](const std::string& arm, int kv_heads) {
+    return Arm{arm, "train", {{"model", {{"num_key_value_heads", kv_heads}}}}};
+  };
+  if (name == "arch") {
+    e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1)};
+  } else if (name == "posthoc") {
+    e.arms.push_back(dense("mha", H));
+    for (const char* t : {"f32", "bf16", "q8", "q4"})
+      e.arms.push_back({std::string("mha+") + t, "posthoc", {{"base", "mha"}, {"kv_cache", t}, {"evict", ""}}});
+    const int L = e.base.train.seq_len;
+    for (int window : {L / 4 - 4, L / 2 - 4})
+      e.arms.push_back({"mha+sink4-w" + std::to_string(window), "posthoc",
+                        {{"base", "mha"}, {"kv_cache", "f32"}, {"evict", "sink=4,window=" + std::to_string(window)}}});
+    e.arms.push_back({"mha+q8+sink4-w" + std::to_string(L / 2 - 4), "posthoc",
+                      {{"base", "mha"}, {"kv_cache", "q8"}, {"evict", "sink=4,window=" + std::to_string(L / 2 - 4)}}});
+  } else if (name == "decode") {
+    e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1)};
+    for (const char* t : {"bf16", "q8", "q4"})
+      e.arms.push_back({std::string("mha+") + t, "posthoc", {{"base", "mha"}, {"kv_cache", t}, {"evict", ""}}});
+    e.eval.decode_contexts = {1024, 4096, 16384, 65536};
+    e.groups = {"decode"};  // speed only: random weights of each arm's shapes, nothing to train
+  } else {
+    std::string valid;
+    for (const auto& n : experiment_names()) valid += (valid.empty() ? "" : ", ") + n;
+    throw Error("unknown experiment '" + name + "' (valid: " + valid + ")");
+  }
+  return e;
+}
+
+train::RunConfig arm_run_config(const Experiment& e, const Arm& arm) {
+  if (arm.kind != "train") throw Error("arm '" + arm.name + "' is not a train arm");
+  nlohmann::json j = e.base.to_json();
+  j["name"] = e.base.name + "-" + arm.name;
+  for (auto it = arm.spec.at("model").begin(); it != arm.spec.at("model").end(); ++it) j["model"][it.key()] = it.value();
+  return train::RunConfig::from_json(j);
+}
+
+attention::CacheOptions arm_cache(const Arm& arm) {
+  if (arm.kind != "posthoc") return {};
+  return attention::CacheOptions::parse(arm.spec.value("kv_cache", "f32"), arm.spec.value("evict", ""), false);
+}
+
+const Arm& find_arm(const Experiment& e, const std::string& name) {
+  for (const auto& a : e.arms)
+    if (a.name == name) return a;
+  throw Error("experiment '" + e.name + "' has no arm '" + name + "'");
+}
+
+std::string train_arm_key(const train::RunConfig& config) {
+  nlohmann::json j = config.to_json();
+  j["data"].erase("data_dir");
+  j.erase("name");
+  j["harness_version"] = kHarnessVersion;
+  return text::sha256_hex(j.dump()).substr(0, 16);
+}
+
+std::string metrics_key(const std::string& arm_key, const nlohmann::json& what) {
+  return text::sha256_hex(arm_key + "|" + what.dump() + "|" + std::to_string(kHarnessVersion)).substr(0, 16);
+}
+
+}  // namespace kvx::compare

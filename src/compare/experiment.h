@@ -1,0 +1,60 @@
+// Declarative comparison experiments: a list of arms over shared data, steps and seed.
+//
+//   train arm:   a model config (overrides of the experiment's base model), trained from scratch
+//   posthoc arm: a transform of a trained arm's model (cache type, sink + window eviction)
+//
+// Arms are identified by a content hash of everything that determines their result, so a re-run
+// only computes what changed and experiments share arms (posthoc's base is arch's MHA arm).
+#pragma once
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "attention/mixer.h"
+#include "train/train_config.h"
+
+namespace kvx::compare {
+
+struct Arm {
+  std::string name;
+  std::string kind;     // "train" | "posthoc"
+  nlohmann::json spec;  // train: {"model": {overrides}}; posthoc: {"base": arm, "kv_cache": t, "evict": "sink=S,window=W"}
+};
+
+// How arms are measured (part of every metric's cache key).
+struct EvalSettings {
+  int test_windows = 64;                     // held-out CE / bits-per-byte windows of seq_len
+  std::vector<int> context_multiples{1, 2, 4};
+  int long_context_tokens = 4096;            // tokens evaluated per context multiple
+  std::vector<int> mqar_pairs{1, 2, 4, 8, 16, 24};
+  int mqar_sequences = 64;
+  std::vector<int64_t> decode_contexts{4096, 16384};
+  double decode_seconds = 0.3;
+  nlohmann::json to_json() const;
+};
+
+struct Experiment {
+  std::string name, preset;
+  train::RunConfig base;  // shared model, data, steps and seed
+  EvalSettings eval;
+  std::vector<std::string> groups;  // metric groups to compute: "quality", "mqar", "decode"
+  std::vector<Arm> arms;
+  nlohmann::json to_json() const;
+};
+
+std::vector<std::string> experiment_names();  // arch, posthoc, decode
+std::vector<std::string> preset_names();      // tiny, small
+Experiment builtin_experiment(const std::string& name, const std::string& preset);
+
+// The run config of a train arm: the base with the arm's model overrides applied.
+train::RunConfig arm_run_config(const Experiment& e, const Arm& arm);
+// The cache options of a posthoc arm.
+attention::CacheOptions arm_cache(const Arm& arm);
+const Arm& find_arm(const Experiment& e, const std::string& name);
+
+// Content hash (hex) of a train arm: its run config without machine-local paths.
+std::string train_arm_key(const train::RunConfig& config);
+// Content hash of a set of metrics computed on an arm: arm key + what + settings.
+std::string metrics_key(const std::string& arm_key, const nlohmann::json& what);
+
+}  // namespace kvx::compare

@@ -1,0 +1,139 @@
+#include "compare/report.h"
+
+#include <cstdio>
+#include <sstream>
+
+#include "eval/plot.h"
+#include "io/atomic_file.h"
+
+namespace kvx::compare {
+
+namespace {
+
+struct Column {
+  std::string metric, header, format;
+};
+
+std::string cell(const nlohmann::json& metrics, const Column& c) {
+  if (!metrics.contains(c.metric)) return "";
+  char buf[64];
+  const double v = metrics[c.metric].get<double>();
+  if (c.format == "int")
+    std::snprintf(buf, sizeof buf, "%.0f", v);
+  else if (c.format == "pct")
+    std::snprintf(buf, sizeof buf, "%.1f%%", 100 * v);
+  else
+    std::snprintf(buf, sizeof buf, c.format.c_str(), v);
+  return buf;
+}
+
+std::vector<Column> columns_for(const ExperimentResult& r) {
+  std::vector<Column> all = {
+      {"kv_bytes_per_token", "KV bytes/token", "int"}, {"kv_pct_of_mha", "% of MHA", "%.1f"},
+      {"params", "params", "int"},                     {"test_ce", "test CE", "%.4f"},
+      {"test_bpb", "bits/byte", "%.4f"},               {"kl_vs_reference", "KL vs ref", "%.5f"},
+      {"top1_agreement", "top-1 agree", "pct"}};
+  for (int p : r.experiment.eval.mqar_pairs) all.push_back({"mqar@" + std::to_string(p), "MQAR@" + std::to_string(p), "pct"});
+  for (int m : r.experiment.eval.context_multiples)
+    all.push_back({"ppl@" + std::to_string(m) + "x", "PPL " + std::to_string(m) + "x", "%.1f"});
+  for (int64_t c : r.experiment.eval.decode_contexts)
+    all.push_back({"decode_tok_s@" + std::to_string(c / 1024) + "K", "tok/s @" + std::to_string(c / 1024) + "K", "%.1f"});
+  std::vector<Column> used;
+  for (const auto& c : all) {
+    bool any = false;
+    for (const auto& a : r.arms) any = any || a.metrics.contains(c.metric);
+    if (any) used.push_back(c);
+  }
+  return used;
+}
+
+std::string table(const ExperimentResult& r) {
+  auto cols = columns_for(r);
+  std::ostringstream t;
+  t << "| arm | kind |";
+  for (const auto& c : cols) t << " " << c.header << " |";
+  t << "\n|---|---|";
+  for (size_t i = 0; i < cols.size(); ++i) t << "---:|";
+  t << "\n";
+  for (const auto& a : r.arms) {
+    t << "| " << a.name << " | " << a.kind << " |";
+    for (const auto& c : cols) t << " " << cell(a.metrics, c) << " |";
+    t << "\n";
+  }
+  return t.str();
+}
+
+}  // namespace
+
+std::string write_report(const ExperimentResult& r) {
+  const auto& e = r.experiment;
+  io::write_file_atomic(r.dir + "/results.json", results_json(r).dump(1) + "\n");
+  std::vector<std::string> plots;
+  // Cache vs quality: one point per arm.
+  std::vector<eval::Series> pareto, mqar, curves, decode;
+  for (const auto& a : r.arms) {
+    if (a.metrics.contains("test_ce"))
+      pareto.push_back({a.name, {a.metrics["kv_bytes_per_token"].get<double>()}, {a.metrics["test_ce"].get<double>()}});
+    if (!a.mqar.empty()) {
+      eval::Series s{a.name, {}, {}};
+      for (auto [p, acc] : a.mqar) s.x.push_back(p), s.y.push_back(acc);
+      mqar.push_back(s);
+    }
+    if (!a.curve.is_null() && a.curve.contains("val_ce") && !a.curve["val_ce"].empty()) {
+      eval::Series s{a.name + " train loss", a.curve["step"].get<std::vector<double>>(), a.curve["train_loss"].get<std::vector<double>>()};
+      curves.push_back(s);
+    }
+    eval::Series d{a.name, {}, {}};
+    for (int64_t c : e.eval.decode_contexts) {
+      const std::string k = "decode_tok_s@" + std::to_string(c / 1024) + "K";
+      if (a.metrics.contains(k)) d.x.push_back(static_cast<double>(c)), d.y.push_back(a.metrics[k].get<double>());
+    }
+    if (!d.x.empty()) decode.push_back(d);
+  }
+  const std::string tag = e.name + " (" + e.preset + ")";
+  auto plot = [&](const std::string& file, const std::string& title, const std::string& x, const std::string& y,
+                  const std::vector<eval::Series>& s) {
+    if (!s.empty() && eval::plot_lines(r.dir + "/" + file, title, x, y, s)) plots.push_back(file);
+  };
+  plot("pareto.png", "cache vs quality: " + tag, "KV cache bytes per token", "test cross-entropy (nats/token)", pareto);
+  plot("mqar.png", "MQAR recall: " + tag, "key-value pairs", "accuracy", mqar);
+  plot("loss.png", "training loss: " + tag, "step", "train loss (nats/token, text + MQAR mix)", curves);
+  plot("decode.png", "decode speed: " + tag, "context (tokens)", "tokens/s (whole model, one token per step)", decode);
+
+  const std::string main_table = table(r);
+  std::ostringstream md;
+  md << "# kvx compare: " << tag << "\n\n" << main_table << "\n";
+  for (const auto& p : plots) md << "![" << p << "](" << p << ")\n\n";
+  const auto& b = e.base;
+  md << "## Setup\n\n"
+     << "Every train arm shares the data (" << b.data.sources.size() << " corpora: ";
+  for (const auto& s : b.data.sources) md << s << " ";
+  md << "; " << 100 * b.data.mqar_fraction << "% of training rows are MQAR sequences with up to " << b.data.mqar_max_pairs
+     << " pairs), the seed (" << b.train.seed << "), " << b.train.steps << " steps of " << b.train.batch_size << " x "
+     << b.train.seq_len << " tokens, and the base model (d=" << b.model.hidden_size << ", " << b.model.num_hidden_layers
+     << " layers, H=" << b.model.num_attention_heads << ", d_h=" << b.model.head_dim << ", vocab " << b.model.vocab_size
+     << "). Post-hoc arms transform the trained model named in their spec. Arms are cached by content hash under "
+        "`arms/`; `experiment.json` holds the full declaration.\n\n"
+     << "## What the numbers mean\n\n"
+     << "- **KV bytes/token**: cache bytes per token summed over layers, at the arm's element type, at the training "
+        "context (" << b.train.seq_len << " tokens); an evicting cache holds at most sink + window tokens, so its figure is "
+        "bytes held / context. **% of MHA**: against f32 MHA (2 x layers x H x d_h x 4 bytes).\n"
+     << "- **test CE / bits/byte**: mean next-token cross-entropy (nats) on " << e.eval.test_windows << " windows of "
+     << b.train.seq_len << " tokens from the held-out test split; bits per byte divides the total by ln 2 and the UTF-8 "
+        "bytes of the predicted tokens. Post-hoc arms are evaluated through their decode cache (fused kernels, every "
+        "token appended then attended, so quantisation and eviction affect every prediction).\n"
+     << "- **KL vs ref / top-1 agree**: post-hoc arms only; KL(p_ref || p_arm) per token and the share of tokens whose "
+        "argmax matches, against the same model's uncached f32 forward.\n"
+     << "- **MQAR@N**: multi-query associative recall with N key-value pairs followed by queries filling the "
+     << b.train.seq_len << "-token window; share of answers predicted exactly (argmax), over " << e.eval.mqar_sequences
+     << " sequences per N.\n"
+     << "- **PPL kx**: perplexity on windows k times the training context (about " << e.eval.long_context_tokens
+     << " tokens per k); RoPE positions beyond training are extrapolated.\n"
+     << "- **tok/s @nK**: whole-model decode, one token per step at n x 1024 cached tokens, with the arm's shapes, random "
+        "weights and a cache of random rows (speed does not depend on the values), fused kernels, all threads, on this "
+        "machine.\n";
+  io::write_file_atomic(r.dir + "/report.md", md.str());
+  return main_table;
+}
+
+}  // namespace kvx::compare

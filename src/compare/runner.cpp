@@ -1,0 +1,240 @@
+#include "compare/runner.h"
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <iostream>
+#include <optional>
+#include <sstream>
+
+#include "eval/bench.h"
+#include "eval/evaluate.h"
+#include "io/atomic_file.h"
+#include "io/json_config.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+#include "util/error.h"
+
+namespace kvx::compare {
+
+namespace {
+
+using Batches = std::vector<std::pair<torch::Tensor, torch::Tensor>>;
+
+struct Runner {
+  const Experiment& e;
+  const CompareOptions& o;
+  std::string arms_dir;
+  std::optional<train::TrainingData> data;
+  std::optional<train::TokenizedText> test;
+
+  void say(const std::string& s) const {
+    if (o.verbose) std::cerr << "[compare " << e.name << "] " << s << "\n";
+  }
+
+  train::RunConfig with_data_dir(train::RunConfig c) const {
+    if (!o.data_dir.empty()) c.data.data_dir = o.data_dir;
+    return c;
+  }
+
+  const train::TrainingData& training_data() {
+    if (!data) data = train::prepare_training_data(with_data_dir(e.base));
+    return *data;
+  }
+  const train::TokenizedText& test_tokens() {
+    if (!test) {
+      auto c = with_data_dir(e.base);
+      const std::string dir = c.data.data_dir.empty() ? text::default_data_dir() : c.data.data_dir;
+      test = train::load_split_tokens(dir, c.data.sources, training_data().tokenizer, text::Split::Test);
+    }
+    return *test;
+  }
+
+  // Trains the arm's model unless a finished checkpoint exists; resumes an interrupted one.
+  std::string ensure_trained(const train::RunConfig& cfg, const std::string& label) {
+    const std::string dir = arms_dir + "/" + train_arm_key(cfg);
+    const std::string latest = train::latest_checkpoint(dir);
+    if (!latest.empty()) {
+      auto st = io::parse_json_file(latest + "/trainer_state.json");
+      if (st.value("step", 0) >= cfg.train.steps) return dir;
+      say(label + ": resuming training at step " + std::to_string(st.value("step", 0)));
+    } else {
+      say(label + ": training " + std::to_string(cfg.train.steps) + " steps into " + dir);
+    }
+    train::TrainArgs args;
+    args.config = with_data_dir(cfg);
+    args.run_dir = dir;
+    args.resume = !latest.empty();
+    args.verbose = o.verbose;
+    train::run_training(args, training_data());
+    io::write_file_atomic(dir + "/arm.json", cfg.to_json().dump(2) + "\n");
+    return dir;
+  }
+
+  // A metric group computed once per content key and stored as JSON.
+  nlohmann::json cached(const std::string& path, const std::function<nlohmann::json()>& compute) {
+    if (io::file_exists(path)) {
+      auto j = nlohmann::json::parse(io::read_file(path), nullptr, false);
+      if (!j.is_discarded()) return j;
+    }
+    nlohmann::json j = compute();
+    io::write_file_atomic(path, j.dump(2) + "\n");
+    return j;
+  }
+
+  Batches windows(int multiple) {
+    const int len = e.base.train.seq_len * multiple;
+    const int count = multiple == 1 ? e.eval.test_windows : std::max(1, e.eval.long_context_tokens / len);
+    return train::evaluation_batches(test_tokens().tokens, count, std::max(1, 16 / multiple), len);
+  }
+
+  nlohmann::json quality(model::Transformer& m, const attention::CacheOptions* cache) {
+    nlohmann::json q;
+    const auto& tok = training_data().tokenizer;
+    for (int mult : e.eval.context_multiples) {
+      auto b = windows(mult);
+      eval::LmQuality lq;
+      if (cache) {
+        auto c = eval::evaluate_lm_cached(m, b, tok, *cache);
+        lq = c.quality;
+        if (mult == 1) {
+          q["kl_vs_reference"] = c.kl_vs_full;
+          q["top1_agreement"] = c.top1_agreement;
+        }
+      } else {
+        lq = eval::evaluate_lm(m, b, tok);
+      }
+      if (mult == 1) {
+        q["test_ce"] = lq.cross_entropy;
+        q["test_bpb"] = lq.bits_per_byte;
+      }
+      q["ppl@" + std::to_string(mult) + "x"] = lq.perplexity;
+    }
+    return q;
+  }
+
+  nlohmann::json mqar(model::Transformer& m, const attention::CacheOptions* cache) {
+    nlohmann::json out = nlohmann::json::object();
+    for (const auto& p : eval::mqar_accuracy(m, e.eval.mqar_pairs, e.eval.mqar_sequences, e.base.train.seq_len, 1234, cache))
+      out["mqar@" + std::to_string(p.pairs)] = p.accuracy;
+    return out;
+  }
+
+  nlohmann::json decode(const model::ModelConfig& cfg, const attention::CacheOptions& cache) {
+    nlohmann::json out = nlohmann::json::object();
+    for (int64_t ctx : e.eval.decode_contexts) {
+      const double tps = eval::decode_tokens_per_second(cfg, cache, ctx, e.eval.decode_seconds);
+      out["decode_tok_s@" + std::to_string(ctx / 1024) + "K"] = tps;
+    }
+    return out;
+  }
+
+  static nlohmann::json curve_of(const std::string& run_dir) {
+    nlohmann::json c = {{"step", nlohmann::json::array()}, {"train_loss", nlohmann::json::array()},
+                        {"val_step", nlohmann::json::array()}, {"val_ce", nlohmann::json::array()}};
+    if (!io::file_exists(run_dir + "/log.jsonl")) return c;
+    std::istringstream in(io::read_file(run_dir + "/log.jsonl"));
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_discarded()) continue;
+      if (j.contains("loss")) c["step"].push_back(j["step"]), c["train_loss"].push_back(j["loss"]);
+      if (j.contains("val_ce")) c["val_step"].push_back(j["step"]), c["val_ce"].push_back(j["val_ce"]);
+    }
+    return c;
+  }
+
+  bool wants(const std::string& group) const {
+    return std::find(e.groups.begin(), e.groups.end(), group) != e.groups.end();
+  }
+
+  ArmResult run_arm(const Arm& arm, size_t index) {
+    ArmResult r;
+    r.name = arm.name;
+    r.kind = arm.kind;
+    const Arm& trained = arm.kind == "posthoc" ? find_arm(e, arm.spec.at("base").get<std::string>()) : arm;
+    const train::RunConfig cfg = arm_run_config(e, trained);
+    const attention::CacheOptions cache = arm_cache(arm);
+    r.key = train_arm_key(cfg);
+    const std::string label = arm.name + " (" + std::to_string(index + 1) + "/" + std::to_string(e.arms.size()) + ")";
+    const std::string dir = arms_dir + "/" + r.key;
+    const nlohmann::json what = {{"arm", arm.kind == "posthoc" ? arm.spec : nlohmann::json("trained")}};
+
+    // Accounting from the config alone.
+    {
+      model::Transformer shape(cfg.model);
+      const double per_token = shape->kv_bytes_per_token(cache.type);
+      const int64_t context = cfg.train.seq_len;
+      const double held = cache.evict.enabled() ? std::min<double>(context, cache.evict.sink + cache.evict.window) : context;
+      r.metrics["kv_bytes_per_token"] = per_token * held / context;  // at the training context
+      r.metrics["params"] = shape->num_parameters();
+    }
+    const bool needs_model = wants("quality") || wants("mqar");
+    std::optional<train::LoadedModel> loaded;
+    auto model = [&]() -> model::Transformer& {
+      if (!loaded) loaded = train::load_model(ensure_trained(cfg, label));
+      return loaded->model;
+    };
+    const attention::CacheOptions* cache_ptr = arm.kind == "posthoc" ? &cache : nullptr;
+    if (wants("quality")) {
+      auto q = cached(dir + "/metrics-quality-" + metrics_key(r.key, {what, e.eval.to_json()}) + ".json", [&] {
+        say(label + ": held-out quality");
+        return quality(model(), cache_ptr);
+      });
+      r.metrics.update(q);
+    }
+    if (wants("mqar")) {
+      auto q = cached(dir + "/metrics-mqar-" + metrics_key(r.key, {what, e.eval.to_json()}) + ".json", [&] {
+        say(label + ": MQAR recall");
+        return mqar(model(), cache_ptr);
+      });
+      r.metrics.update(q);
+      for (int p : e.eval.mqar_pairs) r.mqar.emplace_back(p, q.value("mqar@" + std::to_string(p), 0.0));
+    }
+    if (wants("decode")) {
+      auto q = cached(dir + "/metrics-decode-" + metrics_key(r.key, {what, e.eval.to_json(), "decode"}) + ".json", [&] {
+        say(label + ": decode speed");
+        return decode(cfg.model, cache);
+      });
+      r.metrics.update(q);
+    }
+    if (needs_model && arm.kind == "train") r.curve = curve_of(dir);
+    return r;
+  }
+};
+
+}  // namespace
+
+ExperimentResult run_experiment(const Experiment& e, const CompareOptions& o) {
+  auto t0 = std::chrono::steady_clock::now();
+  ExperimentResult res;
+  res.experiment = e;
+  res.dir = o.out_dir + "/" + e.name + "-" + e.preset;
+  io::make_dirs(res.dir);
+  Runner runner{e, o, o.out_dir + "/arms", std::nullopt, std::nullopt};
+  io::make_dirs(runner.arms_dir);
+  io::write_file_atomic(res.dir + "/experiment.json", e.to_json().dump(2) + "\n");
+  for (size_t i = 0; i < e.arms.size(); ++i) res.arms.push_back(runner.run_arm(e.arms[i], i));
+  // Budget relative to the MHA baseline at f32 (2 x layers x H x d_h x 4 bytes).
+  const auto& m = e.base.model;
+  const double mha = 2.0 * m.num_hidden_layers * m.num_attention_heads * m.head_dim * 4;
+  for (auto& a : res.arms) a.metrics["kv_pct_of_mha"] = 100.0 * a.metrics["kv_bytes_per_token"].get<double>() / mha;
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return res;
+}
+
+nlohmann::json results_json(const ExperimentResult& r) {
+  nlohmann::json rows = nlohmann::json::array(), arms = nlohmann::json::array();
+  for (const auto& a : r.arms) {
+    nlohmann::json spec;
+    for (const auto& arm : r.experiment.arms)
+      if (arm.name == a.name) spec = arm.spec;
+    arms.push_back({{"name", a.name}, {"kind", a.kind}, {"model_key", a.key}, {"spec", spec}, {"curve", a.curve}});
+    for (auto it = a.metrics.begin(); it != a.metrics.end(); ++it)
+      rows.push_back({{"arm", a.name}, {"kind", a.kind}, {"metric", it.key()}, {"value", it.value()}});
+  }
+  return {{"experiment", r.experiment.name}, {"preset", r.experiment.preset}, {"config", r.experiment.to_json()},
+          {"arms", arms}, {"rows", rows}};
+}
+
+}  // namespace kvx::compare
