@@ -38,10 +38,12 @@ struct Runner {
   }
 
   const train::TrainingData& training_data() {
+    if (o.data) return *o.data;
     if (!data) data = train::prepare_training_data(with_data_dir(e.base));
     return *data;
   }
   const train::TokenizedText& test_tokens() {
+    if (o.test) return *o.test;
     if (!test) {
       auto c = with_data_dir(e.base);
       const std::string dir = c.data.data_dir.empty() ? text::default_data_dir() : c.data.data_dir;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "compare/experiment.h"
+#include "train/trainer.h"
 
 namespace kvx::compare {
 
@@ -14,6 +15,9 @@ struct CompareOptions {
   std::string out_dir = "runs/compare";
   std::string data_dir;  // "" = default
   bool verbose = true;
+  // Data given directly instead of loaded from the data directory (tests, custom corpora).
+  const train::TrainingData* data = nullptr;
+  const train::TokenizedText* test = nullptr;
 };
 
 struct ArmResult {

@@ -36,8 +36,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // scales) as two float vectors, without the scale. q8: a = codes 0-7, b = 8-15 of the half.
 // q4: a = nibbles n at even positions 0, 2, .., 14, b = odd positions, so one byte-to-dword
 // widening serves both (the query is permuted to match, the V accumulator un-permuted at the
-// end), and the offset 8 of q4 is taken out after the fact: q.(n - 8) = q.n - 8 sum(q) and
-// sum_t w_t (n_t - 8) = sum_t w_t n_t - 8 sum_t w_t.
+// end). load_half leaves q4's offset 8 out, taken out after the fact: q.(n - 8) = q.n - 8 sum(q)
+// and sum_t w_t (n_t - 8) = sum_t w_t n_t - 8 sum_t w_t; load_half_signed subtracts it.
 
 struct F32Row {
   static constexpr bool kQuant = false, kOffset8 = false;
@@ -242,13 +242,11 @@ KVX_INLINE void dot_quant_g4(const float* q, int qstride, int nb, const uint8_t*
 
 // f32 / bf16: chunks c0 .. c0 + CB - 1.
 template <class R, int GB, int CB>
-KVX_INLINE void acc_pass_plain(const uint8_t* v0, size_t rb, int n, const float* w, int wg, float* acc, int d, int c0,
-                               const Prefetch* pf) {
+KVX_INLINE void acc_pass_plain(const uint8_t* v0, size_t rb, int n, const float* w, int wg, float* acc, int d, int c0) {
   __m256 a[GB * CB];
   for (int g = 0; g < GB; ++g)
     for (int cb = 0; cb < CB; ++cb) a[g * CB + cb] = _mm256_loadu_ps(acc + g * d + 8 * (c0 + cb));
   for (int t = 0; t < n; ++t) {
-    if (pf) pf->rows(t * rb, (t + 1) * rb);
     const uint8_t* row = v0 + t * rb;
     for (int cb = 0; cb < CB; ++cb) {
       const __m256 v = R::load8(row, c0 + cb);
@@ -259,20 +257,32 @@ KVX_INLINE void acc_pass_plain(const uint8_t* v0, size_t rb, int n, const float*
     for (int cb = 0; cb < CB; ++cb) _mm256_storeu_ps(acc + g * d + 8 * (c0 + cb), a[g * CB + cb]);
 }
 
+// The V prefetch is spread over the passes: pass p of np fetches rows [p n / np, (p+1) n / np)
+// of the tile `ahead` (one burst per tile would leave the memory idle during the other passes).
+struct PassPrefetch {
+  const Prefetch* pf;
+  size_t rb;
+  int n, np, p = 0;
+  KVX_INLINE void next() {
+    if (pf && p < np) pf->rows(static_cast<size_t>(p * n / np) * rb, static_cast<size_t>((p + 1) * n / np) * rb);
+    ++p;
+  }
+};
+
 template <class R, int GB>
 void acc_tile_plain(const uint8_t* v0, size_t rb, int n, const float* w, int wg, float* acc, int d, const Prefetch* pf) {
   constexpr int CB = 8 / GB;
   const int nc = d >> 3;
+  PassPrefetch pp{pf, rb, n, std::max(1, (nc + CB - 1) / CB)};
   int c = 0;
-  for (; c + CB <= nc; c += CB) acc_pass_plain<R, GB, CB>(v0, rb, n, w, wg, acc, d, c, c == 0 ? pf : nullptr);
+  for (; c + CB <= nc; c += CB, pp.next()) acc_pass_plain<R, GB, CB>(v0, rb, n, w, wg, acc, d, c);
   if constexpr (CB > 4)
-    for (; c + 4 <= nc; c += 4) acc_pass_plain<R, GB, 4>(v0, rb, n, w, wg, acc, d, c, c == 0 ? pf : nullptr);
+    for (; c + 4 <= nc; c += 4, pp.next()) acc_pass_plain<R, GB, 4>(v0, rb, n, w, wg, acc, d, c);
   if constexpr (CB > 2)
-    for (; c + 2 <= nc; c += 2) acc_pass_plain<R, GB, 2>(v0, rb, n, w, wg, acc, d, c, c == 0 ? pf : nullptr);
+    for (; c + 2 <= nc; c += 2, pp.next()) acc_pass_plain<R, GB, 2>(v0, rb, n, w, wg, acc, d, c);
   if constexpr (CB > 1)
-    for (; c < nc; ++c) acc_pass_plain<R, GB, 1>(v0, rb, n, w, wg, acc, d, c, c == 0 ? pf : nullptr);
-  if (nc == 0 && pf)
-    for (int t = 0; t < n; ++t) pf->rows(t * rb, (t + 1) * rb);
+    for (; c < nc; ++c, pp.next()) acc_pass_plain<R, GB, 1>(v0, rb, n, w, wg, acc, d, c);
+  while (pp.p < pp.np) pp.next();
   for (int i = nc * 8; i < d; ++i)
     for (int t = 0; t < n; ++t)
       for (int g = 0; g < GB; ++g) acc[g * d + i] += w[g * wg + t] * R::at(v0 + t * rb, i);
@@ -281,13 +291,12 @@ void acc_tile_plain(const uint8_t* v0, size_t rb, int n, const float* w, int wg,
 // q8 / q4: half-blocks h0 .. h0 + HB - 1 (16 values each, in the reader's lane order).
 template <class R, int GB, int HB>
 KVX_INLINE void acc_pass_quant(const uint8_t* v0, size_t rb, int n, const float* w, int wg, int nb, float* acc, int d,
-                               int h0, const Prefetch* pf) {
+                               int h0) {
   static_assert(GB * HB <= 4, "acc_pass_quant uses up to 8 accumulators");
   __m256 a[GB][2 * HB];
   for (int g = 0; g < GB; ++g)
     for (int i = 0; i < 2 * HB; ++i) a[g][i] = _mm256_loadu_ps(acc + g * d + 16 * h0 + 8 * i);
   for (int t = 0; t < n; ++t) {
-    if (pf) pf->rows(t * rb, (t + 1) * rb);
     const uint8_t* row = v0 + t * rb;
     const float* wt = w + t * nb;
     for (int h = 0; h < HB; ++h) {
@@ -310,10 +319,11 @@ void acc_tile_quant(const uint8_t* v0, size_t rb, int n, const float* w, int wg,
                     const Prefetch* pf) {
   constexpr int HB = 4 / GB;
   const int nh = 2 * nb;  // a multiple of 2
+  PassPrefetch pp{pf, rb, n, (nh + HB - 1) / HB};
   int h = 0;
-  for (; h + HB <= nh; h += HB) acc_pass_quant<R, GB, HB>(v0, rb, n, w, wg, nb, acc, d, h, h == 0 ? pf : nullptr);
+  for (; h + HB <= nh; h += HB, pp.next()) acc_pass_quant<R, GB, HB>(v0, rb, n, w, wg, nb, acc, d, h);
   if constexpr (HB > 2)
-    for (; h < nh; h += 2) acc_pass_quant<R, GB, 2>(v0, rb, n, w, wg, nb, acc, d, h, h == 0 ? pf : nullptr);
+    for (; h < nh; h += 2, pp.next()) acc_pass_quant<R, GB, 2>(v0, rb, n, w, wg, nb, acc, d, h);
 }
 
 // ---------------------------------------------------------------------------------------------

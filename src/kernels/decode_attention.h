@@ -3,12 +3,16 @@
 //   out_h = sum_j softmax_j(scale * q_h . k_j) v_j   over the stored rows j of KV head h / G,
 //   G = heads / kv_heads (MHA G = 1, GQA, MQA kv_heads = 1).
 //
-// The fused kernel reads each K and V row once per KV head, for all G query heads of the group,
-// and dequantises inside the loop (q8/q4: per 32-block dot in the integer domain times the block
-// scale). It is one pass with an online softmax over tiles of rows (running max m, running sum
-// l, accumulator rescaled by exp(m_old - m_new)); the (KV head, token range) work is cut into
-// `splits` chunks shared by the threads, and the partial (m, l, acc) of each chunk are merged by
-// log-sum-exp: M = max m_i, out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
+// The fused kernel reads each K and V row once per KV head from memory, for all G query heads
+// of the group (in groups of up to 4 that share each register load), and dequantises in
+// registers: q8/q4 dot each 32-block in code space and scale the block sum, q . k =
+// sum_b d_b (q_b . code_b) (with 4 queries, codes * d_b once per vector instead), and fold the
+// V block scales into the softmax weights. It is one pass with an online softmax over tiles of
+// 32 rows (running max m, running sum l, accumulator rescaled by e^(m_old - m_new)); the
+// (KV head, token range) work is cut into `splits` chunks shared by the threads, and the
+// partial (m, l, acc) of each chunk are merged by log-sum-exp:
+//   M = max_i m_i,  out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
+// Software prefetch runs a few KB ahead on the K and V streams (tiles are read column-wise).
 #pragma once
 #include <cstdint>
 

@@ -121,11 +121,22 @@ const uint8_t* KVStore::v_rows(int64_t page, int head) const {
   return pages_[page].get() + half_page_bytes_ + static_cast<size_t>(head) * page_tokens_ * row_bytes_;
 }
 
+namespace {
+void check_slot(int64_t slot, int head, int64_t stored, int heads) {
+  if (slot < 0 || slot >= stored || head < 0 || head >= heads)
+    throw Error("KVStore: row (slot " + std::to_string(slot) + ", head " + std::to_string(head) +
+                ") is outside the stored rows [0, " + std::to_string(stored) + ") x heads [0, " +
+                std::to_string(heads) + ")");
+}
+}  // namespace
+
 const uint8_t* KVStore::k_row(int64_t slot, int head) const {
+  check_slot(slot, head, stored(), kv_heads_);
   return k_rows(slot / page_tokens_, head) + static_cast<size_t>(slot % page_tokens_) * row_bytes_;
 }
 
 const uint8_t* KVStore::v_row(int64_t slot, int head) const {
+  check_slot(slot, head, stored(), kv_heads_);
   return v_rows(slot / page_tokens_, head) + static_cast<size_t>(slot % page_tokens_) * row_bytes_;
 }
 

@@ -1,0 +1,165 @@
+// The compare harness: budget accounting, content-hash arm keys, resuming without redoing
+// finished arms, and a report that lists every arm. Uses a synthetic byte-level corpus.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <random>
+
+#include "compare/report.h"
+#include "compare/runner.h"
+#include "io/atomic_file.h"
+#include "train/checkpoint.h"
+
+using namespace kvx;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string temp_dir(const std::string& name) {
+  auto d = fs::temp_directory_path() / ("kvx_compare_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  return d.string();
+}
+
+struct SyntheticData {
+  train::TrainingData data;
+  train::TokenizedText test;
+  SyntheticData() {
+    std::mt19937 rng(2);
+    const char* words[] = {"ab", "cd", "ef", "gh", "ij", "kl"};
+    std::string text;
+    while (text.size() < 12000) text += std::string(words[rng() % 6]) + (rng() % 5 ? " " : ".\n");
+    auto t = data.tokenizer.encode(text);
+    data.train.tokens.assign(t.begin(), t.begin() + 9000);
+    data.validation.tokens.assign(t.begin() + 9000, t.begin() + 10500);
+    test.tokens.assign(t.begin() + 10500, t.end());
+  }
+};
+
+compare::Experiment micro() {
+  auto e = compare::builtin_experiment("posthoc", "tiny");
+  auto& m = e.base.model;
+  m.vocab_size = 256;
+  m.hidden_size = 32;
+  m.num_hidden_layers = 2;
+  m.num_attention_heads = 4;
+  m.num_key_value_heads = 4;
+  m.head_dim = 32;
+  m.intermediate_size = 48;
+  m.max_position_embeddings = 128;
+  auto& t = e.base.train;
+  t.steps = 6;
+  t.batch_size = 4;
+  t.seq_len = 32;
+  t.eval_every = 3;
+  t.eval_batches = 1;
+  t.checkpoint_every = 3;
+  e.base.data.mqar_max_pairs = 4;
+  e.eval.test_windows = 4;
+  e.eval.long_context_tokens = 128;
+  e.eval.mqar_pairs = {1, 4};
+  e.eval.mqar_sequences = 4;
+  e.groups = {"quality", "mqar"};
+  e.arms.resize(4);  // mha, +f32, +bf16, +q8
+  e.arms[0].spec = {{"model", {{"num_key_value_heads", 4}}}};
+  e.arms.push_back({"mqa", "train", {{"model", {{"num_key_value_heads", 1}}}}});
+  e.arms.push_back({"mha+sink2-w6", "posthoc", {{"base", "mha"}, {"kv_cache", "f32"}, {"evict", "sink=2,window=6"}}});
+  return e;
+}
+
+}  // namespace
+
+TEST(Compare, BudgetAccountingMatchesHandComputedBytes) {
+  auto e = compare::builtin_experiment("posthoc", "tiny");
+  e.groups = {};  // accounting only: nothing trained
+  e.arms.push_back({"gqa-h4", "train", {{"model", {{"num_key_value_heads", 2}}}}});
+  compare::CompareOptions o;
+  o.out_dir = temp_dir("budget");
+  o.verbose = false;
+  auto r = compare::run_experiment(e, o);
+  std::map<std::string, double> want = {
+      {"mha", 2 * 4 * 8 * 32 * 4},        // 2 (K,V) x layers x Hkv x d_h x 4 bytes
+      {"mha+f32", 8192},    {"mha+bf16", 2 * 4 * 8 * 32 * 2},
+      {"mha+q8", 2 * 4 * 8 * 34},          // one 32-value block: 32 int8 + fp16 scale
+      {"mha+q4", 2 * 4 * 8 * 18},          // 16 bytes of nibbles + fp16 scale
+      {"mha+sink4-w28", 8192.0 * 32 / 128},  // holds 32 of the 128-token context
+      {"mha+sink4-w60", 8192.0 * 64 / 128},
+      {"mha+q8+sink4-w60", 2176.0 * 64 / 128},
+      {"gqa-h4", 2 * 4 * 2 * 32 * 4}};
+  ASSERT_EQ(r.arms.size(), want.size());
+  for (const auto& a : r.arms) {
+    EXPECT_DOUBLE_EQ(a.metrics["kv_bytes_per_token"].get<double>(), want.at(a.name)) << a.name;
+    EXPECT_DOUBLE_EQ(a.metrics["kv_pct_of_mha"].get<double>(), 100 * want.at(a.name) / 8192) << a.name;
+  }
+  fs::remove_all(o.out_dir);
+}
+
+TEST(Compare, ArmKeysFollowTheConfigAndNothingElse) {
+  auto e = compare::builtin_experiment("arch", "tiny");
+  const auto base = compare::arm_run_config(e, compare::find_arm(e, "mha"));
+  const std::string key = compare::train_arm_key(base);
+  auto moved = base;
+  moved.data.data_dir = "/elsewhere";
+  EXPECT_EQ(compare::train_arm_key(moved), key);
+  auto renamed = base;
+  renamed.name = "other";
+  EXPECT_EQ(compare::train_arm_key(renamed), key);
+  for (auto change : std::vector<std::function<void(train::RunConfig&)>>{
+           [](train::RunConfig& c) { c.train.steps += 1; }, [](train::RunConfig& c) { c.train.lr *= 2; },
+           [](train::RunConfig& c) { c.train.seed += 1; }, [](train::RunConfig& c) { c.model.num_key_value_heads = 4; },
+           [](train::RunConfig& c) { c.data.mqar_fraction = 0; }}) {
+    auto c = base;
+    change(c);
+    EXPECT_NE(compare::train_arm_key(c), key);
+  }
+  // posthoc's base and arch's mha are the same model.
+  auto p = compare::builtin_experiment("posthoc", "tiny");
+  EXPECT_EQ(compare::train_arm_key(compare::arm_run_config(p, compare::find_arm(p, "mha"))), key);
+}
+
+TEST(Compare, ResumesWithoutRedoingFinishedArmsAndReportsEveryArm) {
+  SyntheticData d;
+  auto e = micro();
+  compare::CompareOptions o;
+  o.out_dir = temp_dir("resume");
+  o.verbose = false;
+  o.data = &d.data;
+  o.test = &d.test;
+  auto first = compare::run_experiment(e, o);
+  ASSERT_EQ(first.arms.size(), 6u);
+  for (const auto& a : first.arms) {
+    EXPECT_TRUE(a.metrics.contains("test_ce")) << a.name;
+    EXPECT_TRUE(a.metrics.contains("mqar@4")) << a.name;
+    EXPECT_EQ(a.metrics.contains("kl_vs_reference"), a.kind == "posthoc") << a.name;
+  }
+  // The f32 fused cache reproduces the uncached model.
+  EXPECT_NEAR(first.arms[1].metrics["kl_vs_reference"].get<double>(), 0.0, 1e-6);
+
+  const std::string mha_dir = o.out_dir + "/arms/" + first.arms[0].key;
+  const std::string mqa_dir = o.out_dir + "/arms/" + first.arms[4].key;
+  ASSERT_NE(first.arms[0].key, first.arms[4].key);
+  const auto mha_time = fs::last_write_time(train::latest_checkpoint(mha_dir) + "/model.safetensors");
+  // As if killed while the MQA arm trained: it lost its last checkpoint and metrics.
+  for (const auto& f : fs::directory_iterator(mqa_dir))
+    if (f.path().filename().string().rfind("metrics-", 0) == 0) fs::remove(f.path());
+  fs::remove_all(mqa_dir + "/ckpt-00000006");
+  io::write_file_atomic(mqa_dir + "/LATEST", "ckpt-00000003\n");
+
+  auto second = compare::run_experiment(e, o);
+  EXPECT_EQ(fs::last_write_time(train::latest_checkpoint(mha_dir) + "/model.safetensors"), mha_time);
+  EXPECT_TRUE(fs::exists(mqa_dir + "/ckpt-00000006"));
+  for (size_t i = 0; i < first.arms.size(); ++i)
+    if (i != 4) EXPECT_EQ(second.arms[i].metrics, first.arms[i].metrics) << first.arms[i].name;
+  // Resumed training is exact, so even the redone arm agrees.
+  EXPECT_NEAR(second.arms[4].metrics["test_ce"].get<double>(), first.arms[4].metrics["test_ce"].get<double>(), 1e-9);
+
+  auto table = compare::write_report(second);
+  const std::string report = io::read_file(second.dir + "/report.md");
+  for (const auto& a : second.arms) {
+    EXPECT_NE(table.find("| " + a.name + " |"), std::string::npos) << a.name;
+    EXPECT_NE(report.find("| " + a.name + " |"), std::string::npos) << a.name;
+  }
+  auto results = nlohmann::json::parse(io::read_file(second.dir + "/results.json"));
+  EXPECT_EQ(results["arms"].size(), second.arms.size());
+  fs::remove_all(o.out_dir);
+}
