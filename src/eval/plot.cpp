@@ -39,7 +39,7 @@ bool plot_lines(const std::string& png_path, const std::string& title, const std
   for (size_t i = 0; i < series.size(); ++i) {
     if (series[i].x.empty()) continue;
     script += std::string(first ? "" : ", ") + quoted(data_path) + " index " + std::to_string(i) +
-              " with linespoints pt 7 ps 0.4 title " + quoted(series[i].title);
+              " with linespoints pt 7 ps " + (series[i].x.size() == 1 ? "1.8" : "0.5") + " title " + quoted(series[i].title);
     first = false;
   }
   script += "\n";

@@ -8,6 +8,7 @@
 #include "compare/report.h"
 #include "compare/runner.h"
 #include "io/atomic_file.h"
+#include "support/fixtures.h"
 #include "train/checkpoint.h"
 
 using namespace kvx;
@@ -15,25 +16,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string temp_dir(const std::string& name) {
-  auto d = fs::temp_directory_path() / ("kvx_compare_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  return d.string();
-}
+using kvx::testing::temp_dir;
 
 struct SyntheticData {
-  train::TrainingData data;
   train::TokenizedText test;
-  SyntheticData() {
-    std::mt19937 rng(2);
-    const char* words[] = {"ab", "cd", "ef", "gh", "ij", "kl"};
-    std::string text;
-    while (text.size() < 12000) text += std::string(words[rng() % 6]) + (rng() % 5 ? " " : ".\n");
-    auto t = data.tokenizer.encode(text);
-    data.train.tokens.assign(t.begin(), t.begin() + 9000);
-    data.validation.tokens.assign(t.begin() + 9000, t.begin() + 10500);
-    test.tokens.assign(t.begin() + 10500, t.end());
-  }
+  train::TrainingData data = kvx::testing::synthetic_data(9000, 1500, 12000, &test);
 };
 
 compare::Experiment micro() {

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "io/atomic_file.h"
+#include "support/fixtures.h"
 #include "nn/tensor_io.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -17,28 +18,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string temp_dir(const std::string& name) {
-  auto d = fs::temp_directory_path() / ("kvx_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d.string();
-}
+using kvx::testing::temp_dir;
 
-train::TrainingData synthetic_data() {
-  std::mt19937 rng(1);
-  const char* words[] = {"the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far"};
-  std::string text;
-  while (text.size() < 20000) {
-    text += words[rng() % 10];
-    text += (rng() % 7 == 0) ? ".\n" : " ";
-  }
-  train::TrainingData d;  // byte-level tokenizer: 256 tokens
-  auto toks = d.tokenizer.encode(text);
-  d.train.tokens.assign(toks.begin(), toks.begin() + 16000);
-  d.validation.tokens.assign(toks.begin() + 16000, toks.end());
-  d.train.bytes = 16000;
-  return d;
-}
+train::TrainingData synthetic_data() { return kvx::testing::synthetic_data(16000, 4000, 20000); }
 
 train::RunConfig small_run(int steps) {
   train::RunConfig c;
