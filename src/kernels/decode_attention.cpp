@@ -25,13 +25,18 @@ namespace {
 constexpr int kTile = 32;         // rows per online-softmax step
 constexpr int kRow = kTile + 12;  // score row stride (room for a 12-wide tail)
 constexpr int kQBlk = 40;         // floats per 32-block of a q8/q4 query: 4 vectors + bias vector
-constexpr size_t kAheadRows = 8, kAheadBytes = 4096;  // software prefetch distance: the larger
+// Software prefetch distance: the larger of one tile and 4 KB, so a tile's rows are requested
+// while the previous tile is computed (shorter distances measured slower, longer ones no faster).
+constexpr size_t kAheadRows = kTile, kAheadBytes = 4096;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ---------------------------------------------------------------------------------------------
 // Row readers.
 //
-// f32 / bf16: load8(row, c) = values 8c..8c+7 as floats.
+// f32 / bf16: load8(row, c) = values 8c..8c+7 as floats. bf16 also has load_pair(row, j, a, b):
+// values 16j..16j+15 from one 32-byte load without shuffles, a = even positions (dword << 16),
+// b = odd positions (dword & 0xffff0000); the query is permuted to match and the V accumulator
+// un-permuted at the end (kPair).
 // q8 / q4: load_half(data, h, a, b) = the 16 codes of half-block h (data points past the fp16
 // scales) as two float vectors, without the scale. q8: a = codes 0-7, b = 8-15 of the half.
 // q4: a = nibbles n at even positions 0, 2, .., 14, b = odd positions, so one byte-to-dword
@@ -40,7 +45,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // and sum_t w_t (n_t - 8) = sum_t w_t n_t - 8 sum_t w_t; load_half_signed subtracts it.
 
 struct F32Row {
-  static constexpr bool kQuant = false, kOffset8 = false;
+  static constexpr bool kQuant = false, kOffset8 = false, kPair = false;
   static KVX_INLINE __m256 load8(const uint8_t* q, int c) { return _mm256_loadu_ps(reinterpret_cast<const float*>(q) + 8 * c); }
   static float at(const uint8_t* q, int i) {
     float x;
@@ -50,10 +55,20 @@ struct F32Row {
 };
 
 struct BF16Row {
-  static constexpr bool kQuant = false, kOffset8 = false;
+  static constexpr bool kQuant = false, kOffset8 = false, kPair = true;
   static KVX_INLINE __m256 load8(const uint8_t* q, int c) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * c)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  // kLowReg: clear the low halves with two shifts instead of an AND, saving the mask register.
+  template <bool kLowReg = false>
+  static KVX_INLINE void load_pair(const uint8_t* q, int j, __m256& a, __m256& b) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * j));
+    a = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    if constexpr (kLowReg)
+      b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w, 16), 16));
+    else
+      b = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
   }
   static float at(const uint8_t* q, int i) {
     uint16_t h;
@@ -63,7 +78,7 @@ struct BF16Row {
 };
 
 struct Q8Row {
-  static constexpr bool kQuant = true, kOffset8 = false;
+  static constexpr bool kQuant = true, kOffset8 = false, kPair = false;
   static KVX_INLINE void load_half(const uint8_t* q, int h, __m256& a, __m256& b) {
     const uint8_t* p = q + 16 * h;
     a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -73,7 +88,7 @@ struct Q8Row {
 };
 
 struct Q4Row {
-  static constexpr bool kQuant = true, kOffset8 = true;
+  static constexpr bool kQuant = true, kOffset8 = true, kPair = false;
   static KVX_INLINE void load_half(const uint8_t* q, int h, __m256& a, __m256& b) {
     const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h)));
     a = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(0xf)));
@@ -161,7 +176,18 @@ KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* const* rows, flo
   __m256 acc[NA];
   for (int i = 0; i < NA; ++i) acc[i] = _mm256_setzero_ps();
   const int nc = d >> 3;
-  for (int c = 0; c < nc; ++c)
+  int c = 0;
+  if constexpr (R::kPair)
+    for (; c + 2 <= nc; c += 2)
+      for (int t = 0; t < TB; ++t) {
+        __m256 ka, kb;
+        R::template load_pair<(GB * TB > 8)>(rows[t], c >> 1, ka, kb);
+        for (int g = 0; g < GB; ++g) {
+          acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + 8 * c), ka, acc[g * TB + t]);
+          acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + 8 * c + 8), kb, acc[g * TB + t]);
+        }
+      }
+  for (; c < nc; ++c)
     for (int t = 0; t < TB; ++t) {
       const __m256 k = R::load8(rows[t], c);
       for (int g = 0; g < GB; ++g) acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + 8 * c), k, acc[g * TB + t]);
@@ -248,9 +274,21 @@ KVX_INLINE void acc_pass_plain(const uint8_t* v0, size_t rb, int n, const float*
     for (int cb = 0; cb < CB; ++cb) a[g * CB + cb] = _mm256_loadu_ps(acc + g * d + 8 * (c0 + cb));
   for (int t = 0; t < n; ++t) {
     const uint8_t* row = v0 + t * rb;
-    for (int cb = 0; cb < CB; ++cb) {
-      const __m256 v = R::load8(row, c0 + cb);
-      for (int g = 0; g < GB; ++g) a[g * CB + cb] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * wg + t), v, a[g * CB + cb]);
+    if constexpr (R::kPair && CB % 2 == 0) {  // c0 is even here: passes of 2+ chunks start at pairs
+      for (int cb = 0; cb < CB; cb += 2) {
+        __m256 va, vb;
+        R::template load_pair<false>(row, (c0 + cb) >> 1, va, vb);
+        for (int g = 0; g < GB; ++g) {
+          const __m256 wv = _mm256_broadcast_ss(w + g * wg + t);
+          a[g * CB + cb] = _mm256_fmadd_ps(wv, va, a[g * CB + cb]);
+          a[g * CB + cb + 1] = _mm256_fmadd_ps(wv, vb, a[g * CB + cb + 1]);
+        }
+      }
+    } else {
+      for (int cb = 0; cb < CB; ++cb) {
+        const __m256 v = R::load8(row, c0 + cb);
+        for (int g = 0; g < GB; ++g) a[g * CB + cb] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * wg + t), v, a[g * CB + cb]);
+      }
     }
   }
   for (int g = 0; g < GB; ++g)
@@ -532,9 +570,9 @@ void run_piece(const KVStore& kv, const Piece& pc, const float* qs, int G, float
     r += n;
   }
 
-  if constexpr (R::kQuant && R::kOffset8) {  // lanes (even | odd) per 16 values -> natural order
+  if constexpr (R::kOffset8 || R::kPair) {  // lanes (even | odd) per 16 values -> natural order
     for (int g = 0; g < G; ++g)
-      for (int i = 0; i < d; i += 16) {
+      for (int i = 0; i + 16 <= d; i += 16) {
         float* x = acc + static_cast<size_t>(g) * d + i;
         const __m256 ev = _mm256_loadu_ps(x), od = _mm256_loadu_ps(x + 8);
         const __m256 lo = _mm256_unpacklo_ps(ev, od), hi = _mm256_unpackhi_ps(ev, od);
@@ -559,6 +597,16 @@ void prepare_queries(const float* q, int heads, int d, float scale, KVType type,
   if (type == KVType::F32 || type == KVType::BF16) {
     qs.resize(static_cast<size_t>(heads) * d);
     for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
+    if (type == KVType::BF16)  // full 16-groups as (even | odd), see BF16Row::load_pair
+      for (int h = 0; h < heads; ++h)
+        for (int i = 0; i + 16 <= d; i += 16) {
+          const float* x = q + static_cast<size_t>(h) * d + i;
+          float* y = qs.data() + static_cast<size_t>(h) * d + i;
+          for (int j = 0; j < 8; ++j) {
+            y[j] = x[2 * j] * scale;
+            y[8 + j] = x[2 * j + 1] * scale;
+          }
+        }
     return;
   }
   const int nb = d / kQBlock;
