@@ -125,6 +125,8 @@ struct EvalArgs {
   int max_windows = 0, seq_len = 0, batch = 8;
   bool json = false;
   std::string kv_cache, evict;  // set: also evaluate through this decode cache
+  std::string mqar;             // set: MQAR accuracy at these pair counts
+  int mqar_symbols = 0, mqar_sequences = 64;
 };
 nlohmann::json cmd_eval(const EvalArgs& a) {
   auto m = train::load_model(a.model);
@@ -169,6 +171,14 @@ nlohmann::json cmd_eval(const EvalArgs& a) {
                   {"kl_vs_f32", c.kl_vs_full},
                   {"top1_agreement", c.top1_agreement}};
   }
+  if (!a.mqar.empty()) {
+    std::vector<int> pairs;
+    for (const auto& p : split_list(a.mqar)) pairs.push_back(std::stoi(p));
+    nlohmann::json acc = nlohmann::json::array();
+    for (const auto& p : eval::mqar_accuracy(m.model, pairs, a.mqar_sequences, seq_len, a.mqar_symbols, 1234))
+      acc.push_back({{"pairs", p.pairs}, {"accuracy", p.accuracy}, {"queries", p.queries}});
+    j["mqar_accuracy"] = acc;
+  }
   if (a.json) {
     std::cout << j.dump(2) << "\n";
   } else {
@@ -178,6 +188,12 @@ nlohmann::json cmd_eval(const EvalArgs& a) {
     std::printf("  perplexity      %.2f\n", q.perplexity);
     std::printf("  bits per byte   %.4f             (unigram baseline %.4f)\n", q.bits_per_byte, u.bits_per_byte);
     std::printf("  KV cache        %.0f bytes/token (f32, all layers)\n", m.model->kv_bytes_per_token());
+    if (j.contains("mqar_accuracy")) {
+      std::printf("  MQAR accuracy  ");
+      for (const auto& p : j["mqar_accuracy"])
+        std::printf(" %d pairs: %.1f%%", p["pairs"].get<int>(), 100 * p["accuracy"].get<double>());
+      std::printf("\n");
+    }
     if (j.contains("cache")) {
       const auto& c = j["cache"];
       std::printf("through the %s decode cache (%.0f bytes/token held):\n", c["kv_cache"].get<std::string>().c_str(),
@@ -315,6 +331,8 @@ int main(int argc, char** argv) {
   eval_cmd->add_flag("--json", ev.json, "print JSON");
   eval_cmd->add_option("--kv-cache", ev.kv_cache, "also evaluate through a decode cache of this type: f32 | bf16 | q8 | q4 (CE, KL vs f32)");
   eval_cmd->add_option("--evict", ev.evict, "with sink + window eviction, e.g. sink=4,window=60");
+  eval_cmd->add_option("--mqar", ev.mqar, "MQAR recall accuracy at these pair counts, e.g. 1,4,16 (windows of --seq-len)");
+  eval_cmd->add_option("--mqar-symbols", ev.mqar_symbols, "distinct MQAR keys/values as in training (default 0 = vocab/4)");
 
   auto* bench = app.add_subcommand("bench", "benchmarks measured against this machine's own reference");
   bench->require_subcommand(1);

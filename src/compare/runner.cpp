@@ -117,7 +117,8 @@ struct Runner {
 
   nlohmann::json mqar(model::Transformer& m, const attention::CacheOptions* cache) {
     nlohmann::json out = nlohmann::json::object();
-    for (const auto& p : eval::mqar_accuracy(m, e.eval.mqar_pairs, e.eval.mqar_sequences, e.base.train.seq_len, 1234, cache))
+    for (const auto& p : eval::mqar_accuracy(m, e.eval.mqar_pairs, e.eval.mqar_sequences, e.base.train.seq_len,
+                                                  e.base.data.mqar_symbols, 1234, cache))
       out["mqar@" + std::to_string(p.pairs)] = p.accuracy;
     return out;
   }

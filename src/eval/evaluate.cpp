@@ -82,14 +82,14 @@ CachedQuality evaluate_lm_cached(model::Transformer& model,
 }
 
 std::vector<MqarPoint> mqar_accuracy(model::Transformer& model, const std::vector<int>& pairs, int sequences, int length,
-                                     uint64_t seed, const attention::CacheOptions* cache) {
+                                     int symbols, uint64_t seed, const attention::CacheOptions* cache) {
   torch::NoGradGuard ng;
   const bool was_training = model->is_training();
   model->eval();
   std::mt19937_64 rng(seed);
   std::vector<MqarPoint> out;
   for (int n : pairs) {
-    auto spec = train::mqar_spec(model->config().vocab_size, n, length);
+    auto spec = train::mqar_spec(model->config().vocab_size, n, length, symbols);
     auto x = torch::empty({sequences, length}, torch::kLong);
     auto want = torch::full({sequences, length}, -1, torch::kLong);
     for (int s = 0; s < sequences; ++s) {

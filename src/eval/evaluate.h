@@ -44,7 +44,7 @@ struct MqarPoint {
 };
 // With `cache` set, predictions come through step() with that decode cache (quantised/evicted).
 std::vector<MqarPoint> mqar_accuracy(model::Transformer& model, const std::vector<int>& pairs, int sequences, int length,
-                                     uint64_t seed, const attention::CacheOptions* cache = nullptr);
+                                     int symbols, uint64_t seed, const attention::CacheOptions* cache = nullptr);
 
 // Cross-entropy of an add-one-smoothed unigram model fitted on `train`, on the targets of `batches`.
 LmQuality unigram_quality(const std::vector<int32_t>& train, int vocab_size,

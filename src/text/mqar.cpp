@@ -8,12 +8,15 @@
 
 namespace kvx::text {
 
-MqarSpec MqarSpec::for_vocab(int vocab_size, int pairs, int queries, int length) {
+MqarSpec MqarSpec::for_vocab(int vocab_size, int pairs, int queries, int length, int symbols) {
+  if (symbols < 0 || symbols > vocab_size / 4)
+    throw Error("MQAR: symbols must be in [0, vocab_size/4 = " + std::to_string(vocab_size / 4) + "], got " + std::to_string(symbols));
+  const int n = symbols == 0 ? vocab_size / 4 : symbols;
   MqarSpec s;
   s.key_lo = vocab_size / 4;
-  s.key_hi = vocab_size / 2;
+  s.key_hi = s.key_lo + n;
   s.value_lo = vocab_size / 2;
-  s.value_hi = 3 * vocab_size / 4;
+  s.value_hi = s.value_lo + n;
   s.pad = 0;
   s.pairs = pairs;
   s.queries = queries;

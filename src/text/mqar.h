@@ -21,8 +21,9 @@ struct MqarSpec {
   int queries = 8;     // Q
   int length = 128;    // tokens per sequence (2N + 2Q <= length)
 
-  // Key and value ranges for a vocabulary: keys [V/4, V/2), values [V/2, 3V/4).
-  static MqarSpec for_vocab(int vocab_size, int pairs, int queries, int length);
+  // Key and value ranges for a vocabulary: `symbols` keys from V/4 up and `symbols` values from
+  // V/2 up; symbols = 0 takes all V/4 of each.
+  static MqarSpec for_vocab(int vocab_size, int pairs, int queries, int length, int symbols = 0);
   void validate() const;  // throws kvx::Error naming the problem
 };
 

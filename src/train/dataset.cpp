@@ -83,13 +83,13 @@ TokenizedText load_split_tokens(const std::string& data_dir, const std::vector<s
   return out;
 }
 
-text::MqarSpec mqar_spec(int vocab_size, int pairs, int length) {
-  return text::MqarSpec::for_vocab(vocab_size, pairs, std::max(1, (length - 2 * pairs) / 2), length);
+text::MqarSpec mqar_spec(int vocab_size, int pairs, int length, int symbols) {
+  return text::MqarSpec::for_vocab(vocab_size, pairs, std::max(1, (length - 2 * pairs) / 2), length, symbols);
 }
 
 BatchSampler::BatchSampler(const std::vector<int32_t>* tokens, int batch, int seq_len, uint64_t seed, MqarMix mix)
     : tokens_(tokens), batch_(batch), seq_len_(seq_len), mix_(mix), rng_(seed) {
-  if (mix_.fraction > 0) mqar_spec(mix_.vocab_size, mix_.max_pairs, seq_len + 1);  // validates
+  if (mix_.fraction > 0) mqar_spec(mix_.vocab_size, mix_.max_pairs, seq_len + 1, mix_.symbols);  // validates
   if (static_cast<int64_t>(tokens->size()) < seq_len + 1)
     throw Error("training split has " + std::to_string(tokens->size()) + " tokens, fewer than seq_len + 1 = " +
                 std::to_string(seq_len + 1) + "; use more data or a shorter seq_len");
@@ -104,7 +104,7 @@ std::pair<torch::Tensor, torch::Tensor> BatchSampler::next() {
   for (int b = 0; b < batch_; ++b) {
     if (mix_.fraction > 0 && static_cast<double>(rng_() % 1000000) < mix_.fraction * 1e6) {
       const int pairs = 1 + static_cast<int>(rng_() % static_cast<uint64_t>(mix_.max_pairs));
-      auto seq = text::make_mqar(mqar_spec(mix_.vocab_size, pairs, seq_len_ + 1), rng_);
+      auto seq = text::make_mqar(mqar_spec(mix_.vocab_size, pairs, seq_len_ + 1, mix_.symbols), rng_);
       for (int t = 0; t < seq_len_; ++t) {
         px[b * seq_len_ + t] = seq.tokens[t];
         py[b * seq_len_ + t] = seq.answer[t] >= 0 ? seq.answer[t] : kIgnoreTarget;

@@ -31,11 +31,12 @@ struct MqarMix {
   double fraction = 0;  // share of rows, 0 = text only
   int max_pairs = 0;    // pairs drawn uniformly from [1, max_pairs]
   int vocab_size = 0;
+  int symbols = 0;      // distinct keys (and values); 0 = a quarter of the vocabulary each
 };
 constexpr int64_t kIgnoreTarget = -100;  // torch cross_entropy's default ignore_index
 
 // The MQAR rows' layout at `pairs`: queries fill the rest of a window of `length` tokens.
-text::MqarSpec mqar_spec(int vocab_size, int pairs, int length);
+text::MqarSpec mqar_spec(int vocab_size, int pairs, int length, int symbols);
 
 // Random windows of seq_len + 1 tokens; inputs are the first seq_len, targets the last seq_len.
 class BatchSampler {

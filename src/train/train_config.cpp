@@ -19,6 +19,7 @@ RunConfig RunConfig::from_json(const nlohmann::json& j) {
     c.data.sources = d.get<std::vector<std::string>>("sources", c.data.sources);
     c.data.mqar_fraction = d.get("mqar_fraction", c.data.mqar_fraction);
     c.data.mqar_max_pairs = d.get("mqar_max_pairs", c.data.mqar_max_pairs);
+    c.data.mqar_symbols = d.get("mqar_symbols", c.data.mqar_symbols);
     d.finish();
   }
   {
@@ -53,7 +54,7 @@ nlohmann::json RunConfig::to_json() const {
           {"model", model.to_json()},
           {"data",
            {{"data_dir", data.data_dir}, {"sources", data.sources}, {"mqar_fraction", data.mqar_fraction},
-            {"mqar_max_pairs", data.mqar_max_pairs}}},
+            {"mqar_max_pairs", data.mqar_max_pairs}, {"mqar_symbols", data.mqar_symbols}}},
           {"train",
            {{"steps", o.steps}, {"batch_size", o.batch_size}, {"seq_len", o.seq_len}, {"lr", o.lr},
             {"min_lr_ratio", o.min_lr_ratio}, {"warmup", o.warmup}, {"weight_decay", o.weight_decay},
@@ -83,7 +84,7 @@ void RunConfig::validate() const {
   if (o.min_lr_ratio < 0 || o.min_lr_ratio > 1) throw Error("run config: train.min_lr_ratio must be in [0, 1]");
   if (data.sources.empty()) throw Error("run config: data.sources is empty; use [\"brown\", \"kjv\"] or a subset");
   if (data.mqar_fraction < 0 || data.mqar_fraction > 1) throw Error("run config: data.mqar_fraction must be in [0, 1]");
-  if (data.mqar_fraction > 0) text::MqarSpec::for_vocab(model.vocab_size, data.mqar_max_pairs, 1, train.seq_len + 1);
+  if (data.mqar_fraction > 0) text::MqarSpec::for_vocab(model.vocab_size, data.mqar_max_pairs, 1, train.seq_len + 1, data.mqar_symbols);
   for (const auto& s : data.sources)
     if (s != "brown" && s != "kjv") throw Error("run config: unknown data source '" + s + "' (valid: brown, kjv)");
 }

@@ -14,6 +14,7 @@ struct DataOptions {
   std::vector<std::string> sources{"brown", "kjv"};  // which corpora to train on
   double mqar_fraction = 0;  // share of training rows that are MQAR sequences (dataset.h)
   int mqar_max_pairs = 16;
+  int mqar_symbols = 0;      // distinct MQAR keys and values; 0 = vocab_size / 4 each
 };
 
 struct TrainOptions {

@@ -98,7 +98,7 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   AdamW optimizer(model->named_parameters().pairs(),
                   AdamWOptions{opt.beta1, opt.beta2, opt.eps, opt.weight_decay});
   BatchSampler sampler(&data.train.tokens, opt.batch_size, opt.seq_len, opt.seed,
-                       MqarMix{cfg.data.mqar_fraction, cfg.data.mqar_max_pairs, cfg.model.vocab_size});
+                       MqarMix{cfg.data.mqar_fraction, cfg.data.mqar_max_pairs, cfg.model.vocab_size, cfg.data.mqar_symbols});
   int64_t step = 0;
 
   LossLog log;
