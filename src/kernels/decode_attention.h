@@ -7,12 +7,16 @@
 // of the group (in groups of up to 4 that share each register load), and dequantises in
 // registers: q8/q4 dot each 32-block in code space and scale the block sum, q . k =
 // sum_b d_b (q_b . code_b) (with 4 queries, codes * d_b once per vector instead), and fold the
-// V block scales into the softmax weights. It is one pass with an online softmax over tiles of
-// 32 rows (running max m, running sum l, accumulator rescaled by e^(m_old - m_new)); the
-// (KV head, token range) work is cut into `splits` chunks shared by the threads, and the
-// partial (m, l, acc) of each chunk are merged by log-sum-exp:
+// V block scales into the softmax weights (bf16 and q4 unpack into permuted lanes; the query is
+// permuted to match). It is one pass with an online softmax over tiles of 24-32 rows (running
+// max m, running sum l, accumulator rescaled by e^(m_old - m_new)); only a tile's scores are
+// held. The (KV head, token range) work is cut into `splits` chunks shared by the threads, and
+// the partial (m, l, acc) of each chunk are merged by log-sum-exp:
 //   M = max_i m_i,  out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
-// Software prefetch runs a few KB ahead on the K and V streams (tiles are read column-wise).
+// Software prefetch runs one tile (at least 4 KB) ahead on the K and V streams.
+// Speed on an AVX2 core with 2 FMA pipes: f32/bf16 and MHA q8/q4 are bound by memory
+// bandwidth; with 4+ query heads per KV head q8/q4 are bound by FMA throughput (2 * G * d
+// multiply-adds per row pair, the same as f32), so they gain less than their size ratio.
 #pragma once
 #include <cstdint>
 

@@ -18,7 +18,7 @@ namespace {
 constexpr size_t kHugePage = size_t{2} << 20;
 }
 
-void KVStore::PageFree::operator()(uint8_t* p) const { std::free(p); }
+void KVStore::MemFree::operator()(uint8_t* p) const { std::free(p); }
 
 KVStore::KVStore(KVType type, int kv_heads, int head_dim, Eviction evict, int page_tokens)
     : type_(type), kv_heads_(kv_heads), head_dim_(head_dim), evict_(evict), page_tokens_(page_tokens) {
@@ -45,7 +45,7 @@ int64_t KVStore::stored() const {
 
 int64_t KVStore::bytes() const { return stored() * 2 * kv_heads_ * static_cast<int64_t>(row_bytes_); }
 
-int64_t KVStore::reserved_bytes() const { return static_cast<int64_t>(pages_.size() * 2 * half_page_bytes_); }
+int64_t KVStore::reserved_bytes() const { return static_cast<int64_t>(reserved_); }
 
 double KVStore::bytes_per_token() const { return 2.0 * kv_heads_ * static_cast<double>(row_bytes_); }
 
@@ -69,21 +69,40 @@ int64_t KVStore::position_of(int64_t slot) const {
   return evict_.sink + r + (n - 1 - r) / evict_.window * evict_.window;
 }
 
-uint8_t* KVStore::page_for_slot(int64_t slot) {
-  const int64_t p = slot / page_tokens_;
-  while (static_cast<int64_t>(pages_.size()) <= p) {
-    const size_t n = 2 * half_page_bytes_;
-    const size_t align = n >= kHugePage ? kHugePage : 64;
+uint8_t* KVStore::new_page() {
+  const size_t page_bytes = 2 * half_page_bytes_;
+  if (chunk_pages_left_ == 0) {
+    // Small stores get one page at a time; large ones huge-page-backed chunks of ~2 MiB.
+    size_t pages = 1, align = 64;
+    if (page_bytes >= kHugePage) {
+      align = kHugePage;
+    } else if (reserved_ >= kHugePage) {
+      pages = (kHugePage + page_bytes - 1) / page_bytes;
+      align = kHugePage;
+    }
+    const size_t n = pages * page_bytes;
     void* mem = nullptr;
     if (posix_memalign(&mem, align, n) != 0 || mem == nullptr)
-      throw Error("KVStore: out of memory allocating a " + std::to_string(n) + "-byte page after " +
+      throw Error("KVStore: out of memory allocating " + std::to_string(n) + " bytes of pages after " +
                   std::to_string(length_) + " tokens; use a smaller cache type (q8/q4) or eviction");
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (align == kHugePage) madvise(mem, n, MADV_HUGEPAGE);  // fewer TLB misses when streaming
+    if (align == kHugePage) madvise(mem, n, MADV_HUGEPAGE);
 #endif
-    pages_.emplace_back(static_cast<uint8_t*>(mem));
+    chunks_.emplace_back(static_cast<uint8_t*>(mem));
+    reserved_ += n;
+    chunk_next_ = static_cast<uint8_t*>(mem);
+    chunk_pages_left_ = static_cast<int>(pages);
   }
-  return pages_[p].get();
+  uint8_t* page = chunk_next_;
+  chunk_next_ += page_bytes;
+  --chunk_pages_left_;
+  return page;
+}
+
+uint8_t* KVStore::page_for_slot(int64_t slot) {
+  const int64_t p = slot / page_tokens_;
+  while (static_cast<int64_t>(pages_.size()) <= p) pages_.push_back(new_page());
+  return pages_[p];
 }
 
 void KVStore::append(const float* k, const float* v) {
@@ -114,11 +133,11 @@ void KVStore::append(const float* k, const float* v) {
 }
 
 const uint8_t* KVStore::k_rows(int64_t page, int head) const {
-  return pages_[page].get() + static_cast<size_t>(head) * page_tokens_ * row_bytes_;
+  return pages_[page] + static_cast<size_t>(head) * page_tokens_ * row_bytes_;
 }
 
 const uint8_t* KVStore::v_rows(int64_t page, int head) const {
-  return pages_[page].get() + half_page_bytes_ + static_cast<size_t>(head) * page_tokens_ * row_bytes_;
+  return pages_[page] + half_page_bytes_ + static_cast<size_t>(head) * page_tokens_ * row_bytes_;
 }
 
 namespace {

@@ -2,7 +2,9 @@
 //
 // Rows live in pages of page_tokens slots allocated on demand, so growth never copies history.
 // Page layout: K block [kv_heads][page_tokens][row_bytes] then V block, same shape; one head's
-// rows are contiguous within a page.
+// rows are contiguous within a page. Once a store passes 2 MiB, pages are carved from 2 MiB-
+// aligned chunks of about 2 MiB marked for transparent huge pages (streaming reads over 4 KiB
+// pages lose much of their software prefetch to TLB misses).
 //
 // Eviction (StreamingLLM): with window > 0 the store keeps the first `sink` tokens and the last
 // `window` tokens, at most sink + window rows: sink tokens take slots [0, sink), later tokens a
@@ -51,7 +53,7 @@ class KVStore {
   // Read access. Stored rows are slots [0, stored()); slot s is row s % page_tokens of page
   // s / page_tokens. k_rows(p, h) points at page p's rows for head h ([page_tokens][row_bytes]).
   int page_tokens() const { return page_tokens_; }
-  int64_t pages() const { return static_cast<int64_t>(pages_.size()); }  // allocated
+  int64_t pages() const { return static_cast<int64_t>(pages_.size()); }  // handed out so far
   const uint8_t* k_rows(int64_t page, int head) const;
   const uint8_t* v_rows(int64_t page, int head) const;
   const uint8_t* k_row(int64_t slot, int head) const;
@@ -60,11 +62,12 @@ class KVStore {
   int64_t position_of(int64_t slot) const;     // the token position a stored slot holds
 
  private:
-  struct PageFree {
+  struct MemFree {
     void operator()(uint8_t* p) const;
   };
-  using Page = std::unique_ptr<uint8_t[], PageFree>;
+  using Mem = std::unique_ptr<uint8_t[], MemFree>;
   uint8_t* page_for_slot(int64_t slot);
+  uint8_t* new_page();
 
   KVType type_;
   int kv_heads_, head_dim_;
@@ -73,7 +76,11 @@ class KVStore {
   size_t row_bytes_;
   size_t half_page_bytes_;  // one of the K / V blocks of a page
   int64_t length_ = 0;
-  std::vector<Page> pages_;
+  std::vector<uint8_t*> pages_;  // in slot order, pointing into chunks_
+  std::vector<Mem> chunks_;      // allocations: one page each, or several once the store is large
+  size_t reserved_ = 0;          // bytes of chunks_
+  uint8_t* chunk_next_ = nullptr;
+  int chunk_pages_left_ = 0;
 };
 
 }  // namespace kvx::kernels

@@ -133,7 +133,9 @@ TEST(KVFormat, Q4ErrorWithinHalfAStepExceptTheClampedSide) {
         const bool far_side = xi * m < 0 && std::fabs(xi) > 7.5f * d;
         clamped += far_side;
         EXPECT_LE(err, (far_side ? d : 0.5f * d) + slack) << amp << " " << b << " " << i;
-        if (xi == m) EXPECT_NEAR(y[32 * b + i], m, slack);  // the extreme value is (nearly) exact
+        if (xi == m) {
+          EXPECT_NEAR(y[32 * b + i], m, slack);  // the extreme value is (nearly) exact
+        }
       }
     }
   }

@@ -97,6 +97,24 @@ TEST(KVStore, ClearKeepsPagesForReuse) {
   for (int i = 0; i < 13; ++i) expect_row(s, tk2, i, i);
 }
 
+TEST(KVStore, LargeStoresCarvePagesFromChunks) {
+  // 128 KiB pages: the first 16 (2 MiB) one by one, then 16-page chunks.
+  const int H = 8, d = 128, P = 16;
+  KVStore s(KVType::F32, H, d, {}, P);
+  const int64_t page_bytes = static_cast<int64_t>(2 * H * P * row_bytes(KVType::F32, d));
+  const int N = 600;  // 38 pages
+  const Tokens tk = make_tokens(N, H, d, 9);
+  for (int i = 0; i < N; ++i) s.append(tk.k[i].data(), tk.v[i].data());
+  EXPECT_EQ(s.pages(), 38);
+  EXPECT_EQ(s.reserved_bytes(), (16 + 32) * page_bytes);  // 16 single pages + two 16-page chunks
+  EXPECT_EQ(s.k_rows(17, 0), s.k_rows(16, 0) + page_bytes);  // carved from one chunk
+  for (int i = 0; i < N; i += 7) expect_row(s, tk, i, i);
+  expect_row(s, tk, N - 1, N - 1);
+  s.clear();
+  for (int i = 0; i < 20; ++i) s.append(tk.k[i].data(), tk.v[i].data());
+  EXPECT_EQ(s.reserved_bytes(), (16 + 32) * page_bytes);
+}
+
 TEST(KVStore, EvictionKeepsFirstSinkAndLastWindow) {
   const int H = 2, d = 32, S = 3, W = 5, N = 23;
   KVStore s(KVType::BF16, H, d, {S, W}, 4);
@@ -118,7 +136,9 @@ TEST(KVStore, EvictionKeepsFirstSinkAndLastWindow) {
   for (int i = 0; i < N; ++i) {
     const bool kept = i < S || i >= N - W;
     EXPECT_EQ(seen[i], kept ? 1 : 0) << i;
-    if (!kept) EXPECT_EQ(s.slot_of(i), -1);
+    if (!kept) {
+      EXPECT_EQ(s.slot_of(i), -1);
+    }
   }
 }
 
