@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(cmake make g++ git ccache pkg-config libtorch-dev libopenblas0-pthread libcli11-dev
-          nlohmann-json3-dev libgtest-dev googletest bible-kjv gnuplot-nox)
+          nlohmann-json3-dev libgtest-dev googletest bible-kjv gnuplot-nox fonts-dejavu-core)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
