@@ -103,9 +103,9 @@ std::string cmd_generate(const GenerateArgs& a, bool print) {
   auto m = train::load_model(a.model);
   auto prompt = m.tokenizer.encode(a.prompt);
   if (prompt.empty()) throw Error("--prompt is empty; give some text to continue");
+  auto cache = attention::CacheOptions::parse(a.kv_cache, a.evict, a.reference);
   std::string out;
   if (print) std::cout << a.prompt << std::flush;
-  auto cache = attention::CacheOptions::parse(a.kv_cache, a.evict, a.reference);
   auto r = model::generate(m.model, prompt, a.max_new, {a.temperature, a.top_p}, a.seed, [&](int32_t id) {
     std::string piece = m.tokenizer.token_bytes(id);
     out += piece;
