@@ -92,11 +92,13 @@ std::vector<MqarPoint> mqar_accuracy(model::Transformer& model, const std::vecto
     auto spec = train::mqar_spec(model->config().vocab_size, n, length, symbols);
     auto x = torch::empty({sequences, length}, torch::kLong);
     auto want = torch::full({sequences, length}, -1, torch::kLong);
+    int64_t* px = x.data_ptr<int64_t>();
+    int64_t* pw = want.data_ptr<int64_t>();
     for (int s = 0; s < sequences; ++s) {
       auto seq = text::make_mqar(spec, rng);
       for (int t = 0; t < length; ++t) {
-        x[s][t] = seq.tokens[t];
-        want[s][t] = seq.answer[t];
+        px[s * length + t] = seq.tokens[t];
+        pw[s * length + t] = seq.answer[t];
       }
     }
     torch::Tensor logits;

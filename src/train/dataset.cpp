@@ -146,11 +146,13 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> evaluation_batches(const st
     const int rows = std::min(batch, count - first);
     auto x = torch::empty({rows, seq_len}, torch::kLong);
     auto y = torch::empty({rows, seq_len}, torch::kLong);
+    int64_t* px = x.data_ptr<int64_t>();
+    int64_t* py = y.data_ptr<int64_t>();
     for (int r = 0; r < rows; ++r) {
       const int64_t start = static_cast<int64_t>((first + r) * stride);
       for (int t = 0; t < seq_len; ++t) {
-        x[r][t] = tokens[start + t];
-        y[r][t] = tokens[start + t + 1];
+        px[r * seq_len + t] = tokens[start + t];
+        py[r * seq_len + t] = tokens[start + t + 1];
       }
     }
     out.emplace_back(x, y);
