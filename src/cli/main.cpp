@@ -213,14 +213,15 @@ void print_decode_table(const nlohmann::json& rows) {
   for (const auto& r : rows)
     if (r.contains("stream_gbps")) stream = r["stream_gbps"].get<double>();
   std::printf("read bandwidth (STREAM-like probe, all threads): %.1f GB/s\n\n", stream);
-  std::printf("attention only, H=16, d_h=128\n%-5s %4s %8s %11s %8s %8s %12s\n", "cache", "hkv", "context", "us/step", "GB/s",
-              "of BW", "vs libtorch");
+  std::printf("attention only, H=16, d_h=128\n%-6s %-5s %4s %8s %11s %8s %8s %8s %12s\n", "isa", "cache", "hkv", "context",
+              "us/step", "GB/s", "of BW", "vs f32", "vs libtorch");
   for (const auto& r : rows) {
     if (!r.contains("us_per_step")) continue;
     std::string vs = r.contains("fused_speedup_vs_torch") ? std::to_string(r["fused_speedup_vs_torch"].get<double>()).substr(0, 4) + "x" : "";
-    std::printf("%-5s %4d %8lld %11.1f %8.1f %7.0f%% %12s\n", r["cache"].get<std::string>().c_str(), r["hkv"].get<int>(),
-                static_cast<long long>(r["context"].get<int64_t>()), r["us_per_step"].get<double>(), r["gbps"].get<double>(),
-                100 * r["bw_ratio"].get<double>(), vs.c_str());
+    const double vs_f32 = r.value("speedup_vs_f32", 0.0);
+    std::printf("%-6s %-5s %4d %8lld %11.1f %8.1f %7.0f%% %7.2fx %12s\n", r["isa"].get<std::string>().c_str(),
+                r["cache"].get<std::string>().c_str(), r["hkv"].get<int>(), static_cast<long long>(r["context"].get<int64_t>()),
+                r["us_per_step"].get<double>(), r["gbps"].get<double>(), 100 * r["bw_ratio"].get<double>(), vs_f32, vs.c_str());
   }
   bool header = false;
   for (const auto& r : rows) {
@@ -350,12 +351,13 @@ int main(int argc, char** argv) {
   bench_tok->add_flag("--json", bench_json, "print JSON");
 
   eval::DecodeBenchOptions decode_opts;
-  std::string decode_contexts, decode_types, decode_hkv;
+  std::string decode_contexts, decode_types, decode_hkv, decode_isas;
   bool decode_no_model = false;
   auto* bench_decode = bench->add_subcommand("decode", "decode attention per cache type and context vs this machine's read bandwidth");
   bench_decode->add_option("--contexts", decode_contexts, "comma-separated contexts (default 1024,4096,16384,65536)");
   bench_decode->add_option("--types", decode_types, "comma-separated cache types (default f32,bf16,q8,q4)");
   bench_decode->add_option("--hkv", decode_hkv, "comma-separated KV head counts at H=16, d_h=128 (default 16,4)");
+  bench_decode->add_option("--isa", decode_isas, "comma-separated decode back ends: auto, avx2, avx512 (default auto)");
   bench_decode->add_option("--seconds", decode_opts.seconds_per_point, "seconds per measurement (default 0.4)");
   bench_decode->add_flag("--no-model", decode_no_model, "skip the whole-model (tiny) decode rows");
   bench_decode->add_flag("--json", bench_json, "print JSON rows");
@@ -415,6 +417,7 @@ int main(int argc, char** argv) {
         for (const auto& c : split_list(decode_contexts)) decode_opts.contexts.push_back(std::stoll(c));
       }
       if (!decode_types.empty()) decode_opts.types = split_list(decode_types);
+      if (!decode_isas.empty()) decode_opts.isas = split_list(decode_isas);
       if (!decode_hkv.empty()) {
         decode_opts.kv_heads.clear();
         for (const auto& h : split_list(decode_hkv)) decode_opts.kv_heads.push_back(std::stoi(h));

@@ -28,13 +28,15 @@ struct DecodeBenchOptions {
   std::vector<int64_t> contexts{1024, 4096, 16384, 65536};
   std::vector<std::string> types{"f32", "bf16", "q8", "q4"};
   std::vector<int> kv_heads{16, 4};
+  std::vector<std::string> isas{"auto"};  // decode back ends: auto, avx2, avx512
   int heads = 16, head_dim = 128;
   double seconds_per_point = 0.4;
   bool whole_model = true;  // also tiny-model decode tokens/s at each context
 };
 // Rows: one {"stream_gbps"}; per (cache, context, hkv) the fused kernel's time per step, bytes
-// read, GB/s and its ratio to the stream figure (f32 rows also time the libtorch reference);
-// per (cache, context) whole-model decode tokens/s.
+// read, GB/s, its ratio to the stream figure and its speed-up over f32 at the same shape and
+// back end ("isa"; f32 rows also time the libtorch reference); per (cache, context)
+// whole-model decode tokens/s.
 nlohmann::json bench_decode(const DecodeBenchOptions& options, bool verbose);
 
 nlohmann::json bench_tokenizer(const std::string& data_dir, int vocab_size, bool verbose);

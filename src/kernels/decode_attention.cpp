@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/decode_attention_isa.h"
 #include "util/error.h"
 
 #define KVX_INLINE inline __attribute__((always_inline))
@@ -442,10 +443,7 @@ void scores_tile(int GB, const float* q, int qstride, int d, int nb, const uint8
   }
 }
 
-struct Piece {
-  int head;
-  int64_t r0, r1;
-};
+using Piece = detail::DecodePiece;
 
 // Runs pieces tile by tile; qs: a KV head's G queries, scaled (for q8/q4 in blocks of kQBlk).
 // A piece's partial result part = [m[G], l[G], acc[G][d]].
@@ -689,19 +687,66 @@ void check_args(const float* q, int heads, const KVStore& kv, const float* out, 
 
 int64_t decode_bytes_read(const KVStore& kv) { return kv.bytes(); }
 
+std::string decode_isa_name(DecodeIsa isa) {
+  switch (isa) {
+    case DecodeIsa::Auto: return "auto";
+    case DecodeIsa::Avx2: return "avx2";
+    case DecodeIsa::Avx512: return "avx512";
+  }
+  return "?";
+}
+
+DecodeIsa parse_decode_isa(const std::string& name) {
+  for (DecodeIsa i : {DecodeIsa::Auto, DecodeIsa::Avx2, DecodeIsa::Avx512})
+    if (decode_isa_name(i) == name) return i;
+  throw Error("unknown decode instruction set '" + name + "'; valid: auto, avx2, avx512");
+}
+
+bool decode_isa_usable(DecodeIsa isa, int head_dim) {
+  switch (isa) {
+    case DecodeIsa::Auto:
+    case DecodeIsa::Avx2: return true;
+    case DecodeIsa::Avx512: {
+      static const bool cpu = detail::avx512_usable();
+      return cpu && head_dim % 32 == 0;
+    }
+  }
+  return false;
+}
+
+DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
+  if (isa == DecodeIsa::Auto) return decode_isa_usable(DecodeIsa::Avx512, head_dim) ? DecodeIsa::Avx512 : DecodeIsa::Avx2;
+  if (!decode_isa_usable(isa, head_dim))
+    throw Error("decode back end " + decode_isa_name(isa) + " cannot run here: " +
+                (head_dim % 32 != 0 ? "it needs head_dim % 32 == 0 (head_dim " + std::to_string(head_dim) + ")"
+                                    : std::string("this CPU lacks AVX-512 F/BW/VL/DQ")) +
+                "; use --isa auto or avx2");
+  return isa;
+}
+
 void decode_attention_splits(const float* q, int heads, const KVStore& kv, float scale, float* out, int threads,
-                             int splits) {
+                             int splits, DecodeIsa isa) {
   check_args(q, heads, kv, out, "decode_attention");
   const int hkv = kv.kv_heads(), G = heads / hkv, d = kv.head_dim();
   const int64_t L = kv.stored(), W = hkv * L;
   const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
   const int ns = static_cast<int>(std::clamp<int64_t>(splits, 1, W));
+  const bool wide = resolve_decode_isa(isa, d) == DecodeIsa::Avx512;
 
-  // Caller-side scratch, reused across calls: queries, pieces, partial results.
-  thread_local std::vector<float> qs, parts;
+  // Caller-side scratch, reused across calls: queries, pieces, partial results, and for the
+  // AVX-512 back end its per-split working memory.
+  thread_local std::vector<float> qs, parts, scratch;
   thread_local std::vector<Piece> pieces;
   thread_local std::vector<int> split_begin;
-  prepare_queries(q, heads, d, scale, kv.type(), qs);
+  size_t scratch_size = 0;
+  if (wide) {
+    qs.resize(static_cast<size_t>(heads) * d);
+    detail::avx512_prepare_queries(q, heads, d, scale, kv.type(), qs.data());
+    scratch_size = detail::avx512_scratch_floats(G, d, kv.type());
+    scratch.resize(scratch_size * ns);
+  } else {
+    prepare_queries(q, heads, d, scale, kv.type(), qs);
+  }
   const size_t qstride = qs.size() / heads;
 
   // Split i covers work items [W i / ns, W (i+1) / ns) of the (head, row) order, cut at heads.
@@ -725,8 +770,14 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
   const int* sb = split_begin.data();
   float* pp = parts.data();
   const float* qsp = qs.data();
+  float* scr = scratch.data();
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-  for (int i = 0; i < ns; ++i) run_split_any(kv, pcs, sb[i], sb[i + 1], qsp, qstride, G, pp, part_size);
+  for (int i = 0; i < ns; ++i) {
+    if (wide)
+      detail::avx512_run_split(kv, pcs, sb[i], sb[i + 1], qsp, G, pp, part_size, scr + i * scratch_size);
+    else
+      run_split_any(kv, pcs, sb[i], sb[i + 1], qsp, qstride, G, pp, part_size);
+  }
 
   // Log-sum-exp merge of the pieces of each KV head (pieces are in head order).
   for (size_t p0 = 0; p0 < pieces.size();) {
@@ -753,12 +804,13 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
   }
 }
 
-void decode_attention(const float* q, int heads, const KVStore& kv, float scale, float* out, int threads) {
+void decode_attention(const float* q, int heads, const KVStore& kv, float scale, float* out, int threads,
+                      DecodeIsa isa) {
   check_args(q, heads, kv, out, "decode_attention");
   int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
   constexpr int64_t kMinBytesPerThread = 256 << 10;  // below this a thread costs more than it saves
   T = static_cast<int>(std::clamp<int64_t>(kv.bytes() / kMinBytesPerThread, 1, T));
-  decode_attention_splits(q, heads, kv, scale, out, T, T);
+  decode_attention_splits(q, heads, kv, scale, out, T, T, isa);
 }
 
 void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out) {

@@ -17,21 +17,33 @@
 // Speed on an AVX2 core with 2 FMA pipes: f32/bf16 and MHA q8/q4 are bound by memory
 // bandwidth; with 4+ query heads per KV head q8/q4 are bound by FMA throughput (2 * G * d
 // multiply-adds per row pair, the same as f32), so they gain less than their size ratio.
+// Where the CPU has AVX-512 (and head_dim % 32 == 0) a 16-lane back end with the same
+// algorithm runs instead (decode_attention_avx512.cpp), chosen at run time.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "kernels/kv_store.h"
 
 namespace kvx::kernels {
 
+// Instruction-set back ends. Auto: AVX-512 where usable, else AVX2 (the build's baseline).
+enum class DecodeIsa { Auto, Avx2, Avx512 };
+std::string decode_isa_name(DecodeIsa isa);
+DecodeIsa parse_decode_isa(const std::string& name);  // "auto", "avx2", "avx512"
+bool decode_isa_usable(DecodeIsa isa, int head_dim);  // this CPU, this head width
+DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim);  // Auto -> the one that runs; throws if unusable
+
 // q [heads][head_dim] (RoPE applied), out [heads][head_dim]. heads % kv_heads == 0; the store
 // must hold at least one row. threads <= 0: all OpenMP threads. Short contexts use fewer
 // threads than asked (parallel start-up would cost more than it saves).
-void decode_attention(const float* q, int heads, const KVStore& kv, float scale, float* out, int threads);
+void decode_attention(const float* q, int heads, const KVStore& kv, float scale, float* out, int threads,
+                      DecodeIsa isa = DecodeIsa::Auto);
 
-// The same with the work cut into exactly `splits` chunks whatever the size (tests, tuning).
+// The same with the work cut into exactly `splits` chunks whatever the size, on a chosen back
+// end (tests, tuning, benchmarks).
 void decode_attention_splits(const float* q, int heads, const KVStore& kv, float scale, float* out,
-                             int threads, int splits);
+                             int threads, int splits, DecodeIsa isa = DecodeIsa::Auto);
 
 // Plain reference: dequantise every stored row, two-pass softmax in double.
 void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out);

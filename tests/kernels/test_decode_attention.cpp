@@ -61,6 +61,14 @@ void fill(KVStore& s, int64_t len, std::mt19937& rng, float bias = 0.0f) {
   }
 }
 
+// The back ends this machine can run for head width d (AVX2 always; AVX-512 where the CPU has
+// it and d % 32 == 0).
+std::vector<DecodeIsa> isas(int d) {
+  std::vector<DecodeIsa> r = {DecodeIsa::Avx2};
+  if (decode_isa_usable(DecodeIsa::Avx512, d)) r.push_back(DecodeIsa::Avx512);
+  return r;
+}
+
 void check_case(const Case& c, uint32_t seed) {
   std::mt19937 rng(seed);
   KVStore s(c.type, c.kv_heads, c.d, {}, c.page_tokens);
@@ -73,11 +81,13 @@ void check_case(const Case& c, uint32_t seed) {
   decode_attention(q.data(), c.heads, s, scale, out.data(), 2);
   EXPECT_LE(rel_err(out, ref, c.heads, c.d), 1e-5) << name(c);
   // Splits cut heads and tiles at odd places; one thread runs them in turn, two share them.
-  for (auto [threads, splits] : std::vector<std::pair<int, int>>{{1, 1}, {1, 3}, {1, 7}, {2, 2}, {2, 5}}) {
-    std::fill(out.begin(), out.end(), NAN);
-    decode_attention_splits(q.data(), c.heads, s, scale, out.data(), threads, splits);
-    EXPECT_LE(rel_err(out, ref, c.heads, c.d), 1e-5) << name(c) << " threads " << threads << " splits " << splits;
-  }
+  for (DecodeIsa isa : isas(c.d))
+    for (auto [threads, splits] : std::vector<std::pair<int, int>>{{1, 1}, {1, 3}, {1, 7}, {2, 2}, {2, 5}}) {
+      std::fill(out.begin(), out.end(), NAN);
+      decode_attention_splits(q.data(), c.heads, s, scale, out.data(), threads, splits, isa);
+      EXPECT_LE(rel_err(out, ref, c.heads, c.d), 1e-5)
+          << name(c) << " " << decode_isa_name(isa) << " threads " << threads << " splits " << splits;
+    }
 }
 
 }  // namespace
@@ -126,8 +136,10 @@ TEST(DecodeAttention, RunningMaxRisesEveryTile) {
     for (int h = 0; h < H; ++h) q[h * d] = 3.0f;
     std::vector<float> ref(q.size()), out(q.size());
     decode_attention_reference(q.data(), H, s, 1.0f, ref.data());
-    decode_attention_splits(q.data(), H, s, 1.0f, out.data(), 2, 3);
-    EXPECT_LE(rel_err(out, ref, H, d), 1e-5) << kv_type_name(t);
+    for (DecodeIsa isa : isas(d)) {
+      decode_attention_splits(q.data(), H, s, 1.0f, out.data(), 2, 3, isa);
+      EXPECT_LE(rel_err(out, ref, H, d), 1e-5) << kv_type_name(t) << " " << decode_isa_name(isa);
+    }
   }
 }
 
@@ -147,10 +159,11 @@ TEST(DecodeAttention, EvictionAttendsToSinkAndWindowOnly) {
     const auto q = randn(H * d, 2.0f, rng);
     std::vector<float> ref(q.size()), out(q.size());
     decode_attention_reference(q.data(), H, kept, 0.2f, ref.data());
-    for (int threads : {1, 2}) {
-      decode_attention_splits(q.data(), H, evicting, 0.2f, out.data(), threads, 3);
-      EXPECT_LE(rel_err(out, ref, H, d), 1e-5) << kv_type_name(t);
-    }
+    for (DecodeIsa isa : isas(d))
+      for (int threads : {1, 2}) {
+        decode_attention_splits(q.data(), H, evicting, 0.2f, out.data(), threads, 3, isa);
+        EXPECT_LE(rel_err(out, ref, H, d), 1e-5) << kv_type_name(t) << " " << decode_isa_name(isa);
+      }
   }
 }
 
@@ -165,4 +178,13 @@ TEST(DecodeAttention, BytesReadAndErrors) {
   EXPECT_THROW(decode_attention_reference(q.data(), 6, s, 1.0f, out.data()), Error);
   decode_attention(q.data(), 8, s, 1.0f, out.data(), 0);
   for (float x : out) EXPECT_TRUE(std::isfinite(x));
+}
+
+TEST(DecodeAttention, BackEndChoice) {
+  EXPECT_EQ(parse_decode_isa("avx512"), DecodeIsa::Avx512);
+  EXPECT_THROW(parse_decode_isa("sse"), Error);
+  EXPECT_EQ(resolve_decode_isa(DecodeIsa::Avx2, 40), DecodeIsa::Avx2);
+  EXPECT_EQ(resolve_decode_isa(DecodeIsa::Auto, 40), DecodeIsa::Avx2);  // AVX-512 needs head_dim % 32 == 0
+  EXPECT_THROW(resolve_decode_isa(DecodeIsa::Avx512, 40), Error);
+  if (decode_isa_usable(DecodeIsa::Avx512, 128)) EXPECT_EQ(resolve_decode_isa(DecodeIsa::Auto, 128), DecodeIsa::Avx512);
 }

@@ -1,0 +1,390 @@
+// AVX-512 back end of decode_attention (see decode_attention.h for the maths, and
+// decode_attention_isa.h for why this file uses no std:: templates).
+//
+// Same algorithm as the AVX2 kernel: per (KV head, row range) piece, tiles of rows; scores of
+// all G query heads against a tile (each K row read once per group of up to 4 queries), an
+// online-softmax update, then the V rows accumulated with the weights. 16-lane vectors and 32
+// registers double the multiply-adds per instruction, which is what GQA needs: with G query
+// heads per KV head the kernel does 2 G d multiply-adds per row pair, so at G = 4 on AVX2 it
+// is bound by the FMA pipes rather than by memory.
+// Rows are read 32 values at a time (a "group"; a q8/q4 block): f32 and q8 as two vectors in
+// natural order, bf16 and q4 as (even | odd) positions (one load, shift/mask, no shuffles); the
+// query is permuted to match and the V accumulator un-permuted at the end of a piece.
+// q8/q4 K and V rows are scaled per vector (codes * d_b, q4: d_b (n - 8)) once for all query
+// heads of the group.
+#include "kernels/decode_attention_isa.h"
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__))
+#error "kernels/decode_attention_avx512.cpp must be compiled with -march=x86-64-v4 (see CMakeLists.txt)"
+#endif
+
+#include <immintrin.h>
+
+#include <math.h>
+#include <string.h>
+
+#define KVX_INLINE inline __attribute__((always_inline))
+
+namespace kvx::kernels::detail {
+
+namespace {
+
+constexpr int kMaxTile = 32;
+constexpr int kRow = kMaxTile + 16;  // score row stride: room for a 16-row block past the tile
+constexpr float kNegInf = -INFINITY;
+
+KVX_INLINE int imin(int a, int b) { return a < b ? a : b; }
+KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------------------------------------
+// Row readers: key(row, scales, j, a, b) = group j (values 32j .. 32j + 31) as vectors a, b
+// (q8/q4 times their block scale; val(): the codes without it, q4 without the -8).
+// q8/q4 `row` points past the fp16 scales.
+
+struct F32Row {
+  static constexpr bool kQuant = false, kPerm = false;
+  static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
+    const float* p = reinterpret_cast<const float*>(row) + 32 * j;
+    a = _mm512_loadu_ps(p);
+    b = _mm512_loadu_ps(p + 16);
+  }
+  static KVX_INLINE void key(const uint8_t* row, const float*, int j, __m512& a, __m512& b) { val(row, j, a, b); }
+};
+
+struct BF16Row {
+  static constexpr bool kQuant = false, kPerm = true;
+  static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
+    const __m512i w = _mm512_loadu_si512(row + 64 * j);
+    a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  static KVX_INLINE void key(const uint8_t* row, const float*, int j, __m512& a, __m512& b) { val(row, j, a, b); }
+};
+
+struct Q8Row {
+  static constexpr bool kQuant = true, kPerm = false;
+  static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
+    const uint8_t* p = row + 32 * j;
+    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  }
+  static KVX_INLINE void key(const uint8_t* row, const float* scale, int j, __m512& a, __m512& b) {
+    val(row, j, a, b);
+    const __m512 d = _mm512_set1_ps(scale[j]);
+    a = _mm512_mul_ps(a, d);
+    b = _mm512_mul_ps(b, d);
+  }
+};
+
+struct Q4Row {
+  static constexpr bool kQuant = true, kPerm = true;
+  static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
+    a = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xf)));
+    b = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+  }
+  static KVX_INLINE void key(const uint8_t* row, const float* scale, int j, __m512& a, __m512& b) {  // d (n - 8)
+    val(row, j, a, b);
+    const __m512 d = _mm512_set1_ps(scale[j]), off = _mm512_set1_ps(-8.0f * scale[j]);
+    a = _mm512_fmadd_ps(a, d, off);
+    b = _mm512_fmadd_ps(b, d, off);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Vector helpers.
+
+// Lane i of the result = sum of the lanes of a[i] (a transpose-and-add tree, 45 instructions).
+KVX_INLINE __m512 reduce16(const __m512* a) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: partial sums of a[4i .. 4i + 3]
+    const __m512d u = _mm512_castps_pd(x[2 * i]), v = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, v)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, v)));
+  }
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// e^x = 2^k e^r, k = round(x log2 e), r = x - k ln 2 (two-step), e^r by its degree-7 Taylor
+// polynomial (|r| <= 0.347: truncation < 1e-8). x < -87 gives 0 (also for -inf).
+KVX_INLINE __m512 exp512(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k));
+}
+
+// Software prefetch of one stream (K or V rows of a head) ahead of a tile: the byte range
+// [from, to) past `base` (the next tile's start), which runs on for `end` bytes on this page,
+// then continues at `next` (the next page) for `next_end` bytes; nothing past the piece.
+struct Prefetch {
+  const uint8_t *base, *next;
+  size_t end, next_end;
+  KVX_INLINE void range(size_t from, size_t to) const {
+    for (size_t o = from & ~size_t{63}; o < (to < end ? to : end); o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(base + o), _MM_HINT_T0);
+    if (to > end && next) {
+      const size_t f = from > end ? from - end : 0, t = to - end < next_end ? to - end : next_end;
+      for (size_t o = f & ~size_t{63}; o < t; o += 64) _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Scores: s[g * kRow + t] = q_g . k_t for GB queries x TB rows (GB * TB = 16); rows past the
+// tile repeat its last row, their scores land in the padding.
+template <class R, int GB, int TB>
+KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const* rows, const float* const* ks, float* s) {
+  static_assert(GB * TB == 16, "score_block reduces 16 accumulators");
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int j = 0; j < nj; ++j)
+    for (int t = 0; t < TB; ++t) {
+      __m512 ka, kb;
+      R::key(rows[t], ks[t], j, ka, kb);
+      for (int g = 0; g < GB; ++g) {
+        const float* qg = q + g * d + 32 * j;
+        acc[g * TB + t] = _mm512_fmadd_ps(_mm512_loadu_ps(qg), ka, acc[g * TB + t]);
+        acc[g * TB + t] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), kb, acc[g * TB + t]);
+      }
+    }
+  alignas(64) float r[16];
+  _mm512_store_ps(r, reduce16(acc));
+  for (int g = 0; g < GB; ++g)
+    for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
+}
+
+// Values: acc[g][group j] += sum_t p_gt v_t[group j] for groups j0 .. j0 + JB - 1, GB * 2 JB
+// <= 16 accumulators in registers across the n rows; p_gt = p[g * kRow + t]; q8/q4 rows are
+// scaled like keys (vs: the tile's V scales, [row][block]).
+template <class R, int GB, int JB>
+KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* p, const float* vs, int nb, float* acc, int d,
+                           int j0) {
+  static_assert(GB * 2 * JB <= 16, "value_pass holds up to 16 accumulators");
+  __m512 a[GB][2 * JB];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(acc + g * d + 32 * j0 + 16 * i);
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* row = v0 + t * rb;
+    __m512 wv[GB];
+    for (int g = 0; g < GB; ++g) wv[g] = _mm512_set1_ps(p[g * kRow + t]);
+    for (int jj = 0; jj < JB; ++jj) {
+      __m512 va, vb;
+      R::key(row, vs + t * nb, j0 + jj, va, vb);
+      for (int g = 0; g < GB; ++g) {
+        a[g][2 * jj] = _mm512_fmadd_ps(wv[g], va, a[g][2 * jj]);
+        a[g][2 * jj + 1] = _mm512_fmadd_ps(wv[g], vb, a[g][2 * jj + 1]);
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * d + 32 * j0 + 16 * i, a[g][i]);
+}
+
+// All groups of the row in passes; pass k also prefetches its share of the next V tile.
+template <class R, int GB>
+KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* p, const float* vs, int nb, float* acc, int d,
+                           const Prefetch* pf) {
+  constexpr int JB = 8 / GB;
+  const int nj = d / 32, np = (nj + JB - 1) / JB;
+  const size_t bytes = static_cast<size_t>(n) * rb;
+  int j = 0, k = 0;
+  for (; j + JB <= nj; j += JB, ++k) {
+    if (pf) pf->range(bytes * k / np, bytes * (k + 1) / np);
+    value_pass<R, GB, JB>(v0, rb, n, p, vs, nb, acc, d, j);
+  }
+  if (j < nj && pf) pf->range(bytes * k / np, bytes);
+  for (; j < nj; ++j) value_pass<R, GB, 1>(v0, rb, n, p, vs, nb, acc, d, j);
+}
+
+// nb fp16 scales -> floats (up to 16; dst has room for 16).
+KVX_INLINE void load_scales(const uint8_t* row, int nb, float* dst) {
+  const __mmask16 m = nb >= 16 ? 0xffff : static_cast<__mmask16>((1u << nb) - 1);
+  _mm512_mask_storeu_ps(dst, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row)));
+}
+
+// Query heads go in groups of 4, 2, 1 that share each K/V load.
+KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+
+// Rows per tile: K and V tiles of about 8 KB each, so a tile and the one prefetched stay in L1.
+int tile_rows(size_t rb) { return rb <= 256 ? 32 : 16; }
+
+// Scratch (floats): scores G * kRow; q8/q4 also the tile's K and V scales, [row][block] each.
+struct Scratch {
+  float *s, *ks, *vs;
+  Scratch(float* base, int G, int nb) : s(base), ks(s + G * kRow), vs(ks + kMaxTile * nb) {}
+};
+
+template <class R>
+void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, float* part, float* scratch) {
+  const int d = kv.head_dim(), nj = d / 32, nb = R::kQuant ? nj : 1, P = kv.page_tokens();
+  const size_t rb = kv.row_bytes();
+  const int tile = tile_rows(rb);
+  const Scratch sc(scratch, G, nb);
+  float* m = part;
+  float* l = part + G;
+  float* acc = part + 2 * G;
+  for (int g = 0; g < G; ++g) {
+    m[g] = kNegInf;
+    l[g] = 0.0f;
+  }
+  for (int i = 0; i < G * d; ++i) acc[i] = 0.0f;
+  const size_t codes = R::kQuant ? 2 * static_cast<size_t>(nb) : 0;  // bytes of scales before the codes
+
+  for (int64_t r = pc.r0; r < pc.r1;) {
+    const int64_t page = r / P;
+    const int off = static_cast<int>(r % P);
+    const int n = static_cast<int>(lmin(lmin(tile, pc.r1 - r), P - off));
+    const uint8_t* kb = kv.k_rows(page, pc.head) + off * rb;
+    const uint8_t* vb = kv.v_rows(page, pc.head) + off * rb;
+    if constexpr (R::kQuant)
+      for (int t = 0; t < n; ++t) {
+        load_scales(kb + t * rb, nb, sc.ks + t * nb);
+        load_scales(vb + t * rb, nb, sc.vs + t * nb);
+      }
+    // The next tile (this page, then the next one; within the piece) is fetched while this one
+    // computes: K during the scores, V during the value passes.
+    const int64_t page_rows = lmin(P - off, pc.r1 - r), next_rows = lmin(P, pc.r1 - r - page_rows);
+    const bool has_next = next_rows > 0;
+    const size_t ahead = static_cast<size_t>(n) * rb;
+    const size_t end = page_rows * rb > ahead ? page_rows * rb - ahead : 0, next_end = has_next ? next_rows * rb : 0;
+    const size_t skip = page_rows * rb > ahead ? 0 : ahead - page_rows * rb;  // the next tile starts on the next page
+    const Prefetch kpf{kb + ahead, has_next ? kv.k_rows(page + 1, pc.head) + skip : nullptr, end, next_end > skip ? next_end - skip : 0};
+    const Prefetch vpf{vb + ahead, has_next ? kv.v_rows(page + 1, pc.head) + skip : nullptr, end, next_end > skip ? next_end - skip : 0};
+
+    // Scores.
+    for (int g0 = 0, gb; g0 < G; g0 += gb) {
+      gb = group_size(G - g0);
+      const int TB = 16 / gb;
+      for (int t0 = 0; t0 < n; t0 += TB) {
+        const uint8_t* rows[16];
+        const float* kst[16];
+        for (int i = 0; i < TB; ++i) {
+          const int t = imin(t0 + i, n - 1);
+          rows[i] = kb + t * rb + codes;
+          kst[i] = sc.ks + t * nb;
+        }
+        if (g0 == 0) kpf.range(t0 * rb, imin(t0 + TB, n) * rb);
+        const float* qg = q + static_cast<size_t>(g0) * d;
+        float* sg = sc.s + g0 * kRow + t0;
+        switch (gb) {
+          case 4: score_block<R, 4, 4>(qg, d, nj, rows, kst, sg); break;
+          case 2: score_block<R, 2, 8>(qg, d, nj, rows, kst, sg); break;
+          default: score_block<R, 1, 16>(qg, d, nj, rows, kst, sg); break;
+        }
+      }
+    }
+
+    // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
+    const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+    const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? 0xffff : static_cast<__mmask16>((1u << (n - 16)) - 1);
+    for (int g = 0; g < G; ++g) {
+      float* sg = sc.s + g * kRow;
+      const __m512 ninf = _mm512_set1_ps(kNegInf);
+      const __m512 s0 = _mm512_mask_loadu_ps(ninf, lo, sg), s1 = _mm512_mask_loadu_ps(ninf, hi, sg + 16);
+      const float mt = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      if (mt > m[g]) {
+        if (m[g] != kNegInf) {
+          const float alpha = expf(m[g] - mt);  // libm, not the std:: inline wrapper
+          l[g] *= alpha;
+          float* ag = acc + static_cast<size_t>(g) * d;
+          const __m512 av = _mm512_set1_ps(alpha);
+          for (int i = 0; i < d; i += 16) _mm512_storeu_ps(ag + i, _mm512_mul_ps(_mm512_loadu_ps(ag + i), av));
+        }
+        m[g] = mt;
+      }
+      const __m512 mv = _mm512_set1_ps(m[g]);
+      const __m512 p0 = exp512(_mm512_sub_ps(s0, mv)), p1 = exp512(_mm512_sub_ps(s1, mv));
+      _mm512_storeu_ps(sg, p0);
+      _mm512_storeu_ps(sg + 16, p1);
+      l[g] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    }
+
+    // Values; the first group's passes prefetch the next V tile.
+    for (int g0 = 0, gb; g0 < G; g0 += gb) {
+      gb = group_size(G - g0);
+      const Prefetch* pf = g0 == 0 ? &vpf : nullptr;
+      float* ag = acc + static_cast<size_t>(g0) * d;
+      const float* p = sc.s + g0 * kRow;
+      switch (gb) {
+        case 4: value_tile<R, 4>(vb + codes, rb, n, p, sc.vs, nb, ag, d, pf); break;
+        case 2: value_tile<R, 2>(vb + codes, rb, n, p, sc.vs, nb, ag, d, pf); break;
+        default: value_tile<R, 1>(vb + codes, rb, n, p, sc.vs, nb, ag, d, pf); break;
+      }
+    }
+    r += n;
+  }
+
+  if constexpr (R::kPerm) {  // (even | odd) per 32 values -> natural order
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int i = 0; i < G * d; i += 32) {
+      const __m512 ev = _mm512_loadu_ps(acc + i), od = _mm512_loadu_ps(acc + i + 16);
+      _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(ev, lo_idx, od));
+      _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(ev, hi_idx, od));
+    }
+  }
+}
+
+template <class R>
+void run_pieces(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, const float* qs, int G, float* parts,
+                size_t part_size, float* scratch) {
+  const size_t qstride = static_cast<size_t>(G) * kv.head_dim();
+  for (int p = p0; p < p1; ++p)
+    run_piece<R>(kv, pieces[p], qs + pieces[p].head * qstride, G, parts + p * part_size, scratch);
+}
+
+}  // namespace
+
+bool avx512_usable() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
+}
+
+void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs) {
+  const bool perm = type == KVType::BF16 || type == KVType::Q4;
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < d; i += 32) {
+      const float* x = q + static_cast<size_t>(h) * d + i;
+      float* y = qs + static_cast<size_t>(h) * d + i;
+      for (int j = 0; j < 16; ++j) {
+        y[j] = (perm ? x[2 * j] : x[j]) * scale;
+        y[16 + j] = (perm ? x[2 * j + 1] : x[16 + j]) * scale;
+      }
+    }
+}
+
+size_t avx512_scratch_floats(int G, int d, KVType type) {
+  const size_t nb = static_cast<size_t>(d) / 32;
+  const bool quant = type == KVType::Q8 || type == KVType::Q4;
+  return static_cast<size_t>(G) * kRow + (quant ? 2 * kMaxTile * nb : 0) + 16;
+}
+
+void avx512_run_split(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, const float* qs, int G, float* parts,
+                      size_t part_size, float* scratch) {
+  switch (kv.type()) {
+    case KVType::F32: run_pieces<F32Row>(kv, pieces, p0, p1, qs, G, parts, part_size, scratch); return;
+    case KVType::BF16: run_pieces<BF16Row>(kv, pieces, p0, p1, qs, G, parts, part_size, scratch); return;
+    case KVType::Q8: run_pieces<Q8Row>(kv, pieces, p0, p1, qs, G, parts, part_size, scratch); return;
+    case KVType::Q4: run_pieces<Q4Row>(kv, pieces, p0, p1, qs, G, parts, part_size, scratch); return;
+  }
+}
+
+}  // namespace kvx::kernels::detail
