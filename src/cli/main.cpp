@@ -212,16 +212,22 @@ void print_decode_table(const nlohmann::json& rows) {
   double stream = 0;
   for (const auto& r : rows)
     if (r.contains("stream_gbps")) stream = r["stream_gbps"].get<double>();
-  std::printf("read bandwidth (STREAM-like probe, all threads): %.1f GB/s\n\n", stream);
-  std::printf("attention only, H=16, d_h=128\n%-6s %-5s %4s %8s %11s %8s %8s %8s %12s\n", "isa", "cache", "hkv", "context",
-              "us/step", "GB/s", "of BW", "vs f32", "vs libtorch");
+  std::printf("read bandwidth (STREAM-like probe, all threads, best of the run's probes): %.1f GB/s\n", stream);
+  for (const auto& r : rows)
+    if (r.contains("fma_peak_gmacs"))
+      std::printf("multiply-add peak (%s, %d lanes, all threads): %.1f G MAC/s\n", r["isa"].get<std::string>().c_str(),
+                  r["lanes"].get<int>(), r["fma_peak_gmacs"].get<double>());
+  std::printf("\nattention only, H=16, d_h=128; roofline = max(bytes / read bandwidth, multiply-adds / peak)\n");
+  std::printf("%-6s %-5s %4s %8s %11s %8s %7s %8s %9s %8s %10s %11s\n", "isa", "cache", "hkv", "context", "us/step", "GB/s",
+              "of BW", "bound", "of roof", "vs f32", "roof/f32", "vs libtorch");
   for (const auto& r : rows) {
     if (!r.contains("us_per_step")) continue;
-    std::string vs = r.contains("fused_speedup_vs_torch") ? std::to_string(r["fused_speedup_vs_torch"].get<double>()).substr(0, 4) + "x" : "";
-    const double vs_f32 = r.value("speedup_vs_f32", 0.0);
-    std::printf("%-6s %-5s %4d %8lld %11.1f %8.1f %7.0f%% %7.2fx %12s\n", r["isa"].get<std::string>().c_str(),
+    std::string vs = r["cache"] == "f32" ? std::to_string(r["fused_speedup_vs_torch"].get<double>()).substr(0, 4) + "x" : "";
+    std::printf("%-6s %-5s %4d %8lld %11.1f %8.1f %6.0f%% %8s %8.0f%% %7.2fx %9.2fx %11s\n", r["isa"].get<std::string>().c_str(),
                 r["cache"].get<std::string>().c_str(), r["hkv"].get<int>(), static_cast<long long>(r["context"].get<int64_t>()),
-                r["us_per_step"].get<double>(), r["gbps"].get<double>(), 100 * r["bw_ratio"].get<double>(), vs_f32, vs.c_str());
+                r["us_per_step"].get<double>(), r["gbps"].get<double>(), 100 * r["bw_ratio"].get<double>(),
+                r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(), r.value("speedup_vs_f32", 0.0),
+                r.value("roofline_speedup_vs_f32", 0.0), vs.c_str());
   }
   bool header = false;
   for (const auto& r : rows) {

@@ -9,6 +9,7 @@
 
 #include "attention/dense.h"
 #include "kernels/decode_attention.h"
+#include "kernels/compute_peak.h"
 #include "kernels/memory_bandwidth.h"
 #include "model/transformer.h"
 #include "text/bpe.h"
@@ -150,60 +151,106 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   torch::NoGradGuard ng;
   const int threads = torch::get_num_threads();
   nlohmann::json rows = nlohmann::json::array();
-  if (verbose) std::cerr << "bench decode: measuring read bandwidth ...\n";
-  const double stream = kernels::measure_read_bandwidth_gbps(1ull << 30, threads, 1.5);
-  rows.push_back({{"stream_gbps", stream}, {"threads", threads}});
   std::mt19937 rng(0);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(o.head_dim)));
   std::vector<float> q(static_cast<size_t>(o.heads) * o.head_dim), out(q.size());
   for (auto& x : q) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
-  // This machine's bandwidth drifts from minute to minute: the cache types of one shape are
-  // timed in interleaved rounds (best round each), so their ratios compare like with like.
-  constexpr int kRounds = 5;
-  for (const auto& isa_name : o.isas) {
-    const auto isa = kernels::resolve_decode_isa(kernels::parse_decode_isa(isa_name), o.head_dim);
-    const std::string isa_used = kernels::decode_isa_name(isa);
-    for (int hkv : o.kv_heads) {
-      std::vector<kernels::KVStore> stores;
-      for (const auto& name : o.types) stores.emplace_back(kernels::parse_kv_type(name), hkv, o.head_dim);
-      for (int64_t ctx : o.contexts) {
-        for (auto& store : stores) fill_random(store, ctx - store.length(), rng);
-        std::vector<double> best(stores.size(), 1e30);
-        for (int round = 0; round < kRounds; ++round)
-          for (size_t i = 0; i < stores.size(); ++i)
-            best[i] = std::min(best[i], time_per_call([&] {
-                                 kernels::decode_attention(q.data(), o.heads, stores[i], scale, out.data(), threads, isa);
-                               }, o.seconds_per_point / kRounds));
-        double f32_s = 0.0;
-        for (size_t i = 0; i < stores.size(); ++i)
-          if (stores[i].type() == kernels::KVType::F32) f32_s = best[i];
-        for (size_t i = 0; i < stores.size(); ++i) {
-          const double s = best[i], bytes = static_cast<double>(kernels::decode_bytes_read(stores[i]));
-          const std::string& name = o.types[i];
-          nlohmann::json row = {{"cache", name},          {"context", ctx},          {"hkv", hkv},
-                                {"heads", o.heads},       {"head_dim", o.head_dim},  {"isa", isa_used},
-                                {"us_per_step", s * 1e6}, {"bytes_read", bytes},     {"gbps", bytes / s / 1e9},
-                                {"bw_ratio", bytes / s / 1e9 / stream}};
-          if (f32_s > 0) row["speedup_vs_f32"] = f32_s / s;
-          if (stores[i].type() == kernels::KVType::F32) {
-            // The libtorch reference path on the same shapes: scores, softmax, weighted sum.
-            auto K = torch::randn({hkv, ctx, o.head_dim}), V = torch::randn({hkv, ctx, o.head_dim});
-            auto Q = torch::randn({hkv, o.heads / hkv, o.head_dim});
-            const double ts = time_per_call(
-                [&] { torch::matmul(torch::softmax(torch::matmul(Q, K.transpose(1, 2)) * scale, -1), V); },
-                o.seconds_per_point);
-            row["torch_us_per_step"] = ts * 1e6;
-            row["fused_speedup_vs_torch"] = ts / s;
-          }
-          if (verbose)
-            std::fprintf(stderr, "  %-6s %-4s hkv %2d context %6lld: %9.1f us/step %6.1f GB/s (%3.0f%% of stream)\n",
-                         isa_used.c_str(), name.c_str(), hkv, static_cast<long long>(ctx), s * 1e6, bytes / s / 1e9,
-                         100 * bytes / s / 1e9 / stream);
-          rows.push_back(row);
-        }
-      }
-    }
+
+  // Roofline inputs, measured in this run: the multiply-add peak per back end (its vector
+  // width) and the read bandwidth, probed before, between and after the timings (this VM's
+  // bandwidth drifts between phases minutes long; the best probe is the ceiling).
+  std::vector<kernels::DecodeIsa> isas;
+  std::map<kernels::DecodeIsa, double> peak_gmacs;
+  for (const auto& name : o.isas) {
+    const auto isa = kernels::resolve_decode_isa(kernels::parse_decode_isa(name), o.head_dim);
+    if (std::find(isas.begin(), isas.end(), isa) != isas.end()) continue;
+    isas.push_back(isa);
+    const int lanes = isa == kernels::DecodeIsa::Avx512 ? 16 : 8;
+    peak_gmacs[isa] = kernels::measure_fma_peak_gmacs(lanes, threads, 0.5);
+    rows.push_back({{"fma_peak_gmacs", peak_gmacs[isa]}, {"isa", kernels::decode_isa_name(isa)}, {"lanes", lanes}, {"threads", threads}});
+    if (verbose)
+      std::fprintf(stderr, "bench decode: %s multiply-add peak %.1f G MAC/s\n", kernels::decode_isa_name(isa).c_str(), peak_gmacs[isa]);
   }
+  if (verbose) std::cerr << "bench decode: measuring read bandwidth ...\n";
+  std::vector<double> probes = {kernels::measure_read_bandwidth_gbps(1ull << 30, threads, 1.0)};
+
+  // Per shape, every (back end, cache type) is timed in interleaved rounds (best round each),
+  // so their ratios compare like with like.
+  constexpr int kRounds = 5;
+  struct Timing {
+    kernels::DecodeIsa isa;
+    size_t type;
+    int hkv;
+    int64_t ctx;
+    double seconds, bytes, torch_seconds;
+  };
+  std::vector<Timing> timings;
+  for (int hkv : o.kv_heads) {
+    std::vector<kernels::KVStore> stores;
+    for (const auto& name : o.types) stores.emplace_back(kernels::parse_kv_type(name), hkv, o.head_dim);
+    for (int64_t ctx : o.contexts) {
+      for (auto& store : stores) fill_random(store, ctx - store.length(), rng);
+      const size_t first = timings.size();
+      for (auto isa : isas)
+        for (size_t i = 0; i < stores.size(); ++i)
+          timings.push_back({isa, i, hkv, ctx, 1e30, static_cast<double>(kernels::decode_bytes_read(stores[i])), 0.0});
+      for (int round = 0; round < kRounds; ++round)
+        for (size_t k = first; k < timings.size(); ++k) {
+          Timing& t = timings[k];
+          t.seconds = std::min(t.seconds, time_per_call([&] {
+                                 kernels::decode_attention(q.data(), o.heads, stores[t.type], scale, out.data(), threads, t.isa);
+                               }, o.seconds_per_point / kRounds));
+        }
+      // The libtorch reference path on the f32 shape: scores, softmax, weighted sum.
+      auto K = torch::randn({hkv, ctx, o.head_dim}), V = torch::randn({hkv, ctx, o.head_dim});
+      auto Q = torch::randn({hkv, o.heads / hkv, o.head_dim});
+      const double ts = time_per_call([&] { torch::matmul(torch::softmax(torch::matmul(Q, K.transpose(1, 2)) * scale, -1), V); },
+                                      o.seconds_per_point);
+      for (size_t k = first; k < timings.size(); ++k) timings[k].torch_seconds = ts;
+      if (verbose)
+        for (size_t k = first; k < timings.size(); ++k)
+          std::fprintf(stderr, "  %-6s %-4s hkv %2d context %6lld: %9.1f us/step %6.1f GB/s\n",
+                       kernels::decode_isa_name(timings[k].isa).c_str(), o.types[timings[k].type].c_str(), hkv,
+                       static_cast<long long>(ctx), timings[k].seconds * 1e6, timings[k].bytes / timings[k].seconds / 1e9);
+    }
+    probes.push_back(kernels::measure_read_bandwidth_gbps(1ull << 30, threads, 0.5));
+  }
+  const double stream = *std::max_element(probes.begin(), probes.end());
+  rows.push_back({{"stream_gbps", stream}, {"stream_probes_gbps", probes}, {"threads", threads}});
+
+  for (const Timing& t : timings) {
+    double f32_s = 0.0;
+    for (const Timing& u : timings)
+      if (u.isa == t.isa && u.hkv == t.hkv && u.ctx == t.ctx && kernels::parse_kv_type(o.types[u.type]) == kernels::KVType::F32)
+        f32_s = u.seconds;
+    // Multiply-adds per step: scores and values, every query head, every cached row.
+    const double macs = 2.0 * o.heads * static_cast<double>(t.ctx) * o.head_dim;
+    const double fma_floor = macs / (peak_gmacs[t.isa] * 1e9), bw_floor = t.bytes / (stream * 1e9);
+    const double floor = std::max(bw_floor, fma_floor), s = t.seconds;
+    nlohmann::json row = {{"cache", o.types[t.type]},
+                          {"context", t.ctx},
+                          {"hkv", t.hkv},
+                          {"heads", o.heads},
+                          {"head_dim", o.head_dim},
+                          {"isa", kernels::decode_isa_name(t.isa)},
+                          {"us_per_step", s * 1e6},
+                          {"bytes_read", t.bytes},
+                          {"gbps", t.bytes / s / 1e9},
+                          {"bw_ratio", t.bytes / s / 1e9 / stream},
+                          {"macs", macs},
+                          {"bw_floor_us", bw_floor * 1e6},
+                          {"fma_floor_us", fma_floor * 1e6},
+                          {"bound", bw_floor >= fma_floor ? "memory" : "compute"},
+                          {"of_roofline", floor / s},
+                          {"torch_us_per_step", t.torch_seconds * 1e6},
+                          {"fused_speedup_vs_torch", t.torch_seconds / s}};
+    if (f32_s > 0) {
+      row["speedup_vs_f32"] = f32_s / s;
+      row["roofline_speedup_vs_f32"] = f32_s / floor;  // what a kernel at this type's roofline would reach
+    }
+    rows.push_back(row);
+  }
+
   if (o.whole_model) {
     const auto cfg = train::preset("tiny").model;
     for (const auto& name : o.types) {

@@ -740,7 +740,7 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
   thread_local std::vector<int> split_begin;
   size_t scratch_size = 0;
   if (wide) {
-    qs.resize(static_cast<size_t>(heads) * d);
+    qs.resize(detail::avx512_query_floats(d, kv.type()) * heads);
     detail::avx512_prepare_queries(q, heads, d, scale, kv.type(), qs.data());
     scratch_size = detail::avx512_scratch_floats(G, d, kv.type());
     scratch.resize(scratch_size * ns);
@@ -813,10 +813,26 @@ void decode_attention(const float* q, int heads, const KVStore& kv, float scale,
   decode_attention_splits(q, heads, kv, scale, out, T, T, isa);
 }
 
-void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out) {
+bool decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim) {
+  return resolve_decode_isa(isa, head_dim) == DecodeIsa::Avx512 && (type == KVType::Q8 || type == KVType::Q4);
+}
+
+void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out,
+                                bool quantized_query) {
   check_args(q, heads, kv, out, "decode_attention_reference");
   const int hkv = kv.kv_heads(), G = heads / hkv, d = kv.head_dim();
   const int64_t L = kv.stored();
+  std::vector<float> qq;
+  if (quantized_query) {  // the scaled query, quantised and dequantised; no further scaling
+    std::vector<float> scaled(static_cast<size_t>(heads) * d), dq(scaled.size() / kQBlock);
+    std::vector<int8_t> codes(scaled.size());
+    for (size_t i = 0; i < scaled.size(); ++i) scaled[i] = q[i] * scale;
+    quantize_query_blocks(scaled.data(), static_cast<int>(scaled.size()), codes.data(), dq.data());
+    qq.resize(scaled.size());
+    for (size_t i = 0; i < qq.size(); ++i) qq[i] = static_cast<float>(codes[i]) * dq[i / kQBlock];
+    q = qq.data();
+    scale = 1.0f;
+  }
   std::vector<float> k(static_cast<size_t>(L) * d), v(static_cast<size_t>(L) * d);
   std::vector<double> sc(L), o(d);
   for (int h = 0; h < hkv; ++h) {

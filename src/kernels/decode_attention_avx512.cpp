@@ -14,8 +14,8 @@
 // heads of the group.
 #include "kernels/decode_attention_isa.h"
 
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__))
-#error "kernels/decode_attention_avx512.cpp must be compiled with -march=x86-64-v4 (see CMakeLists.txt)"
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__))
+#error "kernels/decode_attention_avx512.cpp must be compiled with -march=x86-64-v4 -mavx512vnni (see CMakeLists.txt)"
 #endif
 
 #include <immintrin.h>
@@ -32,6 +32,11 @@ namespace {
 constexpr int kMaxTile = 32;
 constexpr int kRow = kMaxTile + 16;  // score row stride: room for a 16-row block past the tile
 constexpr float kNegInf = -INFINITY;
+
+template <int N>
+struct Int {
+  static constexpr int value = N;
+};
 
 KVX_INLINE int imin(int a, int b) { return a < b ? a : b; }
 KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -61,8 +66,23 @@ struct BF16Row {
   static KVX_INLINE void key(const uint8_t* row, const float*, int j, __m512& a, __m512& b) { val(row, j, a, b); }
 };
 
+// q8/q4 keys use integer dot products against the query quantised to 32-blocks of int8 (VNNI
+// vpdpbusd: unsigned x signed bytes, 4 per int32 lane). A vector covers kVecBlocks blocks of
+// the row's codes; codes(row, c, nb, k) loads vector c as unsigned bytes, dot(k, qc) adds the
+// products to the query vector's bias (see query_int below), giving sum(code * q) per lane.
+// q8: code + 128 (xor 0x80), bias -128 * sum(q); q4: the nibbles n (low nibbles = even
+// positions, high = odd), bias -8 * sum(q); both in the same lanes as the query bytes.
 struct Q8Row {
   static constexpr bool kQuant = true, kPerm = false;
+  static constexpr int kVecBlocks = 2, kQBytes = 192;  // per query vector: codes, bias, scales
+  static KVX_INLINE void codes(const uint8_t* row, int c, int nb, __m512i* k) {
+    const int bytes = 32 * (nb - 2 * c);
+    const __mmask64 m = bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
+    k[0] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, row + 64 * c), _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  static KVX_INLINE __m512i dot(const __m512i* k, const uint8_t* qc) {
+    return _mm512_dpbusd_epi32(_mm512_loadu_si512(qc + 64), k[0], _mm512_loadu_si512(qc));
+  }
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const uint8_t* p = row + 32 * j;
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -78,6 +98,18 @@ struct Q8Row {
 
 struct Q4Row {
   static constexpr bool kQuant = true, kPerm = true;
+  static constexpr int kVecBlocks = 4, kQBytes = 256;  // per query vector: even and odd codes, bias, scales
+  static KVX_INLINE void codes(const uint8_t* row, int c, int nb, __m512i* k) {
+    const int bytes = 16 * (nb - 4 * c);
+    const __mmask64 m = bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
+    const __m512i b = _mm512_maskz_loadu_epi8(m, row + 64 * c), lo4 = _mm512_set1_epi8(0x0f);
+    k[0] = _mm512_and_si512(b, lo4);
+    k[1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4);
+  }
+  static KVX_INLINE __m512i dot(const __m512i* k, const uint8_t* qc) {
+    const __m512i x = _mm512_dpbusd_epi32(_mm512_loadu_si512(qc + 128), k[0], _mm512_loadu_si512(qc));
+    return _mm512_dpbusd_epi32(x, k[1], _mm512_loadu_si512(qc + 64));
+  }
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
     a = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xf)));
@@ -171,6 +203,38 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
     for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
 }
 
+// q8/q4 scores with integer dots: per query vector c, lanes of block b hold sum(code * q) over
+// their 4 bytes; times d_k(b) d_q(b) (the row's and the query's block scales) into a float
+// accumulator; then the lanes are summed. q: per query nz vectors of R::kQBytes bytes.
+template <class R, int GB, int TB>
+KVX_INLINE void score_block_int(const uint8_t* q, size_t qstride, int nz, int nb, const uint8_t* const* rows,
+                                const float* const* ks, float* s) {
+  static_assert(GB * TB == 16, "score_block_int reduces 16 accumulators");
+  constexpr int kLanesPerBlock = 16 / R::kVecBlocks;
+  const __m512i lane_block = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               kLanesPerBlock == 8 ? 3 : 2);
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int c = 0; c < nz; ++c) {
+    const int left = nb - c * R::kVecBlocks;
+    const __mmask16 sm = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    for (int t = 0; t < TB; ++t) {
+      __m512i k[2];
+      R::codes(rows[t], c, nb, k);
+      const __m512 dk = _mm512_permutexvar_ps(lane_block, _mm512_maskz_loadu_ps(sm, ks[t] + c * R::kVecBlocks));
+      for (int g = 0; g < GB; ++g) {
+        const uint8_t* qc = q + g * qstride + static_cast<size_t>(c) * R::kQBytes;
+        const __m512 dq = _mm512_loadu_ps(reinterpret_cast<const float*>(qc + R::kQBytes - 64));
+        acc[g * TB + t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(R::dot(k, qc)), _mm512_mul_ps(dk, dq), acc[g * TB + t]);
+      }
+    }
+  }
+  alignas(64) float r[16];
+  _mm512_store_ps(r, reduce16(acc));
+  for (int g = 0; g < GB; ++g)
+    for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
+}
+
 // Values: acc[g][group j] += sum_t p_gt v_t[group j] for groups j0 .. j0 + JB - 1, GB * 2 JB
 // <= 16 accumulators in registers across the n rows; p_gt = p[g * kRow + t]; q8/q4 rows are
 // scaled like keys (vs: the tile's V scales, [row][block]).
@@ -198,26 +262,44 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* p, 
     for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * d + 32 * j0 + 16 * i, a[g][i]);
 }
 
-// All groups of the row in passes; pass k also prefetches its share of the next V tile.
+// All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
+// needs several accumulators to hide the FMA latency); the passes share out the prefetch of
+// the next V tile.
 template <class R, int GB>
 KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* p, const float* vs, int nb, float* acc, int d,
                            const Prefetch* pf) {
   constexpr int JB = 8 / GB;
-  const int nj = d / 32, np = (nj + JB - 1) / JB;
+  const int nj = d / 32;
   const size_t bytes = static_cast<size_t>(n) * rb;
-  int j = 0, k = 0;
-  for (; j + JB <= nj; j += JB, ++k) {
-    if (pf) pf->range(bytes * k / np, bytes * (k + 1) / np);
-    value_pass<R, GB, JB>(v0, rb, n, p, vs, nb, acc, d, j);
-  }
-  if (j < nj && pf) pf->range(bytes * k / np, bytes);
-  for (; j < nj; ++j) value_pass<R, GB, 1>(v0, rb, n, p, vs, nb, acc, d, j);
+  int j = 0;
+  auto pass = [&](auto jb) {
+    constexpr int B = decltype(jb)::value;
+    if (pf) pf->range(bytes * j / nj, bytes * (j + B) / nj);
+    value_pass<R, GB, B>(v0, rb, n, p, vs, nb, acc, d, j);
+    j += B;
+  };
+  while (j + JB <= nj) pass(Int<JB>{});
+  if constexpr (JB > 4)
+    while (j + 4 <= nj) pass(Int<4>{});
+  if constexpr (JB > 2)
+    while (j + 2 <= nj) pass(Int<2>{});
+  if constexpr (JB > 1)
+    while (j < nj) pass(Int<1>{});
 }
 
 // nb fp16 scales -> floats (up to 16; dst has room for 16).
 KVX_INLINE void load_scales(const uint8_t* row, int nb, float* dst) {
   const __mmask16 m = nb >= 16 ? 0xffff : static_cast<__mmask16>((1u << nb) - 1);
   _mm512_mask_storeu_ps(dst, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row)));
+}
+
+// Floats per query head in the kernel's layout: d (f32/bf16), or the integer query vectors.
+template <class R>
+KVX_INLINE size_t query_floats(int d) {
+  if constexpr (R::kQuant)
+    return static_cast<size_t>((d / 32 + R::kVecBlocks - 1) / R::kVecBlocks) * R::kQBytes / sizeof(float);
+  else
+    return static_cast<size_t>(d);
 }
 
 // Query heads go in groups of 4, 2, 1 that share each K/V load.
@@ -282,12 +364,23 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           kst[i] = sc.ks + t * nb;
         }
         if (g0 == 0) kpf.range(t0 * rb, imin(t0 + TB, n) * rb);
-        const float* qg = q + static_cast<size_t>(g0) * d;
         float* sg = sc.s + g0 * kRow + t0;
-        switch (gb) {
-          case 4: score_block<R, 4, 4>(qg, d, nj, rows, kst, sg); break;
-          case 2: score_block<R, 2, 8>(qg, d, nj, rows, kst, sg); break;
-          default: score_block<R, 1, 16>(qg, d, nj, rows, kst, sg); break;
+        if constexpr (R::kQuant) {
+          const size_t qstride = query_floats<R>(d) * sizeof(float);
+          const uint8_t* qg = reinterpret_cast<const uint8_t*>(q) + g0 * qstride;
+          const int nz = (nb + R::kVecBlocks - 1) / R::kVecBlocks;
+          switch (gb) {
+            case 4: score_block_int<R, 4, 4>(qg, qstride, nz, nb, rows, kst, sg); break;
+            case 2: score_block_int<R, 2, 8>(qg, qstride, nz, nb, rows, kst, sg); break;
+            default: score_block_int<R, 1, 16>(qg, qstride, nz, nb, rows, kst, sg); break;
+          }
+        } else {
+          const float* qg = q + static_cast<size_t>(g0) * d;
+          switch (gb) {
+            case 4: score_block<R, 4, 4>(qg, d, nj, rows, kst, sg); break;
+            case 2: score_block<R, 2, 8>(qg, d, nj, rows, kst, sg); break;
+            default: score_block<R, 1, 16>(qg, d, nj, rows, kst, sg); break;
+          }
         }
       }
     }
@@ -346,7 +439,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
 template <class R>
 void run_pieces(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, const float* qs, int G, float* parts,
                 size_t part_size, float* scratch) {
-  const size_t qstride = static_cast<size_t>(G) * kv.head_dim();
+  const size_t qstride = static_cast<size_t>(G) * query_floats<R>(kv.head_dim());
   for (int p = p0; p < p1; ++p)
     run_piece<R>(kv, pieces[p], qs + pieces[p].head * qstride, G, parts + p * part_size, scratch);
 }
@@ -355,20 +448,70 @@ void run_pieces(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, co
 
 bool avx512_usable() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512dq");
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+}
+
+size_t avx512_query_floats(int d, KVType type) {
+  switch (type) {
+    case KVType::F32: return query_floats<F32Row>(d);
+    case KVType::BF16: return query_floats<BF16Row>(d);
+    case KVType::Q8: return query_floats<Q8Row>(d);
+    case KVType::Q4: return query_floats<Q4Row>(d);
+  }
+  return 0;
 }
 
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs) {
-  const bool perm = type == KVType::BF16 || type == KVType::Q4;
-  for (int h = 0; h < heads; ++h)
-    for (int i = 0; i < d; i += 32) {
-      const float* x = q + static_cast<size_t>(h) * d + i;
-      float* y = qs + static_cast<size_t>(h) * d + i;
-      for (int j = 0; j < 16; ++j) {
-        y[j] = (perm ? x[2 * j] : x[j]) * scale;
-        y[16 + j] = (perm ? x[2 * j + 1] : x[16 + j]) * scale;
+  const size_t stride = avx512_query_floats(d, type);
+  if (type == KVType::F32 || type == KVType::BF16) {
+    const bool perm = type == KVType::BF16;
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < d; i += 32) {
+        const float* x = q + static_cast<size_t>(h) * d + i;
+        float* y = qs + h * stride + i;
+        for (int j = 0; j < 16; ++j) {
+          y[j] = (perm ? x[2 * j] : x[j]) * scale;
+          y[16 + j] = (perm ? x[2 * j + 1] : x[16 + j]) * scale;
+        }
+      }
+    return;
+  }
+  // Integer query vectors (see Q8Row / Q4Row): codes, bias per int32 lane, block scale per lane.
+  const bool q4 = type == KVType::Q4;
+  const int nb = d / 32, vb = q4 ? Q4Row::kVecBlocks : Q8Row::kVecBlocks, qbytes = q4 ? Q4Row::kQBytes : Q8Row::kQBytes;
+  const int nz = (nb + vb - 1) / vb;
+  int8_t codes[32 * 16];
+  float scaled[32 * 16], dq[16];
+  for (int h = 0; h < heads; ++h) {
+    uint8_t* y = reinterpret_cast<uint8_t*>(qs + h * stride);
+    memset(y, 0, static_cast<size_t>(nz) * qbytes);
+    for (int c = 0; c < nz; ++c) {
+      const int blocks = imin(vb, nb - c * vb);
+      const float* x = q + static_cast<size_t>(h) * d + c * vb * 32;
+      for (int i = 0; i < 32 * blocks; ++i) scaled[i] = x[i] * scale;
+      quantize_query_blocks(scaled, 32 * blocks, codes, dq);
+      uint8_t* qc = y + static_cast<size_t>(c) * qbytes;
+      int32_t* bias = reinterpret_cast<int32_t*>(qc + qbytes - 128);
+      float* scl = reinterpret_cast<float*>(qc + qbytes - 64);
+      for (int b = 0; b < blocks; ++b)
+        for (int i = 0; i < (q4 ? 16 : 32); ++i) {
+          const int byte = b * (q4 ? 16 : 32) + i;  // byte of the code vector(s); lane = byte / 4
+          if (q4) {
+            const int8_t even = codes[b * 32 + 2 * i], odd = codes[b * 32 + 2 * i + 1];
+            qc[byte] = static_cast<uint8_t>(even);
+            qc[64 + byte] = static_cast<uint8_t>(odd);
+            bias[byte / 4] -= 8 * (even + odd);
+          } else {
+            qc[byte] = static_cast<uint8_t>(codes[b * 32 + i]);
+            bias[byte / 4] -= 128 * codes[b * 32 + i];
+          }
+        }
+      for (int lane = 0; lane < 16; ++lane) {
+        const int b = lane / (16 / vb);
+        scl[lane] = b < blocks ? dq[b] : 0.0f;
       }
     }
+  }
 }
 
 size_t avx512_scratch_floats(int G, int d, KVType type) {

@@ -19,9 +19,11 @@ struct DecodePiece {
   int64_t r0, r1;
 };
 
-// AVX-512 back end (AVX-512 F/BW/VL/DQ), for head_dim % 32 == 0.
+// AVX-512 back end (AVX-512 F/BW/VL/DQ/VNNI), for head_dim % 32 == 0.
 bool avx512_usable();
-// Scaled queries in its layout: [heads][d]; bf16 and q4 as (even | odd) positions per 32 values.
+// Scaled queries in its layout, avx512_query_floats(d, type) floats per head: f32 [d]; bf16 as
+// (even | odd) positions per 32 values; q8/q4 quantised to int8 blocks (integer dot products).
+size_t avx512_query_floats(int d, KVType type);
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs);
 // Scratch floats one split needs.
 size_t avx512_scratch_floats(int G, int d, KVType type);

@@ -195,6 +195,20 @@ size_t row_bytes(KVType t, int n) {
   throw Error("row_bytes: invalid KVType value " + std::to_string(static_cast<int>(t)));
 }
 
+void quantize_query_blocks(const float* x, int n, int8_t* codes, float* scales) {
+  if (n % kQBlock != 0)
+    throw Error("quantize_query_blocks: n (" + std::to_string(n) + ") must be a multiple of " + std::to_string(kQBlock));
+  for (int b = 0; b < n / kQBlock; ++b) {
+    const float* xb = x + b * kQBlock;
+    float amax = 0.0f;
+    for (int i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    scales[b] = d;
+    for (int i = 0; i < kQBlock; ++i)
+      codes[b * kQBlock + i] = static_cast<int8_t>(std::clamp(std::nearbyint(xb[i] * inv), -127.0f, 127.0f));
+  }
+}
+
 void quantize_row(KVType t, const float* x, int n, uint8_t* dst) {
   row_bytes(t, n);  // validates n
   switch (t) {

@@ -38,6 +38,11 @@ constexpr size_t kQ4BlockBytes = 18;
 void quantize_row(KVType t, const float* x, int n, uint8_t* dst);
 void dequantize_row(KVType t, const uint8_t* src, int n, float* dst);
 
+// A query for integer dot products against q8/q4 rows (llama.cpp's q8_0 query, with a float
+// scale): per 32-block d = max|x| / 127, codes round(x / d) (nearest, ties to even), x ~ d q.
+// n % 32 == 0; scales gets n / 32 floats (0 for an all-zero block).
+void quantize_query_blocks(const float* x, int n, int8_t* codes, float* scales);
+
 // Scalar helpers shared with the kernels and tests.
 uint16_t float_to_bf16(float x);  // round to nearest even; NaN stays NaN
 float bf16_to_float(uint16_t h);

@@ -1,0 +1,12 @@
+// Multiply-add throughput probe: the compute ceiling a decode kernel is judged against when it
+// is not bound by memory (GQA with many query heads per KV head, q8/q4 rows).
+#pragma once
+
+namespace kvx::kernels {
+
+// Fused multiply-adds per second (in units of 1e9 scalar multiply-adds) that `threads` OpenMP
+// threads (0: all) sustain with independent register accumulators, at a vector width of 8
+// (AVX2) or 16 (AVX-512, where the CPU has it) lanes. Best of passes over about `seconds`.
+double measure_fma_peak_gmacs(int lanes, int threads = 0, double seconds = 0.5);
+
+}  // namespace kvx::kernels
