@@ -4,13 +4,16 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <thread>
 
+#include "attention/cost.h"
 #include "compare/report.h"
 #include "compare/runner.h"
 #include "eval/bench.h"
 #include "eval/evaluate.h"
 #include "io/atomic_file.h"
+#include "io/json_config.h"
 #include "model/sampling.h"
 #include "text/corpus.h"
 #include "train/checkpoint.h"
@@ -240,6 +243,88 @@ void print_decode_table(const nlohmann::json& rows) {
 }
 
 // --- kvx compare / demo ---------------------------------------------------------------------------
+// --- kvx cost -------------------------------------------------------------------------------------
+// The seed's LRKV tables (000, Table 7 / Eq. 9 and the rank sweep of Table 8), as shapes.
+std::vector<std::string> seed_table_shapes() {
+  std::vector<std::string> s = {"lrkv:H=6,r=46,d_h=128", "lrkv:H=12,r=51,d_h=128", "lrkv:H=18,r=55,d_h=128",
+                                "lrkv:H=32,r=54,d_h=128"};
+  for (int r : {8, 16, 32, 64, 128}) s.push_back("lrkv:H=6,r=" + std::to_string(r) + ",d_h=128");
+  for (int dc : {128, 192, 384}) s.push_back("mla:H=6,d_h=128,d_c=" + std::to_string(dc) + ",d_R=0");
+  s.push_back("mha:H=6,d_h=128");
+  return s;
+}
+
+nlohmann::json cost_row(const attention::AttentionShape& a, const std::string& label) {
+  nlohmann::json row = {{"shape", label.empty() ? a.describe() : label},
+                        {"kind", a.kind},
+                        {"cache_elements_per_token_layer", a.cache_elements()},
+                        {"cache_vs_mha", a.cache_elements() / a.mha_cache_elements()}};
+  for (auto t : {kernels::KVType::F32, kernels::KVType::BF16, kernels::KVType::Q8, kernels::KVType::Q4}) {
+    try {
+      row["bytes_per_token_layer_" + kernels::kv_type_name(t)] = a.cache_bytes(t);
+    } catch (const Error&) {  // q8/q4 need widths that are multiples of 32
+    }
+  }
+  if (a.hidden > 0) {
+    row["kv_params"] = a.kv_params();
+    row["kv_params_vs_mha"] = a.kv_params() / a.mha_kv_params();
+  }
+  return row;
+}
+
+void cmd_cost(const std::string& config_path, const std::vector<std::string>& shapes, bool seed_tables, bool json) {
+  nlohmann::json rows = nlohmann::json::array();
+  if (!config_path.empty()) {
+    std::string file = config_path;
+    if (io::file_exists(config_path + "/config.json") || io::file_exists(config_path + "/LATEST"))
+      file = train::resolve_model_dir(config_path) + "/config.json";
+    const auto config = model::ModelConfig::from_json(io::parse_json_file(file));
+    const auto kinds = config.layer_kinds();
+    double elements = 0, mha = 0;
+    std::map<std::string, int> count;
+    for (const auto& k : kinds) ++count[k];
+    for (const auto& [kind, n] : count) {
+      const auto a = attention::AttentionShape::of_layer(config, kind);
+      auto row = cost_row(a, "");
+      row["layers"] = n;
+      rows.push_back(row);
+      elements += n * a.cache_elements();
+      mha += n * a.mha_cache_elements();
+    }
+    rows.push_back(nlohmann::json{{"shape", "model: all " + std::to_string(kinds.size()) + " layers"},
+                                  {"cache_elements_per_token", elements},
+                                  {"cache_vs_mha", elements / mha}});
+  }
+  std::vector<std::string> specs = shapes;
+  if (seed_tables || (config_path.empty() && shapes.empty())) {
+    const auto seed = seed_table_shapes();
+    specs.insert(specs.end(), seed.begin(), seed.end());
+  }
+  for (const auto& spec : specs) rows.push_back(cost_row(attention::AttentionShape::parse(spec), ""));
+  if (json) {
+    std::cout << rows.dump(1) << "\n";
+    return;
+  }
+  std::printf("%-44s %9s %8s %10s %10s %10s %12s %8s\n", "shape (per token and layer)", "elements", "vs MHA", "f32 B",
+              "bf16 B", "q8 B", "K/V params", "vs MHA");
+  for (const auto& r : rows) {
+    auto num = [&](const char* key, const char* fmt) {
+      char buf[32] = "-";
+      if (r.contains(key)) std::snprintf(buf, sizeof buf, fmt, r[key].get<double>());
+      return std::string(buf);
+    };
+    const std::string elements = r.contains("cache_elements_per_token_layer") ? num("cache_elements_per_token_layer", "%.0f")
+                                                                              : num("cache_elements_per_token", "%.0f");
+    std::printf("%-44s %9s %7.2f%% %10s %10s %10s %12s %8s\n", r["shape"].get<std::string>().c_str(), elements.c_str(),
+                100 * r["cache_vs_mha"].get<double>(), num("bytes_per_token_layer_f32", "%.0f").c_str(),
+                num("bytes_per_token_layer_bf16", "%.0f").c_str(), num("bytes_per_token_layer_q8", "%.0f").c_str(),
+                num("kv_params", "%.0f").c_str(),
+                r.contains("kv_params_vs_mha") ? (num("kv_params_vs_mha", "%.3f") + "x").c_str() : "-");
+  }
+  std::printf("\nvs MHA: the same H and d_h with full per-head K/V (cache 2 H d_h). LRKV cache 2 (d_h + H r) = 1/H + r/d_h of MHA;\n"
+              "MLA d_c + d_R (the seed's MLA rows count d_c only: d_R=0). q8 bytes need widths that are multiples of 32.\n");
+}
+
 void cmd_compare(const std::string& experiment, const std::string& preset, const std::string& out, const std::string& data_dir) {
   std::vector<std::string> names = experiment == "all" ? compare::experiment_names() : std::vector<std::string>{experiment};
   compare::CompareOptions o;
@@ -369,6 +454,15 @@ int main(int argc, char** argv) {
   bench_decode->add_flag("--json", bench_json, "print JSON rows");
 
   std::string compare_name, compare_preset = "tiny", compare_out = "runs/compare", compare_data;
+  std::string cost_config;
+  std::vector<std::string> cost_shapes;
+  bool cost_seed = false;
+  auto* cost_cmd = app.add_subcommand("cost", "KV cache elements/bytes per token and K/V parameters per attention family, vs MHA");
+  cost_cmd->add_option("--config", cost_config, "a model's config.json, model directory or run directory: per layer kind and in total");
+  cost_cmd->add_option("--shape", cost_shapes, "a named shape, repeatable: mha|gqa|mqa|lrkv|mla:key=value,... (keys H, Hkv, d_h, d, r, rope, d_c, d_R)");
+  cost_cmd->add_flag("--seed-tables", cost_seed, "the LRKV seed's cache table and rank sweep, and its MLA rows (the default with no other input)");
+  cost_cmd->add_flag("--json", bench_json, "print JSON rows");
+
   auto* compare_cmd = app.add_subcommand("compare", "matched-budget comparison experiments with reports and plots");
   compare_cmd->add_option("experiment", compare_name, "arch | posthoc | decode | all")->required();
   compare_cmd->add_option("--preset", compare_preset, "tiny | small (default tiny)");
@@ -436,6 +530,7 @@ int main(int argc, char** argv) {
         print_decode_table(rows);
       }
     }
+    if (cost_cmd->parsed()) cmd_cost(cost_config, cost_shapes, cost_seed, bench_json);
     if (compare_cmd->parsed()) cmd_compare(compare_name, compare_preset, compare_out, compare_data);
     if (demo->parsed()) cmd_demo(demo_out, demo_data);
   } catch (const Error& e) {

@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "io/json_config.h"
@@ -22,6 +23,10 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   c.rms_norm_eps = r.get<double>("rms_norm_eps", c.rms_norm_eps);
   c.tie_word_embeddings = r.get<bool>("tie_word_embeddings", c.tie_word_embeddings);
   c.layout = r.get<std::string>("layout", c.layout);
+  c.lrkv_rank = r.get<int>("lrkv_rank", c.lrkv_rank);
+  c.lrkv_rope = r.get<std::string>("lrkv_rope", c.lrkv_rope);
+  c.kv_lora_rank = r.get<int>("kv_lora_rank", c.kv_lora_rank);
+  c.qk_rope_head_dim = r.get<int>("qk_rope_head_dim", c.qk_rope_head_dim);
   std::string arch = r.get<std::string>("model_type", "kvx");
   if (arch != "kvx") throw Error("model config: model_type '" + arch + "' is not a kvx model (expected \"kvx\")");
   r.finish();
@@ -30,7 +35,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
 }
 
 nlohmann::json ModelConfig::to_json() const {
-  return {{"model_type", "kvx"},
+  nlohmann::json j = {{"model_type", "kvx"},
           {"vocab_size", vocab_size},
           {"hidden_size", hidden_size},
           {"num_hidden_layers", num_hidden_layers},
@@ -43,6 +48,24 @@ nlohmann::json ModelConfig::to_json() const {
           {"rms_norm_eps", rms_norm_eps},
           {"tie_word_embeddings", tie_word_embeddings},
           {"layout", layout}};
+  // Family settings only where a layer uses the family (dense configs stay plain Llama ones).
+  if (uses("lrkv")) {
+    j["lrkv_rank"] = lrkv_rank;
+    j["lrkv_rope"] = lrkv_rope;
+  }
+  if (uses("mla")) {
+    j["kv_lora_rank"] = kv_lora_rank;
+    j["qk_rope_head_dim"] = qk_rope_head_dim;
+  }
+  return j;
+}
+
+std::vector<std::string> lrkv_rope_modes() { return {"expand", "shared_rope", "pair_aligned"}; }
+
+bool ModelConfig::uses(const std::string& kind) const {
+  for (const auto& k : layer_kinds())
+    if (k == kind) return true;
+  return false;
 }
 
 void ModelConfig::validate() const {
@@ -65,6 +88,23 @@ void ModelConfig::validate() const {
   if (rope_theta <= 0) throw Error("model config: rope_theta must be positive");
   if (rms_norm_eps <= 0) throw Error("model config: rms_norm_eps must be positive");
   layer_kinds();  // validates the layout
+  if (uses("lrkv")) {
+    if (lrkv_rank < 0 || lrkv_rank > head_dim)
+      throw Error("model config: lrkv_rank (" + std::to_string(lrkv_rank) + ") must be in [0, head_dim = " +
+                  std::to_string(head_dim) + "]; a residual rank above the head width adds cache without adding rank");
+    const auto modes = lrkv_rope_modes();
+    if (std::find(modes.begin(), modes.end(), lrkv_rope) == modes.end())
+      throw Error("model config: lrkv_rope '" + lrkv_rope + "' is not one of expand, shared_rope, pair_aligned");
+    if (lrkv_rope == "pair_aligned" && lrkv_rank % 2 != 0)
+      throw Error("model config: lrkv_rope pair_aligned keeps the residual in whole RoPE planes, so lrkv_rank must be even (got " +
+                  std::to_string(lrkv_rank) + ")");
+  }
+  if (uses("mla")) {
+    if (kv_lora_rank < 1) throw Error("model config: kv_lora_rank (MLA latent width d_c) must be positive");
+    if (qk_rope_head_dim < 2 || qk_rope_head_dim % 2 != 0)
+      throw Error("model config: qk_rope_head_dim (MLA decoupled RoPE key width d_R) must be even and >= 2, got " +
+                  std::to_string(qk_rope_head_dim));
+  }
 }
 
 std::vector<std::string> ModelConfig::layer_kinds() const { return expand_layout(layout, num_hidden_layers); }

@@ -19,13 +19,23 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   double rms_norm_eps = 1e-5;
   bool tie_word_embeddings = true;
-  std::string layout = "dense";     // e.g. "dense*4" or "dense,dense"; see expand_layout
+  std::string layout = "dense";     // e.g. "dense*4" or "lrkv*2,dense*2"; see expand_layout
+  // LRKV layers (SPEC 1.1): residual rank r (0 <= r <= head_dim) and RoPE mode.
+  int lrkv_rank = 16;
+  std::string lrkv_rope = "expand";  // expand | shared_rope | pair_aligned
+  // MLA layers (SPEC 2, DeepSeek-V2 key names): latent width d_c, decoupled RoPE key width d_R.
+  int kv_lora_rank = 64;
+  int qk_rope_head_dim = 16;
 
   static ModelConfig from_json(const nlohmann::json& j);  // strict: unknown keys are errors
   nlohmann::json to_json() const;
   void validate() const;  // throws kvx::Error naming the bad field and the fix
   std::vector<std::string> layer_kinds() const;  // layout expanded to num_hidden_layers entries
+  bool uses(const std::string& kind) const;      // some layer has this mixer kind
 };
+
+// LRKV RoPE modes (SPEC 1.1), each with what it costs.
+std::vector<std::string> lrkv_rope_modes();
 
 // "dense*3,dense" -> 4 entries. A single kind without a count fills every layer.
 std::vector<std::string> expand_layout(const std::string& layout, int num_layers);

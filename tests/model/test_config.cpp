@@ -57,3 +57,34 @@ TEST(Layout, Expands) {
   EXPECT_THROW(model::expand_layout("a*0", 1), kvx::Error);
   EXPECT_THROW(model::expand_layout("a*x", 1), kvx::Error);
 }
+
+TEST(ModelConfig, FamilySettingsOnlyWhereUsed) {
+  model::ModelConfig c;
+  EXPECT_FALSE(c.to_json().contains("lrkv_rank"));  // a dense config stays a plain Llama-style one
+  c.layout = "lrkv*2,dense*2";
+  c.lrkv_rank = 24;
+  c.lrkv_rope = "pair_aligned";
+  auto j = c.to_json();
+  EXPECT_EQ(j["lrkv_rank"], 24);
+  EXPECT_FALSE(j.contains("kv_lora_rank"));
+  auto d = model::ModelConfig::from_json(j);
+  EXPECT_EQ(d.lrkv_rope, "pair_aligned");
+  EXPECT_TRUE(d.uses("lrkv"));
+  EXPECT_FALSE(d.uses("mla"));
+}
+
+TEST(ModelConfig, FamilySettingsAreValidated) {
+  auto j = good();
+  j["layout"] = "lrkv";
+  j["lrkv_rank"] = j["head_dim"].get<int>() + 1;
+  EXPECT_NE(error_of(j).find("lrkv_rank"), std::string::npos) << error_of(j);
+  j["lrkv_rank"] = 7;
+  j["lrkv_rope"] = "pair_aligned";
+  EXPECT_NE(error_of(j).find("even"), std::string::npos) << error_of(j);
+  j["lrkv_rope"] = "full";
+  EXPECT_NE(error_of(j).find("expand, shared_rope, pair_aligned"), std::string::npos) << error_of(j);
+  auto m = good();
+  m["layout"] = "mla";
+  m["qk_rope_head_dim"] = 3;
+  EXPECT_NE(error_of(m).find("qk_rope_head_dim"), std::string::npos) << error_of(m);
+}
