@@ -10,30 +10,13 @@ namespace kvx::attention {
 DenseKVCache::DenseKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim)
     : batch_(batch), kv_heads_(kv_heads), head_dim_(head_dim) {}
 
-int64_t DenseKVCache::bytes() const { return length_ * batch_ * kv_heads_ * head_dim_ * 2 * 4; }
+int64_t DenseKVCache::bytes() const { return length() * batch_ * kv_heads_ * head_dim_ * 2 * 4; }
 double DenseKVCache::bytes_per_token() const { return static_cast<double>(kv_heads_ * head_dim_ * 2 * 4); }
 
 void DenseKVCache::append(const torch::Tensor& k, const torch::Tensor& v) {
-  const int64_t t = k.size(2);
-  const int64_t capacity = k_.defined() ? k_.size(2) : 0;
-  if (length_ + t > capacity || k_.scalar_type() != k.scalar_type()) {
-    int64_t cap = std::max<int64_t>({length_ + t, capacity * 2, 64});
-    auto nk = torch::empty({batch_, kv_heads_, cap, head_dim_}, k.options());
-    auto nv = torch::empty({batch_, kv_heads_, cap, head_dim_}, v.options());
-    if (length_ > 0) {
-      nk.narrow(2, 0, length_).copy_(k_.narrow(2, 0, length_));
-      nv.narrow(2, 0, length_).copy_(v_.narrow(2, 0, length_));
-    }
-    k_ = nk;
-    v_ = nv;
-  }
-  k_.narrow(2, length_, t).copy_(k);
-  v_.narrow(2, length_, t).copy_(v);
-  length_ += t;
+  k_.append(k);
+  v_.append(v);
 }
-
-torch::Tensor DenseKVCache::keys() const { return k_.narrow(2, 0, length_); }
-torch::Tensor DenseKVCache::values() const { return v_.narrow(2, 0, length_); }
 
 FusedKVCache::FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, const CacheOptions& o)
     : threads_(o.threads > 0 ? o.threads : torch::get_num_threads()) {
@@ -58,14 +41,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
   // Group query heads by their KV head: [B, Hkv, G*Tq, d_h], so K/V are read as they are.
   auto qg = q.reshape({B, Hkv, G * Tq, D});
   auto scores = torch::matmul(qg, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
-  scores = scores.view({B, Hkv, G, Tq, Tk});
-  if (Tq > 1 || q_start + Tq < Tk) {
-    auto qpos = torch::arange(q_start, q_start + Tq, torch::kLong).unsqueeze(1);
-    auto kpos = torch::arange(Tk, torch::kLong).unsqueeze(0);
-    auto masked = kpos > qpos;  // [Tq, Tk]
-    scores = scores.masked_fill(masked, -std::numeric_limits<double>::infinity());
-  }
-  auto probs = torch::softmax(scores, -1).view({B, Hkv, G * Tq, Tk});
+  auto probs = causal_softmax(scores.view({B, Hkv, G, Tq, Tk}), q_start).view({B, Hkv, G * Tq, Tk});
   return torch::matmul(probs, v).view({B, H, Tq, D});
 }
 

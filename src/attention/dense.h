@@ -4,22 +4,24 @@
 
 namespace kvx::attention {
 
-// The libtorch reference cache (f32 tensors). Grows by doubling its capacity, so appending a
-// token never copies the whole history.
+// The libtorch reference cache (f32 tensors, SequenceBuffer storage).
 class DenseKVCache : public MixerCache {
  public:
   DenseKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim);
-  int64_t length() const override { return length_; }
+  int64_t length() const override { return k_.length(); }
   int64_t bytes() const override;
   double bytes_per_token() const override;
-  void clear() override { length_ = 0; }
+  void clear() override {
+    k_.clear();
+    v_.clear();
+  }
   void append(const torch::Tensor& k, const torch::Tensor& v);  // [B, Hkv, T, d_h] (post-RoPE keys)
-  torch::Tensor keys() const;    // [B, Hkv, length, d_h] views
-  torch::Tensor values() const;
+  torch::Tensor keys() const { return k_.view(); }              // [B, Hkv, length, d_h]
+  torch::Tensor values() const { return v_.view(); }
 
  private:
-  int64_t batch_, kv_heads_, head_dim_, length_ = 0;
-  torch::Tensor k_, v_;  // [B, Hkv, capacity, d_h]
+  int64_t batch_, kv_heads_, head_dim_;
+  SequenceBuffer k_, v_;
 };
 
 // The fused decode cache: one torch-free kernels::KVStore per batch row (paged, f32/bf16/q8/q4,

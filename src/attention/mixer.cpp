@@ -51,6 +51,32 @@ std::string CacheOptions::describe() const {
   return s;
 }
 
+void SequenceBuffer::append(const torch::Tensor& x) {
+  const int64_t t = x.size(2);
+  const int64_t capacity = data_.defined() ? data_.size(2) : 0;
+  if (length_ + t > capacity || data_.scalar_type() != x.scalar_type() || data_.size(0) != x.size(0) ||
+      data_.size(1) != x.size(1) || data_.size(3) != x.size(3)) {
+    const int64_t cap = std::max<int64_t>({length_ + t, capacity * 2, 64});
+    auto grown = torch::empty({x.size(0), x.size(1), cap, x.size(3)}, x.options());
+    if (length_ > 0) grown.narrow(2, 0, length_).copy_(data_.narrow(2, 0, length_));
+    data_ = grown;
+  }
+  data_.narrow(2, length_, t).copy_(x);
+  length_ += t;
+}
+
+torch::Tensor SequenceBuffer::view() const { return data_.defined() ? data_.narrow(2, 0, length_) : data_; }
+
+torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start) {
+  const int64_t Tq = scores.size(-2), Tk = scores.size(-1);
+  if (Tq > 1 || q_start + Tq < Tk) {
+    auto qpos = torch::arange(q_start, q_start + Tq, torch::kLong).unsqueeze(1);
+    auto kpos = torch::arange(Tk, torch::kLong).unsqueeze(0);
+    return torch::softmax(scores.masked_fill(kpos > qpos, -std::numeric_limits<double>::infinity()), -1);
+  }
+  return torch::softmax(scores, -1);
+}
+
 std::vector<std::string> mixer_kinds() { return {"dense"}; }
 
 std::shared_ptr<Mixer> make_mixer(const std::string& kind, const model::ModelConfig& config, int layer) {

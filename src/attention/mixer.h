@@ -25,6 +25,24 @@ class MixerCache {
   virtual void clear() = 0;                     // reuse across requests
 };
 
+// A libtorch tensor [B, X, capacity, w] that grows along dim 2 by doubling its capacity, so
+// appending a token never copies the whole history (the reference caches' storage).
+class SequenceBuffer {
+ public:
+  void append(const torch::Tensor& x);  // [B, X, T, w]
+  torch::Tensor view() const;           // [B, X, length, w]; undefined while empty
+  int64_t length() const { return length_; }
+  void clear() { length_ = 0; }
+
+ private:
+  torch::Tensor data_;
+  int64_t length_ = 0;
+};
+
+// Causal softmax over scores [..., Tq, Tk] where query i sits at position q_start + i and key j
+// at position j (keys past a query are masked).
+torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start);
+
 // How a decode cache stores and reads its history.
 struct CacheOptions {
   kernels::KVType type = kernels::KVType::F32;  // element type, quantised at write
@@ -46,6 +64,9 @@ class Mixer : public torch::nn::Module {
   virtual torch::Tensor step(const torch::Tensor& x, MixerCache& cache) = 0;
   // Cache bytes per token per batch row at the given element type.
   virtual double cache_bytes_per_token(kernels::KVType type = kernels::KVType::F32) const = 0;
+  // Called after the model's generic N(0, 0.02) initialisation; families with a structured
+  // initialisation (LRKV's residual scale) override it.
+  virtual void initialize() {}
 };
 
 // The registry of mixer kinds used by layout strings. Unknown kinds get an error listing the valid ones.

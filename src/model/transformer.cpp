@@ -53,9 +53,13 @@ void TransformerImpl::init_weights() {
   for (auto& p : named_parameters()) {
     const std::string& n = p.key();
     if (p.value().dim() < 2) continue;  // norms keep their ones
-    bool residual_out = n.find("o_proj") != std::string::npos || n.find("down_proj") != std::string::npos;
+    auto ends_with = [&](const std::string& suffix) {
+      return n.size() >= suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
+    const bool residual_out = ends_with("self_attn.o_proj.weight") || ends_with("mlp.down_proj.weight");
     p.value().normal_(0.0, residual_out ? out_std : 0.02);
   }
+  for (auto& layer : *layers) layer->as<BlockImpl>()->self_attn->initialize();
 }
 
 torch::Tensor TransformerImpl::logits(const torch::Tensor& h) {

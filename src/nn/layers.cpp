@@ -12,13 +12,23 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   return y.to(x.scalar_type()) * weight;
 }
 
-Rope::Rope(int64_t head_dim, double theta) : head_dim_(head_dim), theta_(theta) {}
+Rope::Rope(int64_t head_dim, double theta) : head_dim_(head_dim) {
+  for (int64_t i = 0; i < head_dim / 2; ++i) inv_freq_.push_back(std::pow(theta, -2.0 * i / static_cast<double>(head_dim)));
+}
+
+Rope Rope::of_planes(int64_t head_dim, double theta, const std::vector<int64_t>& planes) {
+  const Rope full(head_dim, theta);
+  Rope r;
+  r.head_dim_ = 2 * static_cast<int64_t>(planes.size());
+  for (int64_t p : planes) r.inv_freq_.push_back(full.inv_freq_.at(p));
+  return r;
+}
 
 void Rope::ensure(int64_t positions, torch::ScalarType dtype) const {
   if (cos_.defined() && cos_.size(0) >= positions && cos_.scalar_type() == dtype) return;
   int64_t p = std::max<int64_t>(positions, cos_.defined() ? cos_.size(0) * 2 : 256);
   auto opts = torch::TensorOptions().dtype(torch::kFloat64);
-  auto inv = torch::pow(theta_, -torch::arange(0, head_dim_, 2, opts) / static_cast<double>(head_dim_));
+  auto inv = torch::tensor(inv_freq_, opts);
   auto ang = torch::outer(torch::arange(p, opts), inv);
   cos_ = ang.cos().to(dtype);
   sin_ = ang.sin().to(dtype);

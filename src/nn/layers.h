@@ -19,15 +19,19 @@ TORCH_MODULE(RMSNorm);
 class Rope {
  public:
   Rope(int64_t head_dim, double theta);
-  // x: [B, heads, T, d_h] at positions start .. start+T-1.
+  // A narrower rotation whose pair m (dims m and m + planes.size()) turns like plane planes[m]
+  // of the head_dim rotation (used to rotate a latent that lives in those planes).
+  static Rope of_planes(int64_t head_dim, double theta, const std::vector<int64_t>& planes);
+  // x: [..., T, width] at positions start .. start+T-1 (width = head_dim, or 2 * planes).
   torch::Tensor apply(const torch::Tensor& x, int64_t start) const;
   int64_t head_dim() const { return head_dim_; }
 
  private:
+  Rope() = default;
   void ensure(int64_t positions, torch::ScalarType dtype) const;
-  int64_t head_dim_;
-  double theta_;
-  mutable torch::Tensor cos_, sin_;  // [P, d_h/2], grown on demand
+  int64_t head_dim_ = 0;             // rotated width
+  std::vector<double> inv_freq_;     // per pair
+  mutable torch::Tensor cos_, sin_;  // [P, width/2], grown on demand
 };
 
 // down(silu(gate(x)) * up(x))
