@@ -42,7 +42,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
   auto qg = q.reshape({B, Hkv, G * Tq, D});
   auto scores = torch::matmul(qg, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
   auto probs = causal_softmax(scores.view({B, Hkv, G, Tq, Tk}), q_start).view({B, Hkv, G * Tq, Tk});
-  return torch::matmul(probs, v).view({B, H, Tq, D});
+  return torch::matmul(probs, v).view({B, H, Tq, v.size(3)});
 }
 
 DenseAttention::DenseAttention(const model::ModelConfig& c, int layer)

@@ -41,7 +41,7 @@ class FusedKVCache : public MixerCache {
   int threads_;
 };
 
-// softmax(q k^T / sqrt(d_h) + causal mask) v for q: [B, H, Tq, d_h], k, v: [B, Hkv, Tk, d_h]
+// softmax(q k^T / sqrt(w) + causal mask) v for q, k: [B, H or Hkv, T, w], v: [B, Hkv, Tk, d_v]
 // where query i sits at position q_start + i and key j at position j. Grouped: each KV head
 // serves H/Hkv query heads without being copied.
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t q_start);

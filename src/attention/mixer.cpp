@@ -1,6 +1,7 @@
 #include "attention/mixer.h"
 
 #include "attention/dense.h"
+#include "attention/lrkv.h"
 #include <sstream>
 
 #include "util/error.h"
@@ -77,10 +78,11 @@ torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start) {
   return torch::softmax(scores, -1);
 }
 
-std::vector<std::string> mixer_kinds() { return {"dense"}; }
+std::vector<std::string> mixer_kinds() { return {"dense", "lrkv"}; }
 
 std::shared_ptr<Mixer> make_mixer(const std::string& kind, const model::ModelConfig& config, int layer) {
   if (kind == "dense") return std::make_shared<DenseAttention>(config, layer);
+  if (kind == "lrkv") return std::make_shared<LrkvAttention>(config, layer);
   std::string valid;
   for (const auto& k : mixer_kinds()) valid += (valid.empty() ? "" : ", ") + k;
   throw Error("unknown mixer kind '" + kind + "' in layout (valid: " + valid + ")");

@@ -6,8 +6,11 @@
 #include <cmath>
 
 #include "attention/dense.h"
+#include "support/naive.h"
 
 using namespace kvx;
+using kvx::testing::naive_head;
+using kvx::testing::naive_rope;
 
 namespace {
 
@@ -25,22 +28,6 @@ model::ModelConfig small_config(int heads, int kv_heads) {
   return c;
 }
 
-// Rotate-half RoPE, one scalar at a time.
-torch::Tensor naive_rope(const torch::Tensor& x, double theta) {  // x: [T, d_h]
-  const int64_t T = x.size(0), D = x.size(1), half = D / 2;
-  std::vector<torch::Tensor> rows;
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<torch::Tensor> a(D);
-    for (int64_t i = 0; i < half; ++i) {
-      double ang = t * std::pow(theta, -2.0 * i / D);
-      a[i] = x[t][i] * std::cos(ang) - x[t][i + half] * std::sin(ang);
-      a[i + half] = x[t][i + half] * std::cos(ang) + x[t][i] * std::sin(ang);
-    }
-    rows.push_back(torch::stack(a));
-  }
-  return torch::stack(rows);
-}
-
 // The whole mixer from its weights, per batch row, head and query, with an explicit softmax.
 torch::Tensor naive_attention_layer(attention::DenseAttention& m, const torch::Tensor& x, const model::ModelConfig& c) {
   const int64_t B = x.size(0), T = x.size(1), H = c.num_attention_heads, Hkv = c.num_key_value_heads, D = c.head_dim;
@@ -55,16 +42,7 @@ torch::Tensor naive_attention_layer(attention::DenseAttention& m, const torch::T
       auto qh = naive_rope(q[b].narrow(1, h * D, D), c.rope_theta);
       auto kh = naive_rope(k[b].narrow(1, g * D, D), c.rope_theta);
       auto vh = v[b].narrow(1, g * D, D);
-      std::vector<torch::Tensor> rows;
-      for (int64_t i = 0; i < T; ++i) {
-        std::vector<torch::Tensor> s;
-        for (int64_t j = 0; j <= i; ++j) s.push_back((qh[i] * kh[j]).sum() / std::sqrt(static_cast<double>(D)));
-        auto sc = torch::stack(s);
-        auto p = torch::exp(sc - sc.max());
-        p = p / p.sum();
-        rows.push_back(torch::matmul(p, vh.narrow(0, 0, i + 1)));
-      }
-      heads.push_back(torch::stack(rows));
+      heads.push_back(naive_head(qh, kh, vh, 1.0 / std::sqrt(static_cast<double>(D))));
     }
     batch_out.push_back(torch::cat(heads, 1));
   }
