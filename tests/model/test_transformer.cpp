@@ -180,3 +180,32 @@ TEST(Sampling, TopPKeepsOnlyTheNucleus) {
     EXPECT_EQ(t, 0);  // the top token alone holds > 0.5 of the mass
   }
 }
+
+TEST(Transformer, HybridLrkvDenseModelDecodesLikeItsForward) {
+  for (const char* rope : {"expand", "shared_rope", "pair_aligned"}) {
+    auto c = tiny(4, 2);
+    c.layout = "lrkv,dense,lrkv";
+    c.lrkv_rank = 4;
+    c.lrkv_rope = rope;
+    torch::manual_seed(12);
+    model::Transformer m(c);
+    m->to(torch::kFloat64);
+    torch::NoGradGuard ng;
+    auto ids = torch::randint(37, {2, 15}, torch::kLong);
+    auto full = m->forward(ids);
+    auto state = m->new_state(2);  // LRKV layers: libtorch f32 cache; the dense layer: fused
+    std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, 6), state)};
+    for (int t = 6; t < 15; ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
+    auto inc = torch::cat(parts, 1);
+    EXPECT_TRUE(torch::allclose(inc, full, 1e-5, 1e-5)) << rope << ": " << (inc - full).abs().max().item<double>();
+    // Bytes per token: 2 LRKV layers x 2 (d_h + H r) + one dense GQA layer 2 Hkv d_h, f32.
+    EXPECT_EQ(m->kv_bytes_per_token(), 4.0 * (2 * 2 * (8 + 4 * 4) + 2 * 2 * 8));
+    // Round trip through the HF tensor map: the pair-aligned selection is rebuilt, not stored.
+    model::Transformer m2(c);
+    m2->to(torch::kFloat64);
+    m2->load_state_dict_hf(m->state_dict_hf(), "test");
+    EXPECT_TRUE(torch::allclose(m2->forward(ids), full, 1e-12, 1e-12)) << rope;
+    EXPECT_TRUE(m->state_dict_hf().count("model.layers.0.self_attn.k_shared_proj.weight"));
+    EXPECT_EQ(m->state_dict_hf().count("model.layers.0.self_attn.k_up"), std::string(rope) == "pair_aligned" ? 0u : 1u);
+  }
+}
