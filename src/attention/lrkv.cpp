@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "attention/dense.h"
+#include "kernels/lrkv_decode.h"
 #include "util/error.h"
 
 namespace kvx::attention {
@@ -33,6 +34,30 @@ void LrkvCache::clear() {
   vs.clear();
   rk.clear();
   rv.clear();
+}
+
+LrkvFusedCache::LrkvFusedCache(int64_t batch, int64_t heads, int64_t head_dim, int64_t rank, const CacheOptions& o)
+    : threads_(o.threads > 0 ? o.threads : torch::get_num_threads()) {
+  for (int64_t b = 0; b < batch; ++b) {
+    shared_.emplace_back(o.type, 1, static_cast<int>(head_dim), o.evict);
+    if (rank > 0) residual_.emplace_back(o.type, static_cast<int>(heads), static_cast<int>(rank), o.evict);
+  }
+}
+
+int64_t LrkvFusedCache::bytes() const {
+  int64_t n = 0;
+  for (const auto& s : shared_) n += s.bytes();
+  for (const auto& s : residual_) n += s.bytes();
+  return n;
+}
+
+double LrkvFusedCache::bytes_per_token() const {
+  return shared_.front().bytes_per_token() + (residual_.empty() ? 0.0 : residual_.front().bytes_per_token());
+}
+
+void LrkvFusedCache::clear() {
+  for (auto& s : shared_) s.clear();
+  for (auto& s : residual_) s.clear();
 }
 
 LrkvAttention::LrkvAttention(const model::ModelConfig& c, int layer)
@@ -131,13 +156,52 @@ torch::Tensor LrkvAttention::forward(const torch::Tensor& x) {
 }
 
 std::unique_ptr<MixerCache> LrkvAttention::new_cache(int64_t batch, const CacheOptions& options) const {
-  if (options.type != kernels::KVType::F32 || options.evict.enabled())
-    throw Error("LRKV layers decode through the libtorch f32 cache so far (the fused bf16/q8 kernel is not built yet); "
-                "use --kv-cache f32 without --evict");
-  return std::make_unique<LrkvCache>(batch, heads_, head_dim_, rank_);
+  const bool plain = options.type == kernels::KVType::F32 && !options.evict.enabled();
+  if (options.reference || mode_ == LrkvRope::Expand) {
+    if (!plain)
+      throw Error(std::string("LRKV ") + (options.reference ? "--reference decoding" : "lrkv_rope expand") +
+                  " runs on the libtorch f32 cache (expand rebuilds every head's keys at read time); use --kv-cache f32 "
+                  "without --evict, or a shared_rope / pair_aligned model for compressed caches");
+    return std::make_unique<LrkvCache>(batch, heads_, head_dim_, rank_);
+  }
+  if ((options.type == kernels::KVType::Q8 || options.type == kernels::KVType::Q4) && rank_ % kernels::kQBlock != 0)
+    throw Error("a " + kernels::kv_type_name(options.type) + " cache quantises the LRKV latents in blocks of 32, so lrkv_rank must be a "
+                "multiple of 32 (it is " + std::to_string(rank_) + "); use f32 or bf16");
+  return std::make_unique<LrkvFusedCache>(batch, heads_, head_dim_, rank_, options);
+}
+
+torch::Tensor LrkvAttention::step_fused(const torch::Tensor& x, LrkvFusedCache& cache) {
+  const int64_t start = cache.length(), B = x.size(0), T = x.size(1), H = heads_, D = head_dim_, r = rank_;
+  torch::Tensor q, ks, vs, rk, rv;
+  project(x, q, ks, vs, rk, rv);
+  auto qr = rope_.apply(q, start);
+  auto to_rows = [](const torch::Tensor& t) { return t.transpose(1, 2).to(torch::kFloat32).contiguous(); };  // [B, T, heads, w]
+  auto q_rows = to_rows(qr), ks_rows = to_rows(rope_.apply(ks, start)), vs_rows = to_rows(vs);
+  torch::Tensor qb_rows, rk_rows, rv_rows;
+  if (r > 0) {  // qb = q B^K (shared_rope: the unrotated q; pair_aligned: rope(q)); latents as stored
+    qb_rows = to_rows(torch::matmul(mode_ == LrkvRope::SharedRope ? q : qr, k_up.transpose(-2, -1)));
+    rk_rows = to_rows(mode_ == LrkvRope::PairAligned ? latent_rope_.apply(rk, start) : rk);
+    rv_rows = to_rows(rv);
+  }
+  auto out_s = torch::empty({B, T, H, D}, torch::kFloat32), out_r = torch::empty({B, T, H, std::max<int64_t>(r, 1)}, torch::kFloat32);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t i = b * T + t;
+      cache.shared(b).append(ks_rows.data_ptr<float>() + i * D, vs_rows.data_ptr<float>() + i * D);
+      if (r > 0) cache.residual(b)->append(rk_rows.data_ptr<float>() + i * H * r, rv_rows.data_ptr<float>() + i * H * r);
+      kernels::lrkv_decode_attention(q_rows.data_ptr<float>() + i * H * D, r > 0 ? qb_rows.data_ptr<float>() + i * H * r : nullptr,
+                                     static_cast<int>(H), cache.shared(b), cache.residual(b), scale,
+                                     out_s.data_ptr<float>() + i * H * D, out_r.data_ptr<float>() + i * H * out_r.size(3),
+                                     cache.threads());
+    }
+  auto o = out_s.to(x.scalar_type()).transpose(1, 2);  // [B, H, T, d_h]
+  if (r > 0) o = o + torch::matmul(out_r.to(x.scalar_type()).transpose(1, 2), v_up);  // (a R^V) B^V^T
+  return merge_heads(o);
 }
 
 torch::Tensor LrkvAttention::step(const torch::Tensor& x, MixerCache& cache_base) {
+  if (auto* fused = dynamic_cast<LrkvFusedCache*>(&cache_base)) return step_fused(x, *fused);
   auto* cache = dynamic_cast<LrkvCache*>(&cache_base);
   if (!cache) throw Error("LrkvAttention::step: the cache was not made by an LRKV layer (layer/cache mismatch)");
   const int64_t start = cache->length();

@@ -42,6 +42,25 @@ class LrkvCache : public MixerCache {
   int64_t batch_, heads_, head_dim_, rank_;
 };
 
+// The fused decode cache (shared_rope and pair_aligned): per batch row a KVStore for K_s, V_s
+// (one head of width d_h) and one for the latents (H heads of width r), f32/bf16/q8/q4, optional
+// sink + window eviction; read by kernels::lrkv_decode_attention.
+class LrkvFusedCache : public MixerCache {
+ public:
+  LrkvFusedCache(int64_t batch, int64_t heads, int64_t head_dim, int64_t rank, const CacheOptions& options);
+  int64_t length() const override { return shared_.front().length(); }
+  int64_t bytes() const override;
+  double bytes_per_token() const override;
+  void clear() override;
+  kernels::KVStore& shared(int64_t b) { return shared_[b]; }
+  kernels::KVStore* residual(int64_t b) { return residual_.empty() ? nullptr : &residual_[b]; }
+  int threads() const { return threads_; }
+
+ private:
+  std::vector<kernels::KVStore> shared_, residual_;
+  int threads_;
+};
+
 class LrkvAttention : public Mixer {
  public:
   LrkvAttention(const model::ModelConfig& config, int layer);
@@ -71,6 +90,7 @@ class LrkvAttention : public Mixer {
   void project(const torch::Tensor& x, torch::Tensor& q, torch::Tensor& ks, torch::Tensor& vs, torch::Tensor& rk,
                torch::Tensor& rv);
   torch::Tensor merge_heads(const torch::Tensor& o);
+  torch::Tensor step_fused(const torch::Tensor& x, LrkvFusedCache& cache);
   int64_t heads_, head_dim_, rank_;
   LrkvRope mode_;
   AttentionShape shape_;

@@ -228,16 +228,23 @@ void dequantize_row(KVType t, const uint8_t* src, int n, float* dst) {
     case KVType::BF16:
       for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(load_u16(src + 2 * i));
       return;
-    case KVType::Q8: {
+    case KVType::Q8: {  // one scale per block, hoisted: the inner loops vectorise
       const int8_t* q = reinterpret_cast<const int8_t*>(src + 2 * (n / kQBlock));
-      for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(q[i]) * fp16_to_float(load_u16(src + 2 * (i / kQBlock)));
+      for (int b = 0; b < n / kQBlock; ++b) {
+        const float d = fp16_to_float(load_u16(src + 2 * b));
+        for (int i = 0; i < kQBlock; ++i) dst[b * kQBlock + i] = static_cast<float>(q[b * kQBlock + i]) * d;
+      }
       return;
     }
     case KVType::Q4: {
       const uint8_t* q = src + 2 * (n / kQBlock);
-      for (int i = 0; i < n; ++i) {
-        const int nib = (q[i / 2] >> (4 * (i & 1))) & 0xf;
-        dst[i] = static_cast<float>(nib - 8) * fp16_to_float(load_u16(src + 2 * (i / kQBlock)));
+      for (int b = 0; b < n / kQBlock; ++b) {
+        const float d = fp16_to_float(load_u16(src + 2 * b));
+        for (int j = 0; j < kQBlock / 2; ++j) {
+          const uint8_t byte = q[b * kQBlock / 2 + j];
+          dst[b * kQBlock + 2 * j] = static_cast<float>((byte & 0xf) - 8) * d;
+          dst[b * kQBlock + 2 * j + 1] = static_cast<float>((byte >> 4) - 8) * d;
+        }
       }
       return;
     }

@@ -100,7 +100,9 @@ TEST_P(LrkvModes, FactoredDecodeInChunksEqualsForward) {
   auto x = torch::randn({2, 13, c.hidden_size}, torch::kFloat64);
   torch::NoGradGuard ng;
   auto full = m->forward(x);
-  auto cache = m->new_cache(2, attention::CacheOptions{});
+  attention::CacheOptions reference;
+  reference.reference = true;
+  auto cache = m->new_cache(2, reference);
   std::vector<torch::Tensor> parts;
   int64_t pos = 0;
   for (int64_t chunk : {5, 1, 1, 4, 2}) {
@@ -121,7 +123,9 @@ TEST_P(LrkvModes, FactoredGradientsEqualExpanded) {
   auto params = m->parameters();
   params.push_back(x);
   auto g_full = torch::autograd::grad({(m->forward(x) * w).sum()}, params);
-  auto cache = m->new_cache(2, attention::CacheOptions{});
+  attention::CacheOptions reference;
+  reference.reference = true;
+  auto cache = m->new_cache(2, reference);
   auto g_fact = torch::autograd::grad({(m->step(x, *cache) * w).sum()}, params);
   for (size_t i = 0; i < params.size(); ++i)
     EXPECT_TRUE(torch::allclose(g_fact[i], g_full[i], 1e-9, 1e-11))
@@ -132,6 +136,32 @@ INSTANTIATE_TEST_SUITE_P(RopeModes, LrkvModes,
                          ::testing::Values(Mode{"expand", 3}, Mode{"shared_rope", 3}, Mode{"pair_aligned", 4},
                                            Mode{"pair_aligned", 8}, Mode{"expand", 0}),
                          [](const auto& info) { return info.param.rope + "_r" + std::to_string(info.param.rank); });
+
+// The fused torch-free kernel path (f32 cache, float32 arithmetic) against the fp64 forward.
+TEST(Lrkv, FusedDecodeMatchesForward) {
+  for (const Mode& mode : {Mode{"shared_rope", 5}, Mode{"pair_aligned", 6}, Mode{"shared_rope", 0}}) {
+    const auto c = lrkv_config(3, 16, mode.rank, mode.rope);
+    auto m = make(c, 8);
+    torch::NoGradGuard ng;
+    for (auto& p : m->parameters()) p.mul_(0.4);  // keep the softmax away from one-hot
+    auto x = torch::randn({2, 11, c.hidden_size}, torch::kFloat64);
+    auto full = m->forward(x);
+    auto cache = m->new_cache(2, attention::CacheOptions{});
+    ASSERT_NE(dynamic_cast<attention::LrkvFusedCache*>(cache.get()), nullptr);
+    std::vector<torch::Tensor> parts{m->step(x.narrow(1, 0, 4), *cache)};
+    for (int t = 4; t < 11; ++t) parts.push_back(m->step(x.narrow(1, t, 1), *cache));
+    auto stepped = torch::cat(parts, 1);
+    const double err = ((stepped - full).abs().max() / full.abs().max()).item<double>();
+    EXPECT_LT(err, 1e-5) << mode.rope << " r" << mode.rank;
+    EXPECT_EQ(cache->bytes(), static_cast<int64_t>(11 * 2 * 4.0 * 2 * (16 + 3 * mode.rank)));
+  }
+  // expand rebuilds keys at read time: libtorch f32 cache only, with a clear error otherwise.
+  auto m = make(lrkv_config(3, 16, 4, "expand"), 9);
+  attention::CacheOptions bf16;
+  bf16.type = kernels::KVType::BF16;
+  EXPECT_THROW(m->new_cache(1, bf16), Error);
+  EXPECT_NE(dynamic_cast<attention::LrkvCache*>(m->new_cache(1, attention::CacheOptions{}).get()), nullptr);
+}
 
 TEST(Lrkv, PairAlignedRotationCommutesWithTheSelection) {
   // P_t B_h = B_h P~_t: rotating z B (z in R^r placed in the r/2 lowest-frequency planes) equals
@@ -185,7 +215,7 @@ TEST(Lrkv, CacheBytesFollowTheFormula) {
   EXPECT_EQ(cache->bytes(), 0);
   attention::CacheOptions q8;
   q8.type = kernels::KVType::Q8;
-  EXPECT_THROW(m.new_cache(1, q8), Error);  // no fused LRKV kernel yet: a clear error, not a silent f32
+  EXPECT_THROW(m.new_cache(1, q8), Error);  // q8 latents need r % 32 == 0
 }
 
 TEST(Lrkv, ResidualStartsAtATenthOfTheSharedProjection) {

@@ -1,0 +1,294 @@
+#include "kernels/lrkv_decode.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels/simd_avx2.h"
+#include "util/error.h"
+
+namespace kvx::kernels {
+
+namespace {
+
+constexpr int kTile = 32;  // rows per online-softmax step (per store: <= 16 KB of f32 K and V)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Rows [t0, t0 + n) of one head of a store as f32 rows `stride` floats apart: f32 rows are read
+// in place, other types dequantised into `buf`.
+const float* tile_rows(const KVStore& s, bool keys, int64_t page, int off, int head, int n, float* buf, int& stride) {
+  const uint8_t* rows = (keys ? s.k_rows(page, head) : s.v_rows(page, head)) + off * s.row_bytes();
+  if (s.type() == KVType::F32) {
+    stride = static_cast<int>(s.row_bytes() / 4);
+    return reinterpret_cast<const float*>(rows);
+  }
+  stride = s.head_dim();
+  for (int t = 0; t < n; ++t) dequantize_row(s.type(), rows + t * s.row_bytes(), s.head_dim(), buf + t * stride);
+  return buf;
+}
+
+// s[g][t] (+)= q_g . k_t for GB queries (q rows qs apart) and the n rows of a tile, 2 rows at a
+// time with GB x 2 accumulators.
+template <int GB, bool kAdd>
+void scores(const float* q, int qs, const float* k, int ks, int n, int w, float* s, int ss) {
+  const int w8 = w & ~7;
+  for (int t0 = 0; t0 < n; t0 += 2) {
+    const int t1 = std::min(t0 + 1, n - 1);
+    __m256 acc[8];
+    for (int i = 0; i < 2 * GB; ++i) acc[i] = _mm256_setzero_ps();
+    for (int i = 0; i < w8; i += 8) {
+      const __m256 k0 = _mm256_loadu_ps(k + t0 * ks + i), k1 = _mm256_loadu_ps(k + t1 * ks + i);
+      for (int g = 0; g < GB; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * qs + i);
+        acc[2 * g] = _mm256_fmadd_ps(qv, k0, acc[2 * g]);
+        acc[2 * g + 1] = _mm256_fmadd_ps(qv, k1, acc[2 * g + 1]);
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int j = 0; j < 2; ++j) {
+        float x = hsum(acc[2 * g + j]);
+        const int t = j == 0 ? t0 : t1;
+        for (int i = w8; i < w; ++i) x += q[g * qs + i] * k[t * ks + i];
+        if (j == 1 && t1 == t0) break;
+        float& out = s[g * ss + t];
+        out = kAdd ? out + x : x;
+      }
+  }
+}
+
+// acc_g += sum_t p[g][t] v_t over the tile for GB heads, 2 chunks of 8 at a time (GB x 2
+// accumulators held across the rows).
+template <int GB>
+void values(const float* p, int ps, const float* v, int vs, int n, int w, float* acc, int as) {
+  const int w16 = w & ~15;
+  for (int i = 0; i < w16; i += 16) {
+    __m256 a[8];
+    for (int g = 0; g < GB; ++g) {
+      a[2 * g] = _mm256_loadu_ps(acc + g * as + i);
+      a[2 * g + 1] = _mm256_loadu_ps(acc + g * as + i + 8);
+    }
+    for (int t = 0; t < n; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(v + t * vs + i), v1 = _mm256_loadu_ps(v + t * vs + i + 8);
+      for (int g = 0; g < GB; ++g) {
+        const __m256 pg = _mm256_broadcast_ss(p + g * ps + t);
+        a[2 * g] = _mm256_fmadd_ps(pg, v0, a[2 * g]);
+        a[2 * g + 1] = _mm256_fmadd_ps(pg, v1, a[2 * g + 1]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      _mm256_storeu_ps(acc + g * as + i, a[2 * g]);
+      _mm256_storeu_ps(acc + g * as + i + 8, a[2 * g + 1]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int t = 0; t < n; ++t)
+      for (int i = w16; i < w; ++i) acc[g * as + i] += p[g * ps + t] * v[t * vs + i];
+}
+
+template <class F>
+void for_head_groups(int H, F&& f) {  // groups of 4, 2, 1 heads
+  for (int h0 = 0, gb; h0 < H; h0 += gb) {
+    gb = H - h0 >= 4 ? 4 : H - h0 >= 2 ? 2 : 1;
+    f(h0, gb);
+  }
+}
+
+struct Shapes {
+  int H, d, r;
+  size_t part() const { return static_cast<size_t>(H) * (2 + d + r); }  // m, l, acc_s, acc_r
+};
+
+// Rows [r0, r1) of all heads -> part = [m[H], l[H], acc_s[H][d], acc_r[H][r]].
+void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore& shared, const KVStore* residual, float scale,
+               int64_t r0, int64_t r1, float* part) {
+  const int H = sh.H, d = sh.d, r = sh.r, P = shared.page_tokens();
+  float* m = part;
+  float* l = part + H;
+  float* acc_s = part + 2 * H;
+  float* acc_r = acc_s + static_cast<size_t>(H) * d;
+  std::fill(m, m + H, kNegInf);
+  std::fill(l, l + H, 0.0f);
+  std::fill(acc_s, part + sh.part(), 0.0f);
+  thread_local std::vector<float> kbuf, vbuf, rkbuf, rvbuf, sbuf;
+  kbuf.resize(static_cast<size_t>(kTile) * d);
+  vbuf.resize(kbuf.size());
+  rkbuf.resize(static_cast<size_t>(kTile) * std::max(r, 1));
+  rvbuf.resize(rkbuf.size());
+  sbuf.resize(static_cast<size_t>(H) * kTile + 8);
+  float* s = sbuf.data();
+  for (int64_t row = r0; row < r1;) {
+    const int64_t page = row / P;
+    const int off = static_cast<int>(row % P);
+    const int n = static_cast<int>(std::min<int64_t>({kTile, r1 - row, P - off}));
+    int kst, vst;
+    const float* K = tile_rows(shared, true, page, off, 0, n, kbuf.data(), kst);
+    const float* V = tile_rows(shared, false, page, off, 0, n, vbuf.data(), vst);
+    // Scores: the shared part for all heads (K_s read once), then each head's residual part.
+    for_head_groups(H, [&](int h0, int gb) {
+      const float* qg = q + static_cast<size_t>(h0) * d;
+      float* sg = s + h0 * kTile;
+      switch (gb) {
+        case 4: scores<4, false>(qg, d, K, kst, n, d, sg, kTile); break;
+        case 2: scores<2, false>(qg, d, K, kst, n, d, sg, kTile); break;
+        default: scores<1, false>(qg, d, K, kst, n, d, sg, kTile); break;
+      }
+    });
+    if (residual)
+      for (int h = 0; h < H; ++h) {
+        int rst;
+        const float* Rk = tile_rows(*residual, true, page, off, h, n, rkbuf.data(), rst);
+        scores<1, true>(qb + static_cast<size_t>(h) * r, r, Rk, rst, n, r, s + h * kTile, kTile);
+      }
+    // Online softmax per head: m' = max(m, max_t s); l = l e^(m - m') + sum_t e^(s - m'); acc *= e^(m - m').
+    for (int h = 0; h < H; ++h) {
+      float* sh_ = s + h * kTile;
+      float mt = kNegInf;
+      for (int t = 0; t < n; ++t) mt = std::max(mt, sh_[t] *= scale);
+      if (mt > m[h]) {
+        if (m[h] != kNegInf) {
+          const float alpha = std::exp(m[h] - mt);
+          l[h] *= alpha;
+          for (int i = 0; i < d; ++i) acc_s[h * d + i] *= alpha;
+          for (int i = 0; i < r; ++i) acc_r[h * r + i] *= alpha;
+        }
+        m[h] = mt;
+      }
+      const __m256 mv = _mm256_set1_ps(m[h]);
+      __m256 sum = _mm256_setzero_ps();
+      int t = 0;
+      for (; t + 8 <= n; t += 8) {
+        const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh_ + t), mv));
+        _mm256_storeu_ps(sh_ + t, p);
+        sum = _mm256_add_ps(sum, p);
+      }
+      float tail = 0.0f;
+      for (; t < n; ++t) tail += (sh_[t] = std::exp(sh_[t] - m[h]));
+      l[h] += hsum(sum) + tail;
+    }
+    // Values: V_s for all heads (read once), then each head's R^V.
+    for_head_groups(H, [&](int h0, int gb) {
+      const float* pg = s + h0 * kTile;
+      float* ag = acc_s + static_cast<size_t>(h0) * d;
+      switch (gb) {
+        case 4: values<4>(pg, kTile, V, vst, n, d, ag, d); break;
+        case 2: values<2>(pg, kTile, V, vst, n, d, ag, d); break;
+        default: values<1>(pg, kTile, V, vst, n, d, ag, d); break;
+      }
+    });
+    if (residual)
+      for (int h = 0; h < H; ++h) {
+        int rst;
+        const float* Rv = tile_rows(*residual, false, page, off, h, n, rvbuf.data(), rst);
+        values<1>(s + h * kTile, kTile, Rv, rst, n, r, acc_r + static_cast<size_t>(h) * r, r);
+      }
+    row += n;
+  }
+}
+
+void check(const float* q, const float* qb, int heads, const KVStore& shared, const KVStore* residual, const float* out_s,
+           const float* out_r, const char* who) {
+  const std::string w = who;
+  if (!q || !out_s) throw Error(w + ": q and out_s must be non-null");
+  if (heads < 1) throw Error(w + ": heads must be positive");
+  if (shared.kv_heads() != 1) throw Error(w + ": the shared store must have one KV head (K_s, V_s)");
+  if (shared.stored() == 0) throw Error(w + ": the cache is empty; append the current token before attending");
+  if (residual) {
+    if (!qb || !out_r) throw Error(w + ": qb and out_r must be non-null with a residual store");
+    if (residual->kv_heads() != heads)
+      throw Error(w + ": the residual store has " + std::to_string(residual->kv_heads()) + " heads, expected " +
+                  std::to_string(heads));
+    if (residual->stored() != shared.stored() || residual->page_tokens() != shared.page_tokens())
+      throw Error(w + ": the shared and residual stores hold different slots (append both for every token)");
+  }
+}
+
+}  // namespace
+
+void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, const KVStore& shared,
+                                  const KVStore* residual, float scale, float* out_s, float* out_r, int threads,
+                                  int splits) {
+  check(q, qb, heads, shared, residual, out_s, out_r, "lrkv_decode_attention");
+  const Shapes sh{heads, shared.head_dim(), residual ? residual->head_dim() : 0};
+  const int64_t L = shared.stored();
+  const int ns = static_cast<int>(std::clamp<int64_t>(splits, 1, L));
+  const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
+  thread_local std::vector<float> parts;
+  parts.resize(sh.part() * ns);
+  float* pp = parts.data();
+#pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
+  for (int i = 0; i < ns; ++i)
+    run_range(q, qb, sh, shared, residual, scale, L * i / ns, L * (i + 1) / ns, pp + i * sh.part());
+  // Log-sum-exp merge per head: M = max_i m_i, out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
+  const int H = heads, d = sh.d, r = sh.r;
+  for (int h = 0; h < H; ++h) {
+    float M = kNegInf;
+    for (int i = 0; i < ns; ++i) M = std::max(M, pp[i * sh.part() + h]);
+    float lsum = 0.0f;
+    std::fill(out_s + static_cast<size_t>(h) * d, out_s + static_cast<size_t>(h + 1) * d, 0.0f);
+    if (r > 0) std::fill(out_r + static_cast<size_t>(h) * r, out_r + static_cast<size_t>(h + 1) * r, 0.0f);
+    for (int i = 0; i < ns; ++i) {
+      const float* part = pp + i * sh.part();
+      const float e = std::exp(part[h] - M);
+      lsum += e * part[H + h];
+      const float* as = part + 2 * H + static_cast<size_t>(h) * d;
+      const float* ar = part + 2 * H + static_cast<size_t>(H) * d + static_cast<size_t>(h) * r;
+      for (int j = 0; j < d; ++j) out_s[h * d + j] += e * as[j];
+      for (int j = 0; j < r; ++j) out_r[h * r + j] += e * ar[j];
+    }
+    const float inv = 1.0f / lsum;
+    for (int j = 0; j < d; ++j) out_s[h * d + j] *= inv;
+    for (int j = 0; j < r; ++j) out_r[h * r + j] *= inv;
+  }
+}
+
+void lrkv_decode_attention(const float* q, const float* qb, int heads, const KVStore& shared, const KVStore* residual,
+                           float scale, float* out_s, float* out_r, int threads) {
+  int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
+  constexpr int64_t kMinBytesPerThread = 256 << 10;  // below this a thread costs more than it saves
+  const int64_t bytes = shared.bytes() + (residual ? residual->bytes() : 0);
+  T = static_cast<int>(std::clamp<int64_t>(bytes / kMinBytesPerThread, 1, T));
+  lrkv_decode_attention_splits(q, qb, heads, shared, residual, scale, out_s, out_r, T, T);
+}
+
+void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
+                                     const KVStore* residual, float scale, float* out_s, float* out_r) {
+  check(q, qb, heads, shared, residual, out_s, out_r, "lrkv_decode_attention_reference");
+  const int d = shared.head_dim(), r = residual ? residual->head_dim() : 0;
+  const int64_t L = shared.stored();
+  std::vector<float> ks(d), vs(d), rk(std::max(r, 1)), rv(std::max(r, 1));
+  for (int h = 0; h < heads; ++h) {
+    std::vector<double> s(L);
+    double mx = -std::numeric_limits<double>::infinity();
+    for (int64_t t = 0; t < L; ++t) {
+      dequantize_row(shared.type(), shared.k_row(t, 0), d, ks.data());
+      double x = 0;
+      for (int i = 0; i < d; ++i) x += static_cast<double>(q[h * d + i]) * ks[i];
+      if (residual) {
+        dequantize_row(residual->type(), residual->k_row(t, h), r, rk.data());
+        for (int i = 0; i < r; ++i) x += static_cast<double>(qb[h * r + i]) * rk[i];
+      }
+      s[t] = x * scale;
+      mx = std::max(mx, s[t]);
+    }
+    std::vector<double> os(d, 0.0), orr(r, 0.0);
+    double sum = 0;
+    for (int64_t t = 0; t < L; ++t) {
+      const double p = std::exp(s[t] - mx);
+      sum += p;
+      dequantize_row(shared.type(), shared.v_row(t, 0), d, vs.data());
+      for (int i = 0; i < d; ++i) os[i] += p * vs[i];
+      if (residual) {
+        dequantize_row(residual->type(), residual->v_row(t, h), r, rv.data());
+        for (int i = 0; i < r; ++i) orr[i] += p * rv[i];
+      }
+    }
+    for (int i = 0; i < d; ++i) out_s[h * d + i] = static_cast<float>(os[i] / sum);
+    for (int i = 0; i < r; ++i) out_r[h * r + i] = static_cast<float>(orr[i] / sum);
+  }
+}
+
+}  // namespace kvx::kernels

@@ -1,0 +1,100 @@
+// LRKV factored decode kernel against its double-precision reference over the same stores:
+// element types, head counts, odd widths and lengths, r = 0, page and split boundaries,
+// threads and eviction.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/lrkv_decode.h"
+#include "util/error.h"
+
+using namespace kvx;
+using namespace kvx::kernels;
+
+namespace {
+
+std::vector<float> randn(size_t n, float sd, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.0f, sd);
+  std::vector<float> x(n);
+  for (auto& v : x) v = nd(rng);
+  return x;
+}
+
+double worst_rel(const std::vector<float>& a, const std::vector<float>& b, int rows, int w) {
+  double worst = 0;
+  for (int h = 0; h < rows; ++h) {
+    double diff = 0, mag = 1e-30;
+    for (int i = 0; i < w; ++i) {
+      diff = std::max(diff, std::fabs(static_cast<double>(a[h * w + i]) - b[h * w + i]));
+      mag = std::max(mag, std::fabs(static_cast<double>(b[h * w + i])));
+    }
+    worst = std::max(worst, diff / mag);
+  }
+  return worst;
+}
+
+void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict, uint32_t seed) {
+  const std::string what = kv_type_name(type) + " H" + std::to_string(H) + " d" + std::to_string(d) + " r" + std::to_string(r) +
+                           " L" + std::to_string(L) + " P" + std::to_string(page) + (evict.enabled() ? " evict" : "");
+  std::mt19937 rng(seed);
+  KVStore shared(type, 1, d, evict, page);
+  std::unique_ptr<KVStore> residual = r > 0 ? std::make_unique<KVStore>(type, H, r, evict, page) : nullptr;
+  for (int64_t t = 0; t < L; ++t) {
+    auto k = randn(d, 1.0f, rng), v = randn(d, 1.0f, rng);
+    shared.append(k.data(), v.data());
+    if (residual) {
+      auto rk = randn(static_cast<size_t>(H) * r, 1.0f, rng), rv = randn(static_cast<size_t>(H) * r, 1.0f, rng);
+      residual->append(rk.data(), rv.data());
+    }
+  }
+  const auto q = randn(static_cast<size_t>(H) * d, 2.0f, rng), qb = randn(static_cast<size_t>(H) * std::max(r, 1), 2.0f, rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::vector<float> ref_s(H * d), ref_r(H * std::max(r, 1)), out_s(ref_s.size()), out_r(ref_r.size());
+  lrkv_decode_attention_reference(q.data(), qb.data(), H, shared, residual.get(), scale, ref_s.data(), ref_r.data());
+  for (auto [threads, splits] : std::vector<std::pair<int, int>>{{1, 1}, {1, 3}, {2, 2}, {2, 5}}) {
+    std::fill(out_s.begin(), out_s.end(), NAN);
+    std::fill(out_r.begin(), out_r.end(), NAN);
+    lrkv_decode_attention_splits(q.data(), qb.data(), H, shared, residual.get(), scale, out_s.data(), out_r.data(), threads,
+                                 splits);
+    EXPECT_LE(worst_rel(out_s, ref_s, H, d), 1e-5) << what << " threads " << threads << " splits " << splits;
+    if (r > 0) EXPECT_LE(worst_rel(out_r, ref_r, H, r), 1e-5) << what << " threads " << threads << " splits " << splits;
+  }
+  lrkv_decode_attention(q.data(), qb.data(), H, shared, residual.get(), scale, out_s.data(), out_r.data(), 0);
+  EXPECT_LE(worst_rel(out_s, ref_s, H, d), 1e-5) << what;
+}
+
+}  // namespace
+
+TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
+  uint32_t seed = 10;
+  for (KVType t : {KVType::F32, KVType::BF16})
+    for (int H : {1, 3, 6})
+      for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 0}, {40, 5}, {64, 12}, {128, 32}})
+        for (int64_t L : {1, 7, 33, 70}) check(t, H, d, r, L, 16, {}, seed++);
+  for (KVType t : {KVType::Q8, KVType::Q4})
+    for (int H : {1, 5})
+      for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 0}, {64, 32}, {128, 64}})
+        for (int64_t L : {1, 33, 70}) check(t, H, d, r, L, 16, {}, seed++);
+}
+
+TEST(LrkvDecode, LongContextsAndEviction) {
+  check(KVType::F32, 8, 128, 32, 600, 256, {}, 50);
+  check(KVType::Q8, 4, 64, 32, 515, 100, {}, 51);
+  check(KVType::BF16, 3, 64, 16, 300, 32, {4, 37}, 52);  // sink + window in both stores
+}
+
+TEST(LrkvDecode, MismatchedStoresAreClearErrors) {
+  KVStore shared(KVType::F32, 1, 32), residual(KVType::F32, 3, 8), wrong(KVType::F32, 2, 32);
+  std::vector<float> q(3 * 32, 0.1f), qb(3 * 8, 0.1f), os(3 * 32), orr(3 * 8), k(3 * 8, 0.5f), ks(32, 0.5f);
+  EXPECT_THROW(lrkv_decode_attention(q.data(), qb.data(), 3, shared, &residual, 1.0f, os.data(), orr.data(), 1), Error);  // empty
+  shared.append(ks.data(), ks.data());
+  EXPECT_THROW(lrkv_decode_attention(q.data(), qb.data(), 3, shared, &residual, 1.0f, os.data(), orr.data(), 1), Error);  // slots differ
+  residual.append(k.data(), k.data());
+  lrkv_decode_attention(q.data(), qb.data(), 3, shared, &residual, 1.0f, os.data(), orr.data(), 1);
+  EXPECT_NEAR(os[0], 0.5f, 1e-6);
+  EXPECT_THROW(lrkv_decode_attention(q.data(), qb.data(), 3, wrong, &residual, 1.0f, os.data(), orr.data(), 1), Error);  // 2 shared heads
+  EXPECT_THROW(lrkv_decode_attention(q.data(), qb.data(), 2, shared, &residual, 1.0f, os.data(), orr.data(), 1), Error);  // head count
+}
