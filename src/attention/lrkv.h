@@ -43,8 +43,9 @@ class LrkvCache : public MixerCache {
 };
 
 // The fused decode cache (shared_rope and pair_aligned): per batch row a KVStore for K_s, V_s
-// (one head of width d_h) and one for the latents (H heads of width r), f32/bf16/q8/q4, optional
-// sink + window eviction; read by kernels::lrkv_decode_attention.
+// (one head of width d_h) and one for the latents (one head of width H r), f32/bf16/q8/q4, optional
+// sink + window eviction; read by kernels::lrkv_decode_attention. The latents of a token are one
+// row [R_0 | .. | R_{H-1}], so a tile of tokens streams as one run.
 class LrkvFusedCache : public MixerCache {
  public:
   LrkvFusedCache(int64_t batch, int64_t heads, int64_t head_dim, int64_t rank, const CacheOptions& options);

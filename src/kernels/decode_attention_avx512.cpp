@@ -308,80 +308,149 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 // Rows per tile: K and V tiles of about 8 KB each, so a tile and the one prefetched stay in L1.
 int tile_rows(size_t rb) { return rb <= 256 ? 32 : 16; }
 
-// Scratch (floats): scores G * kRow; q8/q4 also the tile's K and V scales, [row][block] each.
-struct Scratch {
-  float *s, *ks, *vs;
-  Scratch(float* base, int G, int nb) : s(base), ks(s + G * kRow), vs(ks + kMaxTile * nb) {}
+// LRKV's residual path (lrkv_decode.h): a second store whose row per token is [R_0 | .. | R_{G-1}]
+// (r values per head, r % 32 == 0), with its own prepared queries qb (qstride floats per head).
+struct Residual {
+  const KVStore* store = nullptr;
+  const float* qb = nullptr;
+  size_t qstride = 0;
+  int r = 0;
 };
 
+// Scratch (floats): scores G * kRow; q8/q4 also the tile's K and V scales, [row][block] each;
+// with a residual one more score row and its scales.
+struct Scratch {
+  float *s, *ks, *vs, *rs, *rks, *rvs;
+  Scratch(float* base, int G, int nb, int nbr)
+      : s(base), ks(s + G * kRow), vs(ks + kMaxTile * nb), rs(vs + kMaxTile * nb), rks(rs + kRow), rvs(rks + kMaxTile * nbr) {}
+  static size_t floats(int G, int nb, int nbr) { return static_cast<size_t>(G) * kRow + 2 * kMaxTile * (nb + nbr) + kRow + 16; }
+};
+
+// Scores of the GB queries at q (query floats apart) against rows kb (+ per-row offset `codes`
+// bytes), TB at a time, into s[g * kRow + t].
 template <class R>
-void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, float* part, float* scratch) {
+KVX_INLINE void scores_for(const float* q, size_t qfloats, int gb, int d, int nb_row, const uint8_t* kb, size_t rb, size_t codes,
+                           const float* ks, int ks_stride, int n, float* s, const Prefetch* pf) {
+  const int nj = d / 32;
+  const int TB = 16 / gb;
+  for (int t0 = 0; t0 < n; t0 += TB) {
+    const uint8_t* rows[16];
+    const float* kst[16];
+    for (int i = 0; i < TB; ++i) {
+      const int t = imin(t0 + i, n - 1);
+      rows[i] = kb + t * rb + codes;
+      kst[i] = ks + t * ks_stride;
+    }
+    if (pf) pf->range(t0 * rb, imin(t0 + TB, n) * rb);
+    float* sg = s + t0;
+    if constexpr (R::kQuant) {
+      const size_t qstride = qfloats * sizeof(float);
+      const uint8_t* qg = reinterpret_cast<const uint8_t*>(q);
+      const int nb = d / 32, nz = (nb + R::kVecBlocks - 1) / R::kVecBlocks;
+      switch (gb) {
+        case 4: score_block_int<R, 4, 4>(qg, qstride, nz, nb, rows, kst, sg); break;
+        case 2: score_block_int<R, 2, 8>(qg, qstride, nz, nb, rows, kst, sg); break;
+        default: score_block_int<R, 1, 16>(qg, qstride, nz, nb, rows, kst, sg); break;
+      }
+    } else {
+      switch (gb) {
+        case 4: score_block<R, 4, 4>(q, d, nj, rows, kst, sg); break;
+        case 2: score_block<R, 2, 8>(q, d, nj, rows, kst, sg); break;
+        default: score_block<R, 1, 16>(q, d, nj, rows, kst, sg); break;
+      }
+    }
+    (void)nb_row;
+  }
+}
+
+// (even | odd) per 32 values -> natural order, for n values (n % 32 == 0).
+KVX_INLINE void unpermute(float* acc, int n) {
+  const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int i = 0; i < n; i += 32) {
+    const __m512 ev = _mm512_loadu_ps(acc + i), od = _mm512_loadu_ps(acc + i + 16);
+    _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(ev, lo_idx, od));
+    _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(ev, hi_idx, od));
+  }
+}
+
+KVX_INLINE void scale_vec(float* x, int n, float alpha) {
+  const __m512 av = _mm512_set1_ps(alpha);
+  for (int i = 0; i < n; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), av));
+}
+
+// One piece: rows [r0, r1) of KV head `head` for its G queries -> part = [m[G], l[G],
+// acc[G][d], acc_r[G][r] (with a residual)], natural order.
+template <class R>
+void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, float* part, float* scratch,
+               const Residual& res = {}) {
   const int d = kv.head_dim(), nj = d / 32, nb = R::kQuant ? nj : 1, P = kv.page_tokens();
   const size_t rb = kv.row_bytes();
-  const int tile = tile_rows(rb);
-  const Scratch sc(scratch, G, nb);
+  const KVStore* rst = res.store;
+  const int r = rst ? res.r : 0, nbr = rst && R::kQuant ? rst->head_dim() / 32 : (rst ? 1 : 0);
+  const size_t rrb = rst ? rst->row_bytes() : 0;
+  const int tile = rst ? 16 : tile_rows(rb);
+  const Scratch sc(scratch, G, nb, nbr);
   float* m = part;
   float* l = part + G;
   float* acc = part + 2 * G;
+  float* acc_r = acc + static_cast<size_t>(G) * d;
   for (int g = 0; g < G; ++g) {
     m[g] = kNegInf;
     l[g] = 0.0f;
   }
-  for (int i = 0; i < G * d; ++i) acc[i] = 0.0f;
-  const size_t codes = R::kQuant ? 2 * static_cast<size_t>(nb) : 0;  // bytes of scales before the codes
+  for (int i = 0; i < G * (d + r); ++i) acc[i] = 0.0f;
+  const size_t codes = R::kQuant ? 2 * static_cast<size_t>(nb) : 0;    // bytes of scales before the codes
+  const size_t rcodes = R::kQuant ? 2 * static_cast<size_t>(nbr) : 0;
+  // Byte offset of head h's latent within a residual row's codes (r % 32 == 0).
+  auto head_bytes = [&](int h) { return static_cast<size_t>(h) * r * (rst ? rst->row_bytes() - rcodes : 0) / (rst ? rst->head_dim() : 1); };
 
-  for (int64_t r = pc.r0; r < pc.r1;) {
-    const int64_t page = r / P;
-    const int off = static_cast<int>(r % P);
-    const int n = static_cast<int>(lmin(lmin(tile, pc.r1 - r), P - off));
+  for (int64_t row = pc.r0; row < pc.r1;) {
+    const int64_t page = row / P;
+    const int off = static_cast<int>(row % P);
+    const int n = static_cast<int>(lmin(lmin(tile, pc.r1 - row), P - off));
     const uint8_t* kb = kv.k_rows(page, pc.head) + off * rb;
     const uint8_t* vb = kv.v_rows(page, pc.head) + off * rb;
+    const uint8_t* rkb = rst ? rst->k_rows(page, 0) + off * rrb : nullptr;
+    const uint8_t* rvb = rst ? rst->v_rows(page, 0) + off * rrb : nullptr;
     if constexpr (R::kQuant)
       for (int t = 0; t < n; ++t) {
         load_scales(kb + t * rb, nb, sc.ks + t * nb);
         load_scales(vb + t * rb, nb, sc.vs + t * nb);
+        for (int b = 0; b < nbr; b += 16) {
+          load_scales(rkb + t * rrb + 2 * b, imin(16, nbr - b), sc.rks + t * nbr + b);
+          load_scales(rvb + t * rrb + 2 * b, imin(16, nbr - b), sc.rvs + t * nbr + b);
+        }
       }
     // The next tile (this page, then the next one; within the piece) is fetched while this one
     // computes: K during the scores, V during the value passes.
-    const int64_t page_rows = lmin(P - off, pc.r1 - r), next_rows = lmin(P, pc.r1 - r - page_rows);
+    const int64_t page_rows = lmin(P - off, pc.r1 - row), next_rows = lmin(P, pc.r1 - row - page_rows);
     const bool has_next = next_rows > 0;
-    const size_t ahead = static_cast<size_t>(n) * rb;
-    const size_t end = page_rows * rb > ahead ? page_rows * rb - ahead : 0, next_end = has_next ? next_rows * rb : 0;
-    const size_t skip = page_rows * rb > ahead ? 0 : ahead - page_rows * rb;  // the next tile starts on the next page
-    const Prefetch kpf{kb + ahead, has_next ? kv.k_rows(page + 1, pc.head) + skip : nullptr, end, next_end > skip ? next_end - skip : 0};
-    const Prefetch vpf{vb + ahead, has_next ? kv.v_rows(page + 1, pc.head) + skip : nullptr, end, next_end > skip ? next_end - skip : 0};
+    auto prefetcher = [&](const uint8_t* base, const uint8_t* next_page, size_t rowb) {
+      const size_t ahead = static_cast<size_t>(n) * rowb;
+      const size_t end = page_rows * rowb > ahead ? page_rows * rowb - ahead : 0, next_end = has_next ? next_rows * rowb : 0;
+      const size_t skip = page_rows * rowb > ahead ? 0 : ahead - page_rows * rowb;  // the next tile starts on the next page
+      return Prefetch{base + ahead, has_next ? next_page + skip : nullptr, end, next_end > skip ? next_end - skip : 0};
+    };
+    const Prefetch kpf = prefetcher(kb, has_next ? kv.k_rows(page + 1, pc.head) : nullptr, rb);
+    const Prefetch vpf = prefetcher(vb, has_next ? kv.v_rows(page + 1, pc.head) : nullptr, rb);
 
     // Scores.
     for (int g0 = 0, gb; g0 < G; g0 += gb) {
       gb = group_size(G - g0);
-      const int TB = 16 / gb;
-      for (int t0 = 0; t0 < n; t0 += TB) {
-        const uint8_t* rows[16];
-        const float* kst[16];
-        for (int i = 0; i < TB; ++i) {
-          const int t = imin(t0 + i, n - 1);
-          rows[i] = kb + t * rb + codes;
-          kst[i] = sc.ks + t * nb;
-        }
-        if (g0 == 0) kpf.range(t0 * rb, imin(t0 + TB, n) * rb);
-        float* sg = sc.s + g0 * kRow + t0;
-        if constexpr (R::kQuant) {
-          const size_t qstride = query_floats<R>(d) * sizeof(float);
-          const uint8_t* qg = reinterpret_cast<const uint8_t*>(q) + g0 * qstride;
-          const int nz = (nb + R::kVecBlocks - 1) / R::kVecBlocks;
-          switch (gb) {
-            case 4: score_block_int<R, 4, 4>(qg, qstride, nz, nb, rows, kst, sg); break;
-            case 2: score_block_int<R, 2, 8>(qg, qstride, nz, nb, rows, kst, sg); break;
-            default: score_block_int<R, 1, 16>(qg, qstride, nz, nb, rows, kst, sg); break;
-          }
-        } else {
-          const float* qg = q + static_cast<size_t>(g0) * d;
-          switch (gb) {
-            case 4: score_block<R, 4, 4>(qg, d, nj, rows, kst, sg); break;
-            case 2: score_block<R, 2, 8>(qg, d, nj, rows, kst, sg); break;
-            default: score_block<R, 1, 16>(qg, d, nj, rows, kst, sg); break;
-          }
-        }
+      scores_for<R>(q + g0 * query_floats<R>(d), query_floats<R>(d), gb, d, nb, kb, rb, codes, sc.ks, nb, n,
+                    sc.s + g0 * kRow, g0 == 0 ? &kpf : nullptr);
+    }
+    if (rst) {  // + qb_h . R_h^K, head by head
+      const Prefetch rkpf = prefetcher(rkb, has_next ? rst->k_rows(page + 1, 0) : nullptr, rrb);
+      const Prefetch rvpf = prefetcher(rvb, has_next ? rst->v_rows(page + 1, 0) : nullptr, rrb);
+      rkpf.range(0, static_cast<size_t>(n) * rrb);
+      rvpf.range(0, static_cast<size_t>(n) * rrb);
+      for (int h = 0; h < G; ++h) {
+        scores_for<R>(res.qb + h * res.qstride, res.qstride, 1, r, nbr, rkb, rrb, rcodes + head_bytes(h),
+                      sc.rks + h * (r / 32), nbr, n, sc.rs, nullptr);
+        float* sh = sc.s + h * kRow;
+        for (int t = 0; t < kMaxTile; t += 16) _mm512_storeu_ps(sh + t, _mm512_add_ps(_mm512_loadu_ps(sh + t), _mm512_loadu_ps(sc.rs + t)));
       }
     }
 
@@ -397,9 +466,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         if (m[g] != kNegInf) {
           const float alpha = expf(m[g] - mt);  // libm, not the std:: inline wrapper
           l[g] *= alpha;
-          float* ag = acc + static_cast<size_t>(g) * d;
-          const __m512 av = _mm512_set1_ps(alpha);
-          for (int i = 0; i < d; i += 16) _mm512_storeu_ps(ag + i, _mm512_mul_ps(_mm512_loadu_ps(ag + i), av));
+          scale_vec(acc + static_cast<size_t>(g) * d, d, alpha);
+          if (r > 0) scale_vec(acc_r + static_cast<size_t>(g) * r, r, alpha);
         }
         m[g] = mt;
       }
@@ -422,18 +490,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         default: value_tile<R, 1>(vb + codes, rb, n, p, sc.vs, nb, ag, d, pf); break;
       }
     }
-    r += n;
+    if (rst)  // + a_h R_h^V
+      for (int h = 0; h < G; ++h)
+        value_tile<R, 1>(rvb + rcodes + head_bytes(h), rrb, n, sc.s + h * kRow, sc.rvs + h * (r / 32), nbr,
+                         acc_r + static_cast<size_t>(h) * r, r, nullptr);
+    row += n;
   }
 
-  if constexpr (R::kPerm) {  // (even | odd) per 32 values -> natural order
-    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    for (int i = 0; i < G * d; i += 32) {
-      const __m512 ev = _mm512_loadu_ps(acc + i), od = _mm512_loadu_ps(acc + i + 16);
-      _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(ev, lo_idx, od));
-      _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(ev, hi_idx, od));
-    }
-  }
+  if constexpr (R::kPerm) unpermute(acc, G * (d + r));  // acc and acc_r are contiguous
 }
 
 template <class R>
@@ -514,10 +578,30 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
   }
 }
 
-size_t avx512_scratch_floats(int G, int d, KVType type) {
-  const size_t nb = static_cast<size_t>(d) / 32;
+size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
-  return static_cast<size_t>(G) * kRow + (quant ? 2 * kMaxTile * nb : 0) + 16;
+  return Scratch::floats(G, quant ? d / 32 : 1, residual_width > 0 ? (quant ? residual_width / 32 : 1) : 0);
+}
+
+void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
+                     const float* qs, const float* qbs, int H, float* parts, size_t part_size, float* scratch) {
+  Residual res;
+  if (residual) {
+    res.store = residual;
+    res.qb = qbs;
+    res.r = residual->head_dim() / H;
+  }
+  auto run = [&](auto tag) {
+    using R = decltype(tag);
+    res.qstride = residual ? query_floats<R>(res.r) : 0;
+    for (int p = p0; p < p1; ++p) run_piece<R>(shared, pieces[p], qs, H, parts + p * part_size, scratch, res);
+  };
+  switch (shared.type()) {
+    case KVType::F32: run(F32Row{}); return;
+    case KVType::BF16: run(BF16Row{}); return;
+    case KVType::Q8: run(Q8Row{}); return;
+    case KVType::Q4: run(Q4Row{}); return;
+  }
 }
 
 void avx512_run_split(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, const float* qs, int G, float* parts,

@@ -25,10 +25,16 @@ bool avx512_usable();
 // (even | odd) positions per 32 values; q8/q4 quantised to int8 blocks (integer dot products).
 size_t avx512_query_floats(int d, KVType type);
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs);
-// Scratch floats one split needs.
-size_t avx512_scratch_floats(int G, int d, KVType type);
+// Scratch floats one split needs (residual_width: LRKV's H r, else 0).
+size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width = 0);
 // Pieces [p0, p1): part p = [m[G], l[G], acc[G][d]] at parts + p * part_size (natural order).
 void avx512_run_split(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, const float* qs, int G,
                       float* parts, size_t part_size, float* scratch);
+
+// LRKV factored decode (lrkv_decode.h) on the same machinery: pieces are row ranges of the
+// shared store (head 0) for all H queries; qbs: the prepared qb (avx512_prepare_queries with
+// width r). part p = [m[H], l[H], acc_s[H][d], acc_r[H][r]]. Needs d % 32 == 0, r % 32 == 0.
+void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
+                     const float* qs, const float* qbs, int H, float* parts, size_t part_size, float* scratch);
 
 }  // namespace kvx::kernels::detail

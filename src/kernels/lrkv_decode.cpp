@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/decode_attention_isa.h"
 #include "kernels/simd_avx2.h"
 #include "util/error.h"
 
@@ -15,55 +16,73 @@ namespace kvx::kernels {
 
 namespace {
 
-constexpr int kTile = 32;  // rows per online-softmax step (per store: <= 16 KB of f32 K and V)
+constexpr int kTile = 16;  // rows per online-softmax step
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Rows [t0, t0 + n) of one head of a store as f32 rows `stride` floats apart: f32 rows are read
-// in place, other types dequantised into `buf`.
-const float* tile_rows(const KVStore& s, bool keys, int64_t page, int off, int head, int n, float* buf, int& stride) {
-  const uint8_t* rows = (keys ? s.k_rows(page, head) : s.v_rows(page, head)) + off * s.row_bytes();
+// Rows [off, off + n) of page `page` of a one-head store as f32 rows `stride` floats apart: f32
+// rows are read in place, other types dequantised into `buf` (room for kTile rows).
+const float* tile_rows(const KVStore& s, bool keys, int64_t page, int off, int n, float* buf, int& stride) {
+  const size_t rb = s.row_bytes();
+  const uint8_t* rows = (keys ? s.k_rows(page, 0) : s.v_rows(page, 0)) + off * rb;
   if (s.type() == KVType::F32) {
-    stride = static_cast<int>(s.row_bytes() / 4);
+    stride = static_cast<int>(rb / 4);
     return reinterpret_cast<const float*>(rows);
   }
   stride = s.head_dim();
-  for (int t = 0; t < n; ++t) dequantize_row(s.type(), rows + t * s.row_bytes(), s.head_dim(), buf + t * stride);
+  for (int t = 0; t < n; ++t) dequantize_row(s.type(), rows + t * rb, s.head_dim(), buf + t * stride);
   return buf;
 }
 
-// s[g][t] (+)= q_g . k_t for GB queries (q rows qs apart) and the n rows of a tile, 2 rows at a
-// time with GB x 2 accumulators.
+// Software prefetch (into L2) of slots [first, first + count) of a one-head store, K and V.
+void prefetch_slots(const KVStore& s, int64_t first, int64_t count) {
+  const int P = s.page_tokens();
+  const size_t rb = s.row_bytes();
+  for (int64_t slot = first; slot < first + count;) {
+    const int64_t page = slot / P;
+    const int off = static_cast<int>(slot % P);
+    const int64_t n = std::min<int64_t>(first + count - slot, P - off);
+    for (const uint8_t* base : {s.k_rows(page, 0), s.v_rows(page, 0)})
+      for (size_t o = (off * rb) & ~size_t{63}; o < (off + n) * rb; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(base + o), _MM_HINT_T1);
+    slot += n;
+  }
+}
+
+// s[g][t] (+)= q_g . k_g,t for GB queries (q rows qs apart) against the n rows of a tile, 2 rows
+// at a time with GB x 2 accumulators (then one transpose-add). Query g reads rows k + g * kg
+// (kg = 0: all read the shared rows; otherwise each head its own latents).
 template <int GB, bool kAdd>
-void scores(const float* q, int qs, const float* k, int ks, int n, int w, float* s, int ss) {
+void scores(const float* q, int qs, const float* k, size_t kg, int ks, int n, int w, float* s, int ss) {
+  static_assert(GB == 4 || GB == 2 || GB == 1, "groups of 4, 2, 1");
   const int w8 = w & ~7;
   for (int t0 = 0; t0 < n; t0 += 2) {
     const int t1 = std::min(t0 + 1, n - 1);
     __m256 acc[8];
-    for (int i = 0; i < 2 * GB; ++i) acc[i] = _mm256_setzero_ps();
-    for (int i = 0; i < w8; i += 8) {
-      const __m256 k0 = _mm256_loadu_ps(k + t0 * ks + i), k1 = _mm256_loadu_ps(k + t1 * ks + i);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int i = 0; i < w8; i += 8)
       for (int g = 0; g < GB; ++g) {
+        const float* kr = k + g * kg;
         const __m256 qv = _mm256_loadu_ps(q + g * qs + i);
-        acc[2 * g] = _mm256_fmadd_ps(qv, k0, acc[2 * g]);
-        acc[2 * g + 1] = _mm256_fmadd_ps(qv, k1, acc[2 * g + 1]);
+        acc[2 * g] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + t0 * ks + i), acc[2 * g]);
+        acc[2 * g + 1] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + t1 * ks + i), acc[2 * g + 1]);
       }
-    }
+    alignas(32) float x[8];
+    _mm256_store_ps(x, reduce8(acc));
     for (int g = 0; g < GB; ++g)
-      for (int j = 0; j < 2; ++j) {
-        float x = hsum(acc[2 * g + j]);
+      for (int j = 0; j < (t1 == t0 ? 1 : 2); ++j) {
         const int t = j == 0 ? t0 : t1;
-        for (int i = w8; i < w; ++i) x += q[g * qs + i] * k[t * ks + i];
-        if (j == 1 && t1 == t0) break;
+        float v = x[2 * g + j];
+        for (int i = w8; i < w; ++i) v += q[g * qs + i] * k[g * kg + t * ks + i];
         float& out = s[g * ss + t];
-        out = kAdd ? out + x : x;
+        out = kAdd ? out + v : v;
       }
   }
 }
 
-// acc_g += sum_t p[g][t] v_t over the tile for GB heads, 2 chunks of 8 at a time (GB x 2
-// accumulators held across the rows).
+// acc_g += sum_t p[g][t] v_g,t over the tile for GB heads (rows v + g * vg, as above), 2 chunks
+// of 8 at a time (GB x 2 accumulators held across the rows).
 template <int GB>
-void values(const float* p, int ps, const float* v, int vs, int n, int w, float* acc, int as) {
+void values(const float* p, int ps, const float* v, size_t vg, int vs, int n, int w, float* acc, int as) {
   const int w16 = w & ~15;
   for (int i = 0; i < w16; i += 16) {
     __m256 a[8];
@@ -71,14 +90,13 @@ void values(const float* p, int ps, const float* v, int vs, int n, int w, float*
       a[2 * g] = _mm256_loadu_ps(acc + g * as + i);
       a[2 * g + 1] = _mm256_loadu_ps(acc + g * as + i + 8);
     }
-    for (int t = 0; t < n; ++t) {
-      const __m256 v0 = _mm256_loadu_ps(v + t * vs + i), v1 = _mm256_loadu_ps(v + t * vs + i + 8);
+    for (int t = 0; t < n; ++t)
       for (int g = 0; g < GB; ++g) {
+        const float* vr = v + g * vg + t * vs + i;
         const __m256 pg = _mm256_broadcast_ss(p + g * ps + t);
-        a[2 * g] = _mm256_fmadd_ps(pg, v0, a[2 * g]);
-        a[2 * g + 1] = _mm256_fmadd_ps(pg, v1, a[2 * g + 1]);
+        a[2 * g] = _mm256_fmadd_ps(pg, _mm256_loadu_ps(vr), a[2 * g]);
+        a[2 * g + 1] = _mm256_fmadd_ps(pg, _mm256_loadu_ps(vr + 8), a[2 * g + 1]);
       }
-    }
     for (int g = 0; g < GB; ++g) {
       _mm256_storeu_ps(acc + g * as + i, a[2 * g]);
       _mm256_storeu_ps(acc + g * as + i + 8, a[2 * g + 1]);
@@ -86,7 +104,7 @@ void values(const float* p, int ps, const float* v, int vs, int n, int w, float*
   }
   for (int g = 0; g < GB; ++g)
     for (int t = 0; t < n; ++t)
-      for (int i = w16; i < w; ++i) acc[g * as + i] += p[g * ps + t] * v[t * vs + i];
+      for (int i = w16; i < w; ++i) acc[g * as + i] += p[g * ps + t] * v[g * vg + t * vs + i];
 }
 
 template <class F>
@@ -116,7 +134,7 @@ void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore&
   thread_local std::vector<float> kbuf, vbuf, rkbuf, rvbuf, sbuf;
   kbuf.resize(static_cast<size_t>(kTile) * d);
   vbuf.resize(kbuf.size());
-  rkbuf.resize(static_cast<size_t>(kTile) * std::max(r, 1));
+  rkbuf.resize(static_cast<size_t>(kTile) * std::max(r, 1) * H);  // one tile of [H r] rows
   rvbuf.resize(rkbuf.size());
   sbuf.resize(static_cast<size_t>(H) * kTile + 8);
   float* s = sbuf.data();
@@ -124,30 +142,54 @@ void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore&
     const int64_t page = row / P;
     const int off = static_cast<int>(row % P);
     const int n = static_cast<int>(std::min<int64_t>({kTile, r1 - row, P - off}));
-    int kst, vst;
-    const float* K = tile_rows(shared, true, page, off, 0, n, kbuf.data(), kst);
-    const float* V = tile_rows(shared, false, page, off, 0, n, vbuf.data(), vst);
+    int kst, vst, rkst = 0, rvst = 0;
+    const float* K = tile_rows(shared, true, page, off, n, kbuf.data(), kst);
+    const float* V = tile_rows(shared, false, page, off, n, vbuf.data(), vst);
+    const float* Rk = residual ? tile_rows(*residual, true, page, off, n, rkbuf.data(), rkst) : nullptr;
+    const float* Rv = residual ? tile_rows(*residual, false, page, off, n, rvbuf.data(), rvst) : nullptr;
+    const size_t rkh = r, rvh = r;  // head h's latent: columns [h r, (h + 1) r) of a row
+    const int64_t ahead = std::min<int64_t>(kTile, r1 - row - n);  // the next tile, fetched while this one computes
+    if (ahead > 0) {
+      prefetch_slots(shared, row + n, ahead);
+      if (residual) prefetch_slots(*residual, row + n, ahead);
+    }
     // Scores: the shared part for all heads (K_s read once), then each head's residual part.
     for_head_groups(H, [&](int h0, int gb) {
       const float* qg = q + static_cast<size_t>(h0) * d;
       float* sg = s + h0 * kTile;
       switch (gb) {
-        case 4: scores<4, false>(qg, d, K, kst, n, d, sg, kTile); break;
-        case 2: scores<2, false>(qg, d, K, kst, n, d, sg, kTile); break;
-        default: scores<1, false>(qg, d, K, kst, n, d, sg, kTile); break;
+        case 4: scores<4, false>(qg, d, K, 0, kst, n, d, sg, kTile); break;
+        case 2: scores<2, false>(qg, d, K, 0, kst, n, d, sg, kTile); break;
+        default: scores<1, false>(qg, d, K, 0, kst, n, d, sg, kTile); break;
       }
     });
     if (residual)
-      for (int h = 0; h < H; ++h) {
-        int rst;
-        const float* Rk = tile_rows(*residual, true, page, off, h, n, rkbuf.data(), rst);
-        scores<1, true>(qb + static_cast<size_t>(h) * r, r, Rk, rst, n, r, s + h * kTile, kTile);
-      }
+      for_head_groups(H, [&](int h0, int gb) {
+        const float* qg = qb + static_cast<size_t>(h0) * r;
+        const float* kg = Rk + h0 * rkh;
+        float* sg = s + h0 * kTile;
+        switch (gb) {
+          case 4: scores<4, true>(qg, r, kg, rkh, rkst, n, r, sg, kTile); break;
+          case 2: scores<2, true>(qg, r, kg, rkh, rkst, n, r, sg, kTile); break;
+          default: scores<1, true>(qg, r, kg, rkh, rkst, n, r, sg, kTile); break;
+        }
+      });
     // Online softmax per head: m' = max(m, max_t s); l = l e^(m - m') + sum_t e^(s - m'); acc *= e^(m - m').
     for (int h = 0; h < H; ++h) {
       float* sh_ = s + h * kTile;
       float mt = kNegInf;
-      for (int t = 0; t < n; ++t) mt = std::max(mt, sh_[t] *= scale);
+      {
+        const __m256 sc = _mm256_set1_ps(scale);
+        __m256 mx = _mm256_set1_ps(kNegInf);
+        int t = 0;
+        for (; t + 8 <= n; t += 8) {
+          const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sh_ + t), sc);
+          _mm256_storeu_ps(sh_ + t, x);
+          mx = _mm256_max_ps(mx, x);
+        }
+        mt = hmax(mx);
+        for (; t < n; ++t) mt = std::max(mt, sh_[t] *= scale);
+      }
       if (mt > m[h]) {
         if (m[h] != kNegInf) {
           const float alpha = std::exp(m[h] - mt);
@@ -174,17 +216,22 @@ void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore&
       const float* pg = s + h0 * kTile;
       float* ag = acc_s + static_cast<size_t>(h0) * d;
       switch (gb) {
-        case 4: values<4>(pg, kTile, V, vst, n, d, ag, d); break;
-        case 2: values<2>(pg, kTile, V, vst, n, d, ag, d); break;
-        default: values<1>(pg, kTile, V, vst, n, d, ag, d); break;
+        case 4: values<4>(pg, kTile, V, 0, vst, n, d, ag, d); break;
+        case 2: values<2>(pg, kTile, V, 0, vst, n, d, ag, d); break;
+        default: values<1>(pg, kTile, V, 0, vst, n, d, ag, d); break;
       }
     });
     if (residual)
-      for (int h = 0; h < H; ++h) {
-        int rst;
-        const float* Rv = tile_rows(*residual, false, page, off, h, n, rvbuf.data(), rst);
-        values<1>(s + h * kTile, kTile, Rv, rst, n, r, acc_r + static_cast<size_t>(h) * r, r);
-      }
+      for_head_groups(H, [&](int h0, int gb) {
+        const float* pg = s + h0 * kTile;
+        const float* vg = Rv + h0 * rvh;
+        float* ag = acc_r + static_cast<size_t>(h0) * r;
+        switch (gb) {
+          case 4: values<4>(pg, kTile, vg, rvh, rvst, n, r, ag, r); break;
+          case 2: values<2>(pg, kTile, vg, rvh, rvst, n, r, ag, r); break;
+          default: values<1>(pg, kTile, vg, rvh, rvst, n, r, ag, r); break;
+        }
+      });
     row += n;
   }
 }
@@ -198,9 +245,10 @@ void check(const float* q, const float* qb, int heads, const KVStore& shared, co
   if (shared.stored() == 0) throw Error(w + ": the cache is empty; append the current token before attending");
   if (residual) {
     if (!qb || !out_r) throw Error(w + ": qb and out_r must be non-null with a residual store");
-    if (residual->kv_heads() != heads)
-      throw Error(w + ": the residual store has " + std::to_string(residual->kv_heads()) + " heads, expected " +
-                  std::to_string(heads));
+    if (residual->kv_heads() != 1 || residual->head_dim() % heads != 0)
+      throw Error(w + ": the residual store must hold one row of H r values per token (one KV head of width H r); it has " +
+                  std::to_string(residual->kv_heads()) + " heads of width " + std::to_string(residual->head_dim()) +
+                  " for H = " + std::to_string(heads));
     if (residual->stored() != shared.stored() || residual->page_tokens() != shared.page_tokens())
       throw Error(w + ": the shared and residual stores hold different slots (append both for every token)");
   }
@@ -208,20 +256,54 @@ void check(const float* q, const float* qb, int heads, const KVStore& shared, co
 
 }  // namespace
 
+DecodeIsa lrkv_decode_isa(DecodeIsa isa, int head_dim, int rank) {
+  const bool wide_ok = decode_isa_usable(DecodeIsa::Avx512, head_dim) && rank % kQBlock == 0;
+  if (isa == DecodeIsa::Auto) return wide_ok ? DecodeIsa::Avx512 : DecodeIsa::Avx2;
+  if (isa == DecodeIsa::Avx512 && !wide_ok)
+    throw Error("LRKV decode back end avx512 needs an AVX-512 CPU and head_dim and rank that are multiples of 32 (head_dim " +
+                std::to_string(head_dim) + ", rank " + std::to_string(rank) + "); use auto or avx2");
+  return isa;
+}
+
+bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int rank) {
+  return lrkv_decode_isa(isa, head_dim, rank) == DecodeIsa::Avx512 && (type == KVType::Q8 || type == KVType::Q4);
+}
+
 void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, const KVStore& shared,
                                   const KVStore* residual, float scale, float* out_s, float* out_r, int threads,
-                                  int splits) {
+                                  int splits, DecodeIsa isa) {
   check(q, qb, heads, shared, residual, out_s, out_r, "lrkv_decode_attention");
-  const Shapes sh{heads, shared.head_dim(), residual ? residual->head_dim() : 0};
+  const Shapes sh{heads, shared.head_dim(), residual ? residual->head_dim() / heads : 0};
   const int64_t L = shared.stored();
   const int ns = static_cast<int>(std::clamp<int64_t>(splits, 1, L));
   const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
-  thread_local std::vector<float> parts;
+  const bool wide = lrkv_decode_isa(isa, sh.d, sh.r) == DecodeIsa::Avx512;
+  thread_local std::vector<float> parts, qs, qbs, scratch;
+  thread_local std::vector<detail::DecodePiece> pieces;
   parts.resize(sh.part() * ns);
   float* pp = parts.data();
+  if (wide) {  // queries in the AVX-512 layout, scaled; one piece (row range of the shared head) per split
+    qs.resize(detail::avx512_query_floats(sh.d, shared.type()) * heads);
+    detail::avx512_prepare_queries(q, heads, sh.d, scale, shared.type(), qs.data());
+    if (sh.r > 0) {
+      qbs.resize(detail::avx512_query_floats(sh.r, shared.type()) * heads);
+      detail::avx512_prepare_queries(qb, heads, sh.r, scale, shared.type(), qbs.data());
+    }
+    pieces.clear();
+    for (int i = 0; i < ns; ++i) pieces.push_back({0, L * i / ns, L * (i + 1) / ns});
+    const size_t scratch_size = detail::avx512_scratch_floats(heads, sh.d, shared.type(), sh.r * heads);
+    scratch.resize(scratch_size * ns);
+    const detail::DecodePiece* pcs = pieces.data();
+    const float *qsp = qs.data(), *qbp = qbs.data();
+    float* scr = scratch.data();
 #pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
-  for (int i = 0; i < ns; ++i)
-    run_range(q, qb, sh, shared, residual, scale, L * i / ns, L * (i + 1) / ns, pp + i * sh.part());
+    for (int i = 0; i < ns; ++i)
+      detail::avx512_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, sh.part(), scr + i * scratch_size);
+  } else {
+#pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
+    for (int i = 0; i < ns; ++i)
+      run_range(q, qb, sh, shared, residual, scale, L * i / ns, L * (i + 1) / ns, pp + i * sh.part());
+  }
   // Log-sum-exp merge per head: M = max_i m_i, out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
   const int H = heads, d = sh.d, r = sh.r;
   for (int h = 0; h < H; ++h) {
@@ -255,11 +337,30 @@ void lrkv_decode_attention(const float* q, const float* qb, int heads, const KVS
 }
 
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
-                                     const KVStore* residual, float scale, float* out_s, float* out_r) {
+                                     const KVStore* residual, float scale, float* out_s, float* out_r,
+                                     bool quantized_query) {
   check(q, qb, heads, shared, residual, out_s, out_r, "lrkv_decode_attention_reference");
-  const int d = shared.head_dim(), r = residual ? residual->head_dim() : 0;
+  const int d = shared.head_dim(), r = residual ? residual->head_dim() / heads : 0;
+  std::vector<float> qq, qbq;
+  if (quantized_query) {  // the scaled q and qb through quantize_query_blocks; no further scaling
+    auto quantize = [&](const float* x, int n, std::vector<float>& out) {
+      std::vector<float> scaled(n), dq(n / kQBlock);
+      std::vector<int8_t> codes(n);
+      for (int i = 0; i < n; ++i) scaled[i] = x[i] * scale;
+      quantize_query_blocks(scaled.data(), n, codes.data(), dq.data());
+      out.resize(n);
+      for (int i = 0; i < n; ++i) out[i] = static_cast<float>(codes[i]) * dq[i / kQBlock];
+    };
+    quantize(q, heads * d, qq);
+    q = qq.data();
+    if (r > 0) {
+      quantize(qb, heads * r, qbq);
+      qb = qbq.data();
+    }
+    scale = 1.0f;
+  }
   const int64_t L = shared.stored();
-  std::vector<float> ks(d), vs(d), rk(std::max(r, 1)), rv(std::max(r, 1));
+  std::vector<float> ks(d), vs(d), rk(std::max(r * heads, 1)), rv(std::max(r * heads, 1));
   for (int h = 0; h < heads; ++h) {
     std::vector<double> s(L);
     double mx = -std::numeric_limits<double>::infinity();
@@ -268,8 +369,8 @@ void lrkv_decode_attention_reference(const float* q, const float* qb, int heads,
       double x = 0;
       for (int i = 0; i < d; ++i) x += static_cast<double>(q[h * d + i]) * ks[i];
       if (residual) {
-        dequantize_row(residual->type(), residual->k_row(t, h), r, rk.data());
-        for (int i = 0; i < r; ++i) x += static_cast<double>(qb[h * r + i]) * rk[i];
+        dequantize_row(residual->type(), residual->k_row(t, 0), r * heads, rk.data());
+        for (int i = 0; i < r; ++i) x += static_cast<double>(qb[h * r + i]) * rk[h * r + i];
       }
       s[t] = x * scale;
       mx = std::max(mx, s[t]);
@@ -282,8 +383,8 @@ void lrkv_decode_attention_reference(const float* q, const float* qb, int heads,
       dequantize_row(shared.type(), shared.v_row(t, 0), d, vs.data());
       for (int i = 0; i < d; ++i) os[i] += p * vs[i];
       if (residual) {
-        dequantize_row(residual->type(), residual->v_row(t, h), r, rv.data());
-        for (int i = 0; i < r; ++i) orr[i] += p * rv[i];
+        dequantize_row(residual->type(), residual->v_row(t, 0), r * heads, rv.data());
+        for (int i = 0; i < r; ++i) orr[i] += p * rv[h * r + i];
       }
     }
     for (int i = 0; i < d; ++i) out_s[h * d + i] = static_cast<float>(os[i] / sum);

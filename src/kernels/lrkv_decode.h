@@ -1,6 +1,8 @@
 // LRKV factored decode (seed 000 Eq. 7) for one token and all H heads of a layer, over two
-// stores: `shared` holds K_s, V_s (1 KV head of width d_h), `residual` holds R_h^K, R_h^V
-// (H heads of width r; null when r = 0). Both stores hold the same slots.
+// stores: `shared` holds K_s, V_s (one KV head of width d_h), `residual` holds the latents of all
+// heads as one row per token, [R_0 | R_1 | ... | R_{H-1}] (one KV head of width H r, so a tile
+// of tokens is one contiguous run; with r % 32 == 0 every q8/q4 block lies in one head; null
+// when r = 0). Both stores hold the same slots.
 //
 //   s_h,t = scale (q_h . K_s,t + qb_h . R_h,t^K),   a_h = softmax_t(s_h),
 //   out_s[h] = sum_t a_h,t V_s,t   (d_h),   out_r[h] = sum_t a_h,t R_h,t^V   (r),
@@ -9,9 +11,13 @@
 // latents once per head.
 //
 // The fused kernel splits the stored rows into token ranges (threads), runs tiles of rows with an
-// online softmax per head (rows dequantised to f32 in L1-sized tiles, AVX2/FMA dots), and merges
-// the ranges by log-sum-exp. The reference dequantises everything and works in double.
+// online softmax per head, and merges the ranges by log-sum-exp. Back ends as decode_attention:
+// AVX-512 (the dense kernel's machinery: K_s/V_s are one KV head read for all H queries in
+// groups of 4, each head's latent a 1-query pass; needs d_h and r multiples of 32; q8/q4 keys by
+// integer dots against the int8 query and qb) or AVX2 (rows dequantised to f32 in L1-sized
+// tiles, FMA dots). The reference dequantises everything and works in double.
 #pragma once
+#include "kernels/decode_attention.h"
 #include "kernels/kv_store.h"
 
 namespace kvx::kernels {
@@ -21,8 +27,12 @@ void lrkv_decode_attention(const float* q, const float* qb, int heads, const KVS
                            float scale, float* out_s, float* out_r, int threads);
 void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, const KVStore& shared,
                                   const KVStore* residual, float scale, float* out_s, float* out_r, int threads,
-                                  int splits);
+                                  int splits, DecodeIsa isa = DecodeIsa::Auto);
+// The back end Auto picks for these widths, and whether it quantises q and qb (q8/q4 on AVX-512).
+DecodeIsa lrkv_decode_isa(DecodeIsa isa, int head_dim, int rank);
+bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int rank);
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
-                                     const KVStore* residual, float scale, float* out_s, float* out_r);
+                                     const KVStore* residual, float scale, float* out_s, float* out_r,
+                                     bool quantized_query = false);
 
 }  // namespace kvx::kernels

@@ -41,7 +41,7 @@ void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict
                            " L" + std::to_string(L) + " P" + std::to_string(page) + (evict.enabled() ? " evict" : "");
   std::mt19937 rng(seed);
   KVStore shared(type, 1, d, evict, page);
-  std::unique_ptr<KVStore> residual = r > 0 ? std::make_unique<KVStore>(type, H, r, evict, page) : nullptr;
+  std::unique_ptr<KVStore> residual = r > 0 ? std::make_unique<KVStore>(type, 1, H * r, evict, page) : nullptr;
   for (int64_t t = 0; t < L; ++t) {
     auto k = randn(d, 1.0f, rng), v = randn(d, 1.0f, rng);
     shared.append(k.data(), v.data());
@@ -53,15 +53,22 @@ void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict
   const auto q = randn(static_cast<size_t>(H) * d, 2.0f, rng), qb = randn(static_cast<size_t>(H) * std::max(r, 1), 2.0f, rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   std::vector<float> ref_s(H * d), ref_r(H * std::max(r, 1)), out_s(ref_s.size()), out_r(ref_r.size());
-  lrkv_decode_attention_reference(q.data(), qb.data(), H, shared, residual.get(), scale, ref_s.data(), ref_r.data());
+  std::vector<DecodeIsa> isas = {DecodeIsa::Avx2};
+  if (lrkv_decode_isa(DecodeIsa::Auto, d, r) == DecodeIsa::Avx512) isas.push_back(DecodeIsa::Avx512);
+  for (DecodeIsa isa : isas)
   for (auto [threads, splits] : std::vector<std::pair<int, int>>{{1, 1}, {1, 3}, {2, 2}, {2, 5}}) {
+    lrkv_decode_attention_reference(q.data(), qb.data(), H, shared, residual.get(), scale, ref_s.data(), ref_r.data(),
+                                    lrkv_decode_quantizes_query(isa, type, d, r));
     std::fill(out_s.begin(), out_s.end(), NAN);
     std::fill(out_r.begin(), out_r.end(), NAN);
     lrkv_decode_attention_splits(q.data(), qb.data(), H, shared, residual.get(), scale, out_s.data(), out_r.data(), threads,
-                                 splits);
-    EXPECT_LE(worst_rel(out_s, ref_s, H, d), 1e-5) << what << " threads " << threads << " splits " << splits;
-    if (r > 0) EXPECT_LE(worst_rel(out_r, ref_r, H, r), 1e-5) << what << " threads " << threads << " splits " << splits;
+                                 splits, isa);
+    const std::string where = what + " " + decode_isa_name(isa) + " threads " + std::to_string(threads) + " splits " + std::to_string(splits);
+    EXPECT_LE(worst_rel(out_s, ref_s, H, d), 1e-5) << where;
+    if (r > 0) EXPECT_LE(worst_rel(out_r, ref_r, H, r), 1e-5) << where;
   }
+  lrkv_decode_attention_reference(q.data(), qb.data(), H, shared, residual.get(), scale, ref_s.data(), ref_r.data(),
+                                  lrkv_decode_quantizes_query(DecodeIsa::Auto, type, d, r));
   lrkv_decode_attention(q.data(), qb.data(), H, shared, residual.get(), scale, out_s.data(), out_r.data(), 0);
   EXPECT_LE(worst_rel(out_s, ref_s, H, d), 1e-5) << what;
 }
@@ -87,7 +94,7 @@ TEST(LrkvDecode, LongContextsAndEviction) {
 }
 
 TEST(LrkvDecode, MismatchedStoresAreClearErrors) {
-  KVStore shared(KVType::F32, 1, 32), residual(KVType::F32, 3, 8), wrong(KVType::F32, 2, 32);
+  KVStore shared(KVType::F32, 1, 32), residual(KVType::F32, 1, 3 * 8), wrong(KVType::F32, 2, 32);
   std::vector<float> q(3 * 32, 0.1f), qb(3 * 8, 0.1f), os(3 * 32), orr(3 * 8), k(3 * 8, 0.5f), ks(32, 0.5f);
   EXPECT_THROW(lrkv_decode_attention(q.data(), qb.data(), 3, shared, &residual, 1.0f, os.data(), orr.data(), 1), Error);  // empty
   shared.append(ks.data(), ks.data());
@@ -96,5 +103,5 @@ TEST(LrkvDecode, MismatchedStoresAreClearErrors) {
   lrkv_decode_attention(q.data(), qb.data(), 3, shared, &residual, 1.0f, os.data(), orr.data(), 1);
   EXPECT_NEAR(os[0], 0.5f, 1e-6);
   EXPECT_THROW(lrkv_decode_attention(q.data(), qb.data(), 3, wrong, &residual, 1.0f, os.data(), orr.data(), 1), Error);  // 2 shared heads
-  EXPECT_THROW(lrkv_decode_attention(q.data(), qb.data(), 2, shared, &residual, 1.0f, os.data(), orr.data(), 1), Error);  // head count
+  EXPECT_THROW(lrkv_decode_attention(q.data(), qb.data(), 5, shared, &residual, 1.0f, os.data(), orr.data(), 1), Error);  // 24 % 5 != 0
 }
