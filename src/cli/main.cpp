@@ -224,13 +224,27 @@ void print_decode_table(const nlohmann::json& rows) {
   std::printf("%-6s %-5s %4s %8s %11s %8s %7s %8s %9s %8s %10s %11s\n", "isa", "cache", "hkv", "context", "us/step", "GB/s",
               "of BW", "bound", "of roof", "vs f32", "roof/f32", "vs libtorch");
   for (const auto& r : rows) {
-    if (!r.contains("us_per_step")) continue;
+    if (!r.contains("us_per_step") || r.contains("family")) continue;
     std::string vs = r["cache"] == "f32" ? std::to_string(r["fused_speedup_vs_torch"].get<double>()).substr(0, 4) + "x" : "";
     std::printf("%-6s %-5s %4d %8lld %11.1f %8.1f %6.0f%% %8s %8.0f%% %7.2fx %9.2fx %11s\n", r["isa"].get<std::string>().c_str(),
                 r["cache"].get<std::string>().c_str(), r["hkv"].get<int>(), static_cast<long long>(r["context"].get<int64_t>()),
                 r["us_per_step"].get<double>(), r["gbps"].get<double>(), 100 * r["bw_ratio"].get<double>(),
                 r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(), r.value("speedup_vs_f32", 0.0),
                 r.value("roofline_speedup_vs_f32", 0.0), vs.c_str());
+  }
+  bool lrkv_header = false;
+  for (const auto& r : rows) {
+    if (!r.contains("family")) continue;
+    if (!lrkv_header)
+      std::printf("\nLRKV factored decode, H=16, d_h=128 (K_s, V_s and per-head latents); vs MHA: the dense kernel, same type\n"
+                  "%-6s %-5s %4s %8s %9s %11s %8s %7s %8s %9s %8s %8s\n", "isa", "cache", "r", "context", "cache/MHA", "us/step", "GB/s",
+                  "of BW", "bound", "of roof", "vs MHA", "target");
+    lrkv_header = true;
+    std::printf("%-6s %-5s %4d %8lld %8.1f%% %11.1f %8.1f %6.0f%% %8s %8.0f%% %7.2fx %7.2fx\n", r["isa"].get<std::string>().c_str(),
+                r["cache"].get<std::string>().c_str(), r["rank"].get<int>(), static_cast<long long>(r["context"].get<int64_t>()),
+                100 * r["cache_vs_mha"].get<double>(), r["us_per_step"].get<double>(), r["gbps"].get<double>(),
+                100 * r["bw_ratio"].get<double>(), r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(),
+                r.value("speedup_vs_mha", 0.0), r.value("target_speedup_vs_mha", 0.0));
   }
   bool header = false;
   for (const auto& r : rows) {
@@ -442,12 +456,13 @@ int main(int argc, char** argv) {
   bench_tok->add_flag("--json", bench_json, "print JSON");
 
   eval::DecodeBenchOptions decode_opts;
-  std::string decode_contexts, decode_types, decode_hkv, decode_isas;
+  std::string decode_contexts, decode_types, decode_hkv, decode_isas, decode_lrkv;
   bool decode_no_model = false;
   auto* bench_decode = bench->add_subcommand("decode", "decode attention per cache type and context vs this machine's read bandwidth");
   bench_decode->add_option("--contexts", decode_contexts, "comma-separated contexts (default 1024,4096,16384,65536)");
   bench_decode->add_option("--types", decode_types, "comma-separated cache types (default f32,bf16,q8,q4)");
   bench_decode->add_option("--hkv", decode_hkv, "comma-separated KV head counts at H=16, d_h=128 (default 16,4)");
+  bench_decode->add_option("--lrkv", decode_lrkv, "comma-separated LRKV ranks for factored-decode rows at H=16, d_h=128, or none (default 32)");
   bench_decode->add_option("--isa", decode_isas, "comma-separated decode back ends: auto, avx2, avx512 (default auto)");
   bench_decode->add_option("--seconds", decode_opts.seconds_per_point, "seconds per measurement (default 0.4)");
   bench_decode->add_flag("--no-model", decode_no_model, "skip the whole-model (tiny) decode rows");
@@ -518,6 +533,11 @@ int main(int argc, char** argv) {
       }
       if (!decode_types.empty()) decode_opts.types = split_list(decode_types);
       if (!decode_isas.empty()) decode_opts.isas = split_list(decode_isas);
+      if (!decode_lrkv.empty()) {
+        decode_opts.lrkv_ranks.clear();
+        if (decode_lrkv != "none")
+          for (const auto& r : split_list(decode_lrkv)) decode_opts.lrkv_ranks.push_back(std::stoi(r));
+      }
       if (!decode_hkv.empty()) {
         decode_opts.kv_heads.clear();
         for (const auto& h : split_list(decode_hkv)) decode_opts.kv_heads.push_back(std::stoi(h));

@@ -9,6 +9,7 @@
 
 #include "attention/dense.h"
 #include "kernels/decode_attention.h"
+#include "kernels/lrkv_decode.h"
 #include "kernels/compute_peak.h"
 #include "kernels/memory_bandwidth.h"
 #include "model/transformer.h"
@@ -183,6 +184,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     int hkv;
     int64_t ctx;
     double seconds, bytes, torch_seconds;
+    int rank = -1;  // LRKV rows: the residual rank (hkv = heads); dense rows: -1
   };
   std::vector<Timing> timings;
   for (int hkv : o.kv_heads) {
@@ -215,16 +217,54 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     }
     probes.push_back(kernels::measure_read_bandwidth_gbps(1ull << 30, threads, 0.5));
   }
+
+  // LRKV factored decode (SPEC 1.1) at the same H and d_h: K_s/V_s plus per-head latents of rank r.
+  std::vector<float> qb(static_cast<size_t>(o.heads) * 256), out_s(q.size()), out_r(qb.size());
+  for (auto& x : qb) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+  for (int rank : o.lrkv_ranks) {
+    std::vector<kernels::KVStore> shared, residual;
+    for (const auto& name : o.types) {
+      shared.emplace_back(kernels::parse_kv_type(name), 1, o.head_dim);
+      residual.emplace_back(kernels::parse_kv_type(name), 1, o.heads * rank);
+    }
+    for (int64_t ctx : o.contexts) {
+      for (size_t i = 0; i < shared.size(); ++i) {
+        fill_random(shared[i], ctx - shared[i].length(), rng);
+        fill_random(residual[i], ctx - residual[i].length(), rng);
+      }
+      const size_t first = timings.size();
+      for (auto isa : isas)
+        for (size_t i = 0; i < shared.size(); ++i)
+          timings.push_back({isa, i, o.heads, ctx, 1e30, static_cast<double>(shared[i].bytes() + residual[i].bytes()), 0.0, rank});
+      for (int round = 0; round < kRounds; ++round)
+        for (size_t k = first; k < timings.size(); ++k) {
+          Timing& t = timings[k];
+          t.seconds = std::min(t.seconds, time_per_call([&] {
+                                 kernels::lrkv_decode_attention_splits(q.data(), qb.data(), o.heads, shared[t.type], &residual[t.type],
+                                                                       scale, out_s.data(), out_r.data(), threads, threads, t.isa);
+                               }, o.seconds_per_point / kRounds));
+        }
+      if (verbose)
+        for (size_t k = first; k < timings.size(); ++k)
+          std::fprintf(stderr, "  %-6s %-4s lrkv r=%d context %6lld: %9.1f us/step %6.1f GB/s\n",
+                       kernels::decode_isa_name(timings[k].isa).c_str(), o.types[timings[k].type].c_str(), rank,
+                       static_cast<long long>(ctx), timings[k].seconds * 1e6, timings[k].bytes / timings[k].seconds / 1e9);
+    }
+  }
   const double stream = *std::max_element(probes.begin(), probes.end());
   rows.push_back({{"stream_gbps", stream}, {"stream_probes_gbps", probes}, {"threads", threads}});
 
   for (const Timing& t : timings) {
-    double f32_s = 0.0;
-    for (const Timing& u : timings)
-      if (u.isa == t.isa && u.hkv == t.hkv && u.ctx == t.ctx && kernels::parse_kv_type(o.types[u.type]) == kernels::KVType::F32)
-        f32_s = u.seconds;
-    // Multiply-adds per step: scores and values, every query head, every cached row.
-    const double macs = 2.0 * o.heads * static_cast<double>(t.ctx) * o.head_dim;
+    double f32_s = 0.0, mha_s = 0.0;
+    for (const Timing& u : timings) {
+      if (u.isa != t.isa || u.ctx != t.ctx) continue;
+      if (u.rank == t.rank && u.hkv == t.hkv && kernels::parse_kv_type(o.types[u.type]) == kernels::KVType::F32) f32_s = u.seconds;
+      if (u.rank < 0 && u.hkv == o.heads && u.type == t.type) mha_s = u.seconds;
+    }
+    // Multiply-adds per step: scores and values, every query head, every cached row (LRKV: the
+    // shared width plus the latent's).
+    const int width = o.head_dim + std::max(t.rank, 0);
+    const double macs = 2.0 * o.heads * static_cast<double>(t.ctx) * width;
     const double fma_floor = macs / (peak_gmacs[t.isa] * 1e9), bw_floor = t.bytes / (stream * 1e9);
     const double floor = std::max(bw_floor, fma_floor), s = t.seconds;
     nlohmann::json row = {{"cache", o.types[t.type]},
@@ -244,6 +284,18 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                           {"of_roofline", floor / s},
                           {"torch_us_per_step", t.torch_seconds * 1e6},
                           {"fused_speedup_vs_torch", t.torch_seconds / s}};
+    if (t.rank >= 0) {
+      const double ratio = (o.head_dim + static_cast<double>(o.heads) * t.rank) / (static_cast<double>(o.heads) * o.head_dim);
+      row["family"] = "lrkv";
+      row["rank"] = t.rank;
+      row["cache_vs_mha"] = ratio;
+      row.erase("torch_us_per_step");
+      row.erase("fused_speedup_vs_torch");
+      if (mha_s > 0) {
+        row["speedup_vs_mha"] = mha_s / s;             // the dense MHA kernel, same H, d_h, element type
+        row["target_speedup_vs_mha"] = 0.8 / ratio;    // issue target: 0.8 x the inverse cache ratio
+      }
+    }
     if (f32_s > 0) {
       row["speedup_vs_f32"] = f32_s / s;
       row["roofline_speedup_vs_f32"] = f32_s / floor;  // what a kernel at this type's roofline would reach

@@ -29,6 +29,7 @@ struct DecodeBenchOptions {
   std::vector<std::string> types{"f32", "bf16", "q8", "q4"};
   std::vector<int> kv_heads{16, 4};
   std::vector<std::string> isas{"auto"};  // decode back ends: auto, avx2, avx512
+  std::vector<int> lrkv_ranks{32};         // LRKV factored-decode rows at H, d_h (none: empty)
   int heads = 16, head_dim = 128;
   double seconds_per_point = 0.4;
   bool whole_model = true;  // also tiny-model decode tokens/s at each context
