@@ -389,7 +389,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const KVStore* rst = res.store;
   const int r = rst ? res.r : 0, nbr = rst && R::kQuant ? rst->head_dim() / 32 : (rst ? 1 : 0);
   const size_t rrb = rst ? rst->row_bytes() : 0;
-  const int tile = rst ? (rb + rrb <= 1280 ? 32 : 16) : tile_rows(rb);  // LRKV: K and V tiles of both stores within ~40 KB
+  const int tile = rst ? (rb + rrb < 1024 ? 32 : 16) : tile_rows(rb);  // LRKV: K and V tiles of both stores within ~40 KB
   const Scratch sc(scratch, G, nb, nbr);
   float* m = part;
   float* l = part + G;
