@@ -110,6 +110,13 @@ torch::Tensor DenseAttention::step_fused(const torch::Tensor& q, const torch::Te
   return out.to(q.scalar_type()).transpose(1, 2);
 }
 
+bool DenseAttention::head_projections(torch::Tensor& wq, torch::Tensor& wk) const {
+  const int64_t d = q_proj->weight.size(1);
+  wq = q_proj->weight.detach().view({heads_, head_dim_, d}).transpose(1, 2);  // [H, d, d_h]
+  wk = k_proj->weight.detach().view({kv_heads_, head_dim_, d}).transpose(1, 2).repeat_interleave(heads_ / kv_heads_, 0);
+  return true;
+}
+
 double DenseAttention::cache_bytes_per_token(kernels::KVType type) const {
   return 2.0 * kv_heads_ * kernels::row_bytes(type, static_cast<int>(head_dim_));
 }

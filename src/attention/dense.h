@@ -53,6 +53,7 @@ class DenseAttention : public Mixer {
   std::unique_ptr<MixerCache> new_cache(int64_t batch, const CacheOptions& options) const override;
   torch::Tensor step(const torch::Tensor& x, MixerCache& cache) override;
   double cache_bytes_per_token(kernels::KVType type) const override;
+  bool head_projections(torch::Tensor& wq, torch::Tensor& wk) const override;
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 

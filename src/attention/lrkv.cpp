@@ -149,6 +149,15 @@ void LrkvAttention::expanded(const torch::Tensor& x, int64_t start, torch::Tenso
   }
 }
 
+bool LrkvAttention::head_projections(torch::Tensor& wq, torch::Tensor& wk) const {
+  const int64_t d = q_proj->weight.size(1);
+  wq = q_proj->weight.detach().view({heads_, head_dim_, d}).transpose(1, 2);  // [H, d, d_h]
+  wk = k_shared_proj->weight.detach().t().unsqueeze(0).repeat({heads_, 1, 1});  // W_s^K per head
+  if (rank_ > 0)  // + U_h B_h^T: [H, d, r] @ [H, r, d_h]
+    wk = wk + torch::matmul(k_down_proj->weight.detach().view({heads_, rank_, d}).transpose(1, 2), k_up.detach());
+  return true;
+}
+
 torch::Tensor LrkvAttention::forward(const torch::Tensor& x) {
   torch::Tensor q, k, v;
   expanded(x, 0, q, k, v);

@@ -69,6 +69,7 @@ class LrkvAttention : public Mixer {
   std::unique_ptr<MixerCache> new_cache(int64_t batch, const CacheOptions& options) const override;
   torch::Tensor step(const torch::Tensor& x, MixerCache& cache) override;
   double cache_bytes_per_token(kernels::KVType type) const override { return shape_.cache_bytes(type); }
+  bool head_projections(torch::Tensor& wq, torch::Tensor& wk) const override;
   // ||U_h B_h^T||_F = 0.1 ||W_s||_F for every head, separately for K and V (SPEC 1.1).
   void initialize() override;
 

@@ -64,6 +64,14 @@ class Mixer : public torch::nn::Module {
   virtual torch::Tensor step(const torch::Tensor& x, MixerCache& cache) = 0;
   // Cache bytes per token per batch row at the given element type.
   virtual double cache_bytes_per_token(kernels::KVType type = kernels::KVType::F32) const = 0;
+  // Per-head query and key projections as [H, d, d_h] (keys expanded per query head: GQA heads
+  // share, LRKV heads are W_s + U_h B_h^T) for head-diversity analysis (SPEC 1.1); false for
+  // families without per-head softmax keys.
+  virtual bool head_projections(torch::Tensor& wq, torch::Tensor& wk) const {
+    (void)wq;
+    (void)wk;
+    return false;
+  }
   // Called after the model's generic N(0, 0.02) initialisation; families with a structured
   // initialisation (LRKV's residual scale) override it.
   virtual void initialize() {}

@@ -10,6 +10,7 @@
 #include "attention/cost.h"
 #include "compare/report.h"
 #include "compare/runner.h"
+#include "eval/analyze.h"
 #include "eval/bench.h"
 #include "eval/evaluate.h"
 #include "io/atomic_file.h"
@@ -257,6 +258,25 @@ void print_decode_table(const nlohmann::json& rows) {
 }
 
 // --- kvx compare / demo ---------------------------------------------------------------------------
+// --- kvx analyze heads ----------------------------------------------------------------------------
+void cmd_analyze_heads(const std::string& model_path, bool json) {
+  auto loaded = train::load_model(model_path);
+  const auto rows = eval::head_diversity(loaded.model);
+  if (rows.empty()) throw Error(loaded.dir + ": no layer has per-head softmax keys to analyse");
+  if (json) {
+    std::cout << eval::to_json(rows).dump(1) << "\n";
+    return;
+  }
+  std::printf("head diversity of %s: centred effective rank of the bilinear forms W_q,h W_k,h^T (seed 000 Sec. 4.3)\n", loaded.dir.c_str());
+  std::printf("%5s %-6s %5s %9s %8s\n", "layer", "kind", "heads", "r_eff", "of H-1");
+  double sum = 0;
+  for (const auto& r : rows) {
+    std::printf("%5d %-6s %5d %9.3f %7.1f%%\n", r.layer, r.kind.c_str(), r.heads, r.effective_rank, 100 * r.share_of_ceiling());
+    sum += r.share_of_ceiling();
+  }
+  std::printf("mean share of the H-1 ceiling: %.1f%%\n", 100 * sum / rows.size());
+}
+
 // --- kvx cost -------------------------------------------------------------------------------------
 // The seed's LRKV tables (000, Table 7 / Eq. 9 and the rank sweep of Table 8), as shapes.
 std::vector<std::string> seed_table_shapes() {
@@ -469,6 +489,13 @@ int main(int argc, char** argv) {
   bench_decode->add_flag("--json", bench_json, "print JSON rows");
 
   std::string compare_name, compare_preset = "tiny", compare_out = "runs/compare", compare_data;
+  std::string analyze_model;
+  auto* analyze_cmd = app.add_subcommand("analyze", "analyses of trained models");
+  auto* analyze_heads = analyze_cmd->add_subcommand("heads", "head diversity: centred effective rank of W_q W_k^T per layer, vs the H-1 ceiling");
+  analyze_heads->add_option("--model", analyze_model, "model or run directory")->required();
+  analyze_heads->add_flag("--json", bench_json, "print JSON");
+  analyze_cmd->require_subcommand(1);
+
   std::string cost_config;
   std::vector<std::string> cost_shapes;
   bool cost_seed = false;
@@ -550,6 +577,7 @@ int main(int argc, char** argv) {
         print_decode_table(rows);
       }
     }
+    if (analyze_heads->parsed()) cmd_analyze_heads(analyze_model, bench_json);
     if (cost_cmd->parsed()) cmd_cost(cost_config, cost_shapes, cost_seed, bench_json);
     if (compare_cmd->parsed()) cmd_compare(compare_name, compare_preset, compare_out, compare_data);
     if (demo->parsed()) cmd_demo(demo_out, demo_data);
