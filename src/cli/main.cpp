@@ -9,6 +9,7 @@
 
 #include "attention/cost.h"
 #include "compare/report.h"
+#include "compress/lrkv_convert.h"
 #include "compare/runner.h"
 #include "eval/analyze.h"
 #include "eval/bench.h"
@@ -64,7 +65,7 @@ void cmd_data_fetch(const FetchArgs& a) {
 
 // --- kvx train ----------------------------------------------------------------------------------
 struct TrainCliArgs {
-  std::string config, preset, out, data_dir;
+  std::string config, preset, out, data_dir, init_from;
   bool resume = false, print_config = false;
   int steps = 0;
 };
@@ -85,6 +86,7 @@ train::TrainSummary cmd_train(const TrainCliArgs& a) {
   args.config = cfg;
   args.run_dir = a.out.empty() ? "runs/" + cfg.name : a.out;
   args.resume = a.resume;
+  args.init_from = a.init_from;
   auto data = train::prepare_training_data(cfg);
   auto s = train::run_training(args, data);
   std::printf("trained %s to step %lld in %.0f s (%.0f tokens/s): train loss %.4f, validation CE %.4f (%.3f bits/byte), "
@@ -277,6 +279,26 @@ void cmd_analyze_heads(const std::string& model_path, bool json) {
   std::printf("mean share of the H-1 ceiling: %.1f%%\n", 100 * sum / rows.size());
 }
 
+// --- kvx convert lrkv -----------------------------------------------------------------------------
+void cmd_convert_lrkv(const compress::ConvertRun& run, bool json) {
+  const auto r = compress::convert_lrkv_run(run);
+  if (json) {
+    std::cout << r.dump(1) << "\n";
+    return;
+  }
+  std::printf("converted %s to LRKV rank %d (%s)\n", r["from"].get<std::string>().c_str(), r["rank"].get<int>(),
+              r["rope"].get<std::string>().c_str());
+  std::printf("  KV cache           %8.0f -> %.0f bytes/token (%.1f%%)\n", r["kv_bytes_per_token_before"].get<double>(),
+              r["kv_bytes_per_token_after"].get<double>(),
+              100 * r["kv_bytes_per_token_after"].get<double>() / r["kv_bytes_per_token_before"].get<double>());
+  std::printf("  validation CE      %.4f (source)  %.4f (converted)", r["before"]["cross_entropy"].get<double>(),
+              r["converted"]["cross_entropy"].get<double>());
+  if (!r["healed"].is_null())
+    std::printf("  %.4f (after %d healing steps)", r["healed"]["cross_entropy"].get<double>(), r["heal_steps"].get<int>());
+  std::printf("\n  (%d windows of %d tokens)  models: %s, %s/heal; report: %s/report.json\n", r["validation_windows"].get<int>(),
+              r["seq_len"].get<int>(), r["converted_model"].get<std::string>().c_str(), run.out.c_str(), run.out.c_str());
+}
+
 // --- kvx cost -------------------------------------------------------------------------------------
 // The seed's LRKV tables (000, Table 7 / Eq. 9 and the rank sweep of Table 8), as shapes.
 std::vector<std::string> seed_table_shapes() {
@@ -432,6 +454,7 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--data-dir", tr.data_dir, "data directory");
   train_cmd->add_option("--steps", tr.steps, "override train.steps");
   train_cmd->add_flag("--resume", tr.resume, "continue from the run directory's latest checkpoint");
+  train_cmd->add_option("--init-from", tr.init_from, "fine-tune: start from this model directory's weights (same model config)");
   train_cmd->add_flag("--print-config", tr.print_config, "print the resolved run config as JSON and exit");
 
   GenerateArgs gen;
@@ -495,6 +518,22 @@ int main(int argc, char** argv) {
   analyze_heads->add_option("--model", analyze_model, "model or run directory")->required();
   analyze_heads->add_flag("--json", bench_json, "print JSON");
   analyze_cmd->require_subcommand(1);
+
+  compress::ConvertRun convert_run;
+  std::string convert_sources;
+  auto* convert_cmd = app.add_subcommand("convert", "post-hoc conversion of trained models");
+  auto* convert_lrkv = convert_cmd->add_subcommand("lrkv", "dense (MHA/GQA) -> LRKV: shared K/V = head mean, residuals by truncated SVD; CE before, after, after healing");
+  convert_lrkv->add_option("--from", convert_run.from, "model or run directory of a trained dense model")->required();
+  convert_lrkv->add_option("--rank", convert_run.conversion.rank, "residual rank r (0..head_dim)")->required();
+  convert_lrkv->add_option("--rope", convert_run.conversion.rope, "RoPE mode: expand (exact at full rank) | shared_rope | pair_aligned");
+  convert_lrkv->add_option("--out", convert_run.out, "output directory (converted/, heal/, report.json)")->required();
+  convert_lrkv->add_option("--heal-steps", convert_run.heal_steps, "fine-tuning steps after conversion (default 200; 0: none)");
+  convert_lrkv->add_option("--heal-lr", convert_run.heal_lr, "fine-tuning peak learning rate (default 3e-4)");
+  convert_lrkv->add_option("--seq-len", convert_run.seq_len, "evaluation and healing window (default min(256, context))");
+  convert_lrkv->add_option("--data-dir", convert_run.data_dir, "data directory");
+  convert_lrkv->add_option("--sources", convert_sources, "comma-separated corpora (default brown,kjv)");
+  convert_lrkv->add_flag("--json", bench_json, "print the report as JSON");
+  convert_cmd->require_subcommand(1);
 
   std::string cost_config;
   std::vector<std::string> cost_shapes;
@@ -578,6 +617,10 @@ int main(int argc, char** argv) {
       }
     }
     if (analyze_heads->parsed()) cmd_analyze_heads(analyze_model, bench_json);
+    if (convert_lrkv->parsed()) {
+      if (!convert_sources.empty()) convert_run.sources = split_list(convert_sources);
+      cmd_convert_lrkv(convert_run, bench_json);
+    }
     if (cost_cmd->parsed()) cmd_cost(cost_config, cost_shapes, cost_seed, bench_json);
     if (compare_cmd->parsed()) cmd_compare(compare_name, compare_preset, compare_out, compare_data);
     if (demo->parsed()) cmd_demo(demo_out, demo_data);

@@ -94,6 +94,11 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
 
   torch::manual_seed(opt.seed);
   model::Transformer model(cfg.model);
+  if (!args.init_from.empty() && latest.empty()) {  // fine-tuning: start from given weights (a resumed run has its own)
+    const std::string dir = resolve_model_dir(args.init_from);
+    model->load_state_dict_hf(nn::load_safetensors(dir + "/model.safetensors"), dir + "/model.safetensors");
+    if (args.verbose) std::cerr << "initialised from " << dir << "\n";
+  }
   model->train();
   AdamW optimizer(model->named_parameters().pairs(),
                   AdamWOptions{opt.beta1, opt.beta2, opt.eps, opt.weight_decay});

@@ -23,6 +23,7 @@ struct TrainArgs {
   bool resume = false;       // continue from the run's LATEST checkpoint
   int stop_after = -1;       // stop (after checkpointing) once this step is reached; -1 = run to the end
   bool verbose = true;
+  std::string init_from;     // a model directory whose weights start a fresh run (fine-tuning); must match the config
 };
 
 struct TrainSummary {

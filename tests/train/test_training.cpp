@@ -183,3 +183,31 @@ TEST(Training, LearningRateScheduleWarmsUpThenDecays) {
   EXPECT_NEAR(train::learning_rate(t, 55), 0.55, 1e-12);
   EXPECT_NEAR(train::learning_rate(t, 100), 0.1, 1e-12);
 }
+
+TEST(Training, InitFromStartsAtTheGivenWeightsAndChecksTheConfig) {
+  auto data = synthetic_data();
+  train::TrainArgs first;
+  first.config = small_run(4);
+  first.run_dir = temp_dir("init_src");
+  first.verbose = false;
+  train::run_training(first, data);
+  const auto src = train::latest_checkpoint(first.run_dir);
+
+  // A negligible learning rate (below float resolution) keeps the weights: the first checkpoint equals the source.
+  train::TrainArgs tune = first;
+  tune.run_dir = temp_dir("init_tune");
+  tune.init_from = first.run_dir;
+  tune.config.train.lr = 1e-30;
+  tune.config.train.steps = 2;
+  tune.config.train.checkpoint_every = 2;
+  train::run_training(tune, data);
+  expect_same_weights(nn::load_safetensors(src + "/model.safetensors"),
+                      nn::load_safetensors(train::latest_checkpoint(tune.run_dir) + "/model.safetensors"));
+
+  // Weights of another architecture are refused by name.
+  train::TrainArgs other = tune;
+  other.run_dir = temp_dir("init_other");
+  other.config.model.num_key_value_heads = 4;
+  EXPECT_THROW(train::run_training(other, data), kvx::Error);
+  for (const auto& d : {first.run_dir, tune.run_dir, other.run_dir}) fs::remove_all(d);
+}

@@ -1,0 +1,41 @@
+// Post-hoc conversion of a trained dense (MHA/GQA) model to LRKV (issue 5, beyond the paper).
+// Per layer and separately for keys and values: W_s = the mean over query heads of their
+// projections; head h's difference D_h = W_h - W_s is approximated at rank r,
+//   expand / shared_rope: the truncated SVD D_h^T ~ P S Q^T, U_h = P S^1/2, B_h = Q S^1/2;
+//   pair_aligned (keys): B_h is the fixed selection of the r/2 lowest-frequency RoPE planes, so
+//   U_h takes D_h's rows on those dims (the best approximation with that B_h).
+// Everything else (embeddings, queries, outputs, MLPs, norms) is copied. With expand and r = d_h
+// (or pair_aligned with r = d_h) the converted model computes the same function.
+#pragma once
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "model/transformer.h"
+
+namespace kvx::compress {
+
+struct LrkvConversion {
+  int rank = 16;
+  std::string rope = "expand";
+};
+
+model::Transformer convert_to_lrkv(const model::Transformer& dense, const LrkvConversion& options);
+
+// `kvx convert lrkv`: convert a trained model, evaluate validation CE before and after, heal the
+// converted model with a short fine-tune (all weights, the source's tokenizer and corpora), and
+// evaluate again. Writes <out>/converted (model directory), <out>/heal (run directory, resumable)
+// and <out>/report.json.
+struct ConvertRun {
+  std::string from, out, data_dir;
+  std::vector<std::string> sources{"brown", "kjv"};
+  LrkvConversion conversion;
+  int heal_steps = 200;
+  double heal_lr = 3e-4;
+  int seq_len = 0;        // 0: min(256, the model's context)
+  int eval_windows = 64;  // validation windows for each CE
+  bool verbose = true;
+};
+nlohmann::json convert_lrkv_run(const ConvertRun& run);
+
+}  // namespace kvx::compress
