@@ -108,9 +108,7 @@ std::vector<std::pair<int, int>> AttentionShape::cache_rows() const {
     if (rank > 0) rows.push_back({2 * heads, rank});
     return rows;
   }
-  std::vector<std::pair<int, int>> rows = {{1, latent}};  // mla: c, k_rope
-  if (rope_dim > 0) rows.push_back({1, rope_dim});
-  return rows;
+  return {{1, latent + rope_dim}};  // mla: one row [c | k_R] per token
 }
 
 double AttentionShape::cache_elements() const {

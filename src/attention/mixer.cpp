@@ -2,6 +2,7 @@
 
 #include "attention/dense.h"
 #include "attention/lrkv.h"
+#include "attention/mla.h"
 #include <sstream>
 
 #include "util/error.h"
@@ -78,11 +79,12 @@ torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start) {
   return torch::softmax(scores, -1);
 }
 
-std::vector<std::string> mixer_kinds() { return {"dense", "lrkv"}; }
+std::vector<std::string> mixer_kinds() { return {"dense", "lrkv", "mla"}; }
 
 std::shared_ptr<Mixer> make_mixer(const std::string& kind, const model::ModelConfig& config, int layer) {
   if (kind == "dense") return std::make_shared<DenseAttention>(config, layer);
   if (kind == "lrkv") return std::make_shared<LrkvAttention>(config, layer);
+  if (kind == "mla") return std::make_shared<MlaAttention>(config, layer);
   std::string valid;
   for (const auto& k : mixer_kinds()) valid += (valid.empty() ? "" : ", ") + k;
   throw Error("unknown mixer kind '" + kind + "' in layout (valid: " + valid + ")");

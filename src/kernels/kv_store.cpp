@@ -20,8 +20,9 @@ constexpr size_t kHugePage = size_t{2} << 20;
 
 void KVStore::MemFree::operator()(uint8_t* p) const { std::free(p); }
 
-KVStore::KVStore(KVType type, int kv_heads, int head_dim, Eviction evict, int page_tokens)
-    : type_(type), kv_heads_(kv_heads), head_dim_(head_dim), evict_(evict), page_tokens_(page_tokens) {
+KVStore::KVStore(KVType type, int kv_heads, int head_dim, Eviction evict, int page_tokens, bool values_are_keys)
+    : type_(type), kv_heads_(kv_heads), head_dim_(head_dim), evict_(evict), page_tokens_(page_tokens),
+      values_are_keys_(values_are_keys) {
   if (kv_heads < 1) throw Error("KVStore: kv_heads must be >= 1, got " + std::to_string(kv_heads));
   if (page_tokens < 1)
     throw Error("KVStore: page_tokens must be >= 1, got " + std::to_string(page_tokens) + " (default 256)");
@@ -43,11 +44,11 @@ int64_t KVStore::stored() const {
   return evict_.enabled() ? std::min(length_, evict_.sink + evict_.window) : length_;
 }
 
-int64_t KVStore::bytes() const { return stored() * 2 * kv_heads_ * static_cast<int64_t>(row_bytes_); }
+int64_t KVStore::bytes() const { return stored() * (values_are_keys_ ? 1 : 2) * kv_heads_ * static_cast<int64_t>(row_bytes_); }
 
 int64_t KVStore::reserved_bytes() const { return static_cast<int64_t>(reserved_); }
 
-double KVStore::bytes_per_token() const { return 2.0 * kv_heads_ * static_cast<double>(row_bytes_); }
+double KVStore::bytes_per_token() const { return (values_are_keys_ ? 1.0 : 2.0) * kv_heads_ * static_cast<double>(row_bytes_); }
 
 void KVStore::clear() { length_ = 0; }
 
@@ -70,7 +71,7 @@ int64_t KVStore::position_of(int64_t slot) const {
 }
 
 uint8_t* KVStore::new_page() {
-  const size_t page_bytes = 2 * half_page_bytes_;
+  const size_t page_bytes = (values_are_keys_ ? 1 : 2) * half_page_bytes_;
   if (chunk_pages_left_ == 0) {
     // Small stores get one page at a time; large ones huge-page-backed chunks of ~2 MiB.
     size_t pages = 1, align = 64;
@@ -108,6 +109,7 @@ uint8_t* KVStore::page_for_slot(int64_t slot) {
 void KVStore::append(const float* k, const float* v) {
   // Validate before writing: with eviction the target slot still holds a live row.
   const size_t n = static_cast<size_t>(kv_heads_) * head_dim_;
+  if (values_are_keys_) v = k;
   float amax = 0.0f;
   for (size_t i = 0; i < n; ++i) amax = std::max(amax, std::max(std::fabs(k[i]), std::fabs(v[i])));
   bool finite = amax <= 3.4e38f;
@@ -126,8 +128,8 @@ void KVStore::append(const float* k, const float* v) {
   const size_t head_stride = static_cast<size_t>(page_tokens_) * row_bytes_;
   for (int h = 0; h < kv_heads_; ++h) {
     quantize_row(type_, k + static_cast<size_t>(h) * head_dim_, head_dim_, page + h * head_stride + row);
-    quantize_row(type_, v + static_cast<size_t>(h) * head_dim_, head_dim_,
-                 page + half_page_bytes_ + h * head_stride + row);
+    if (!values_are_keys_)
+      quantize_row(type_, v + static_cast<size_t>(h) * head_dim_, head_dim_, page + half_page_bytes_ + h * head_stride + row);
   }
   ++length_;
 }
@@ -137,6 +139,7 @@ const uint8_t* KVStore::k_rows(int64_t page, int head) const {
 }
 
 const uint8_t* KVStore::v_rows(int64_t page, int head) const {
+  if (values_are_keys_) return k_rows(page, head);
   return pages_[page] + half_page_bytes_ + static_cast<size_t>(head) * page_tokens_ * row_bytes_;
 }
 

@@ -28,20 +28,25 @@ struct Eviction {
 
 class KVStore {
  public:
-  KVStore(KVType type, int kv_heads, int head_dim, Eviction evict = {}, int page_tokens = 256);
+  // values_are_keys: one row per token serves as both key and value (MLA's latent [c | k_R]):
+  // V rows alias K rows, append ignores v, and bytes count the rows once.
+  KVStore(KVType type, int kv_heads, int head_dim, Eviction evict = {}, int page_tokens = 256,
+          bool values_are_keys = false);
   ~KVStore();
   KVStore(const KVStore&) = delete;
   KVStore& operator=(const KVStore&) = delete;
   KVStore(KVStore&&) noexcept;
   KVStore& operator=(KVStore&&) noexcept;
 
-  // ONE token: k, v are [kv_heads][head_dim] floats (keys already RoPE-rotated).
+  // ONE token: k, v are [kv_heads][head_dim] floats (keys already RoPE-rotated; v unused, may be
+  // null, when values_are_keys).
   void append(const float* k, const float* v);
   int64_t length() const { return length_; }  // tokens appended so far (the next position)
   int64_t stored() const;                     // rows held: length, or at most sink + window
   int64_t bytes() const;                      // exact bytes of the rows held (K and V, all heads)
   int64_t reserved_bytes() const;             // bytes allocated (pages)
-  double bytes_per_token() const;             // 2 * kv_heads * row_bytes(type, head_dim)
+  double bytes_per_token() const;             // 2 (1 if values_are_keys) * kv_heads * row_bytes(type, head_dim)
+  bool values_are_keys() const { return values_are_keys_; }
   void clear();                               // length 0; pages are kept for reuse
 
   KVType type() const { return type_; }
@@ -75,6 +80,7 @@ class KVStore {
   int page_tokens_;
   size_t row_bytes_;
   size_t half_page_bytes_;  // one of the K / V blocks of a page
+  bool values_are_keys_ = false;
   int64_t length_ = 0;
   std::vector<uint8_t*> pages_;  // in slot order, pointing into chunks_
   std::vector<Mem> chunks_;      // allocations: one page each, or several once the store is large

@@ -43,21 +43,23 @@ TEST(HeadDiversity, MatchesTheExplicitFormsOnRandomWeights) {
   EXPECT_LE(expected, H - 1 + 1e-9);
 }
 
-TEST(HeadDiversity, WalksDenseAndLrkvLayers) {
+TEST(HeadDiversity, WalksDenseLrkvAndMlaLayers) {
   model::ModelConfig c;
   c.vocab_size = 20;
   c.hidden_size = 16;
-  c.num_hidden_layers = 2;
+  c.num_hidden_layers = 3;
   c.num_attention_heads = 4;
   c.num_key_value_heads = 4;
   c.head_dim = 4;
   c.intermediate_size = 8;
   c.max_position_embeddings = 16;
-  c.layout = "dense,lrkv";
+  c.layout = "dense,lrkv,mla";
   c.lrkv_rank = 0;  // every LRKV head shares one key projection
   model::Transformer m(c);
   const auto rows = eval::head_diversity(m);
-  ASSERT_EQ(rows.size(), 2u);
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[2].kind, "mla");
+  EXPECT_GT(rows[2].effective_rank, 1.0);
   EXPECT_EQ(rows[1].kind, "lrkv");
   EXPECT_GT(rows[0].effective_rank, 1.0);  // random dense heads are diverse
   EXPECT_LE(rows[0].effective_rank, 3.0 + 1e-9);

@@ -194,3 +194,26 @@ TEST(DecodeAttention, BackEndChoice) {
   EXPECT_THROW(resolve_decode_isa(DecodeIsa::Avx512, 40), Error);
   if (decode_isa_usable(DecodeIsa::Avx512, 128)) EXPECT_EQ(resolve_decode_isa(DecodeIsa::Auto, 128), DecodeIsa::Avx512);
 }
+
+TEST(DecodeAttention, ValuesAreKeysStoresEachRowOnce) {
+  // MLA's latent cache: one row per token is both key and value; the kernels read V = K.
+  for (KVType t : {KVType::F32, KVType::Q8}) {
+    std::mt19937 rng(700);
+    const int H = 4, d = 64;
+    KVStore shared(t, 1, d, {}, 16, true), both(t, 1, d, {}, 16);
+    for (int i = 0; i < 45; ++i) {
+      const auto k = randn(d, 1.0f, rng);
+      shared.append(k.data(), nullptr);
+      both.append(k.data(), k.data());
+    }
+    EXPECT_EQ(shared.bytes() * 2, both.bytes());
+    EXPECT_DOUBLE_EQ(shared.bytes_per_token() * 2, both.bytes_per_token());
+    const auto q = randn(H * d, 2.0f, rng);
+    std::vector<float> ref(q.size()), out(q.size());
+    for (DecodeIsa isa : isas(d)) {
+      decode_attention_reference(q.data(), H, both, 0.125f, ref.data(), decode_quantizes_query(isa, t, d));
+      decode_attention_splits(q.data(), H, shared, 0.125f, out.data(), 2, 3, isa);
+      EXPECT_LE(rel_err(out, ref, H, d), 1e-5) << kv_type_name(t) << " " << decode_isa_name(isa);
+    }
+  }
+}

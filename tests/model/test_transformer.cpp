@@ -181,6 +181,26 @@ TEST(Sampling, TopPKeepsOnlyTheNucleus) {
   }
 }
 
+TEST(Transformer, MlaModelDecodesLikeItsForwardAndCountsItsLatent) {
+  auto c = tiny(4, 4);
+  c.layout = "mla,dense,mla";
+  c.kv_lora_rank = 16;
+  c.qk_rope_head_dim = 16;
+  torch::manual_seed(13);
+  model::Transformer m(c);
+  m->to(torch::kFloat64);
+  torch::NoGradGuard ng;
+  auto ids = torch::randint(37, {2, 15}, torch::kLong);
+  auto full = m->forward(ids);
+  auto state = m->new_state(2);
+  std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, 6), state)};
+  for (int t = 6; t < 15; ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
+  auto inc = torch::cat(parts, 1);
+  EXPECT_TRUE(torch::allclose(inc, full, 1e-5, 1e-5)) << (inc - full).abs().max().item<double>();
+  EXPECT_EQ(m->kv_bytes_per_token(), 4.0 * (2 * (16 + 16) + 2 * 4 * 8));
+  EXPECT_TRUE(m->state_dict_hf().count("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"));
+}
+
 TEST(Transformer, HybridLrkvDenseModelDecodesLikeItsForward) {
   for (const char* rope : {"expand", "shared_rope", "pair_aligned"}) {
     auto c = tiny(4, 2);
