@@ -381,13 +381,18 @@ void cmd_cost(const std::string& config_path, const std::vector<std::string>& sh
               "MLA d_c + d_R (the seed's MLA rows count d_c only: d_R=0). q8 bytes need widths that are multiples of 32.\n");
 }
 
-void cmd_compare(const std::string& experiment, const std::string& preset, const std::string& out, const std::string& data_dir) {
+// arms: run only these (and what they derive from); demo: each experiment's demo subset.
+void cmd_compare(const std::string& experiment, const std::string& preset, const std::string& out, const std::string& data_dir,
+                 const std::vector<std::string>& arms = {}, bool demo = false) {
   std::vector<std::string> names = experiment == "all" ? compare::experiment_names() : std::vector<std::string>{experiment};
+  if (!arms.empty() && names.size() > 1) throw Error("--arms selects arms of one experiment; name it instead of 'all'");
   compare::CompareOptions o;
   o.out_dir = out;
   o.data_dir = data_dir;
   for (const auto& name : names) {
-    auto r = compare::run_experiment(compare::builtin_experiment(name, preset), o);
+    auto e = compare::builtin_experiment(name, preset);
+    compare::select_arms(e, demo ? compare::demo_arms(name) : arms);
+    auto r = compare::run_experiment(e, o);
     auto table = compare::write_report(r);
     std::printf("\n== %s (%s): %zu arms in %.0f s ==\n%s\nreport: %s/report.md\n", name.c_str(), preset.c_str(), r.arms.size(),
                 r.seconds, table.c_str(), r.dir.c_str());
@@ -401,7 +406,7 @@ void cmd_demo(const std::string& out, const std::string& data_dir) {
   FetchArgs f;
   f.data_dir = data_dir;
   cmd_data_fetch(f);
-  cmd_compare("all", "tiny", out, data_dir);
+  cmd_compare("all", "tiny", out, data_dir, {}, true);
   // A sample from the MHA arm (trained by the arch experiment).
   auto e = compare::builtin_experiment("arch", "tiny");
   auto mha = compare::arm_run_config(e, compare::find_arm(e, "mha"));
@@ -549,6 +554,8 @@ int main(int argc, char** argv) {
   compare_cmd->add_option("--preset", compare_preset, "tiny | small (default tiny)");
   compare_cmd->add_option("--out", compare_out, "output directory (default runs/compare; arms cached under <out>/arms)");
   compare_cmd->add_option("--data-dir", compare_data, "data directory");
+  std::string compare_arms;
+  compare_cmd->add_option("--arms", compare_arms, "comma-separated arms of one experiment to run (default all; the arms they derive from are added)");
 
   std::string demo_out = "runs/compare", demo_data;
   auto* demo = app.add_subcommand("demo", "the main job: data, the tiny preset of every comparison experiment, a sample");
@@ -622,7 +629,8 @@ int main(int argc, char** argv) {
       cmd_convert_lrkv(convert_run, bench_json);
     }
     if (cost_cmd->parsed()) cmd_cost(cost_config, cost_shapes, cost_seed, bench_json);
-    if (compare_cmd->parsed()) cmd_compare(compare_name, compare_preset, compare_out, compare_data);
+    if (compare_cmd->parsed())
+      cmd_compare(compare_name, compare_preset, compare_out, compare_data, compare_arms.empty() ? std::vector<std::string>{} : split_list(compare_arms));
     if (demo->parsed()) cmd_demo(demo_out, demo_data);
   } catch (const Error& e) {
     std::cerr << "kvx: error: " << e.what() << "\n";

@@ -5,8 +5,10 @@
 
 namespace kvx::compare {
 
-// Bump when a change to kvx alters what an arm's training or metrics produce.
+// Bump when a change to kvx alters what an arm's training produces (kHarnessVersion) or what
+// its metrics measure (kMetricsVersion; 2: q8/q4 decode may quantise the query, LRKV/MLA arms).
 constexpr int kHarnessVersion = 1;
+constexpr int kMetricsVersion = 2;
 
 nlohmann::json EvalSettings::to_json() const {
   return {{"test_windows", test_windows},     {"context_multiples", context_multiples},
@@ -90,8 +92,19 @@ Experiment builtin_experiment(const std::string& name, const std::string& preset
   auto dense = [&](const std::string& arm, int kv_heads) {
     return Arm{arm, "train", {{"model", {{"num_key_value_heads", kv_heads}}}}};
   };
+  const int dh = e.base.model.head_dim;
+  // MLA at about 25% of MHA's cache: d_c + d_R = H d_h / 2, d_R = d_h / 2.
+  const Arm mla{"mla", "train",
+                {{"model", {{"layout", "mla"}, {"kv_lora_rank", H * dh / 2 - dh / 2}, {"qk_rope_head_dim", dh / 2}}}}};
+  auto lrkv = [&](int rank, const std::string& rope) {
+    const std::string label = rope == "shared_rope" ? "shared" : rope == "pair_aligned" ? "pair" : rope;
+    return Arm{"lrkv-r" + std::to_string(rank) + "-" + label, "train",
+               {{"model", {{"layout", "lrkv"}, {"lrkv_rank", rank}, {"lrkv_rope", rope}}}}};
+  };
   if (name == "arch") {
-    e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1)};
+    e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1), mla};
+    for (const char* rope : {"expand", "shared_rope", "pair_aligned"})  // ranks d_h/16 .. d_h/2 in each RoPE mode
+      for (int div : {16, 8, 4, 2}) e.arms.push_back(lrkv(dh / div, rope));
   } else if (name == "posthoc") {
     e.arms.push_back(dense("mha", H));
     for (const char* t : {"f32", "bf16", "q8", "q4"})
@@ -102,8 +115,11 @@ Experiment builtin_experiment(const std::string& name, const std::string& preset
                         {{"base", "mha"}, {"kv_cache", "f32"}, {"evict", "sink=4,window=" + std::to_string(window)}}});
     e.arms.push_back({"mha+q8+sink4-w" + std::to_string(L / 2 - 4), "posthoc",
                       {{"base", "mha"}, {"kv_cache", "q8"}, {"evict", "sink=4,window=" + std::to_string(L / 2 - 4)}}});
+    // The trained MHA model converted to LRKV (d_h/4, expand) and healed (kvx convert lrkv).
+    e.arms.push_back({"mha->lrkv-r" + std::to_string(dh / 4), "convert",
+                      {{"base", "mha"}, {"rank", dh / 4}, {"rope", "expand"}, {"heal_steps", e.base.train.steps / 4}}});
   } else if (name == "decode") {
-    e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1)};
+    e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1), mla, lrkv(dh / 4, "pair_aligned")};
     for (const char* t : {"bf16", "q8", "q4"})
       e.arms.push_back({std::string("mha+") + t, "posthoc", {{"base", "mha"}, {"kv_cache", t}, {"evict", ""}}});
     e.eval.decode_contexts = {1024, 4096, 16384, 65536};
@@ -124,15 +140,39 @@ train::RunConfig arm_run_config(const Experiment& e, const Arm& arm) {
   return train::RunConfig::from_json(j);
 }
 
+std::vector<std::string> demo_arms(const std::string& experiment) {
+  if (experiment == "arch") return {"mha", "gqa-h2", "gqa-h4", "mqa", "mla", "lrkv-r8-pair"};
+  return {};  // every arm
+}
+
+void select_arms(Experiment& e, const std::vector<std::string>& names) {
+  if (names.empty()) return;
+  std::vector<Arm> kept;
+  auto keep = [&](const std::string& n) {
+    for (const auto& a : kept)
+      if (a.name == n) return;
+    kept.push_back(find_arm(e, n));
+  };
+  for (const auto& n : names) {
+    const Arm& a = find_arm(e, n);  // unknown names: a clear error listing nothing silently
+    if (a.spec.contains("base")) keep(a.spec.at("base").get<std::string>());  // what it is derived from
+    keep(n);
+  }
+  e.arms = kept;
+}
+
 attention::CacheOptions arm_cache(const Arm& arm) {
   if (arm.kind != "posthoc") return {};
   return attention::CacheOptions::parse(arm.spec.value("kv_cache", "f32"), arm.spec.value("evict", ""), false);
 }
 
 const Arm& find_arm(const Experiment& e, const std::string& name) {
-  for (const auto& a : e.arms)
+  std::string valid;
+  for (const auto& a : e.arms) {
     if (a.name == name) return a;
-  throw Error("experiment '" + e.name + "' has no arm '" + name + "'");
+    valid += (valid.empty() ? "" : ", ") + a.name;
+  }
+  throw Error("experiment '" + e.name + "' has no arm '" + name + "' (arms: " + valid + ")");
 }
 
 std::string train_arm_key(const train::RunConfig& config) {
@@ -144,7 +184,8 @@ std::string train_arm_key(const train::RunConfig& config) {
 }
 
 std::string metrics_key(const std::string& arm_key, const nlohmann::json& what) {
-  return text::sha256_hex(arm_key + "|" + what.dump() + "|" + std::to_string(kHarnessVersion)).substr(0, 16);
+  return text::sha256_hex(arm_key + "|" + what.dump() + "|" + std::to_string(kHarnessVersion) + "." +
+                          std::to_string(kMetricsVersion)).substr(0, 16);
 }
 
 }  // namespace kvx::compare

@@ -2,6 +2,7 @@
 //
 //   train arm:   a model config (overrides of the experiment's base model), trained from scratch
 //   posthoc arm: a transform of a trained arm's model (cache type, sink + window eviction)
+//   convert arm: a trained arm's model converted to another family and healed (kvx convert lrkv)
 //
 // Arms are identified by a content hash of everything that determines their result, so a re-run
 // only computes what changed and experiments share arms (posthoc's base is arch's MHA arm).
@@ -17,8 +18,10 @@ namespace kvx::compare {
 
 struct Arm {
   std::string name;
-  std::string kind;     // "train" | "posthoc"
-  nlohmann::json spec;  // train: {"model": {overrides}}; posthoc: {"base": arm, "kv_cache": t, "evict": "sink=S,window=W"}
+  std::string kind;     // "train" | "posthoc" | "convert"
+  // train: {"model": {overrides}}; posthoc: {"base": arm, "kv_cache": t, "evict": "sink=S,window=W"};
+  // convert: {"base": arm, "rank": r, "rope": mode, "heal_steps": n}
+  nlohmann::json spec;
 };
 
 // How arms are measured (part of every metric's cache key).
@@ -45,6 +48,11 @@ struct Experiment {
 std::vector<std::string> experiment_names();  // arch, posthoc, decode
 std::vector<std::string> preset_names();      // tiny, small
 Experiment builtin_experiment(const std::string& name, const std::string& preset);
+
+// Keep only the named arms (and the arms they derive from); empty: all. demo_arms: the subset
+// `kvx demo` runs (empty: every arm).
+void select_arms(Experiment& e, const std::vector<std::string>& names);
+std::vector<std::string> demo_arms(const std::string& experiment);
 
 // The run config of a train arm: the base with the arm's model overrides applied.
 train::RunConfig arm_run_config(const Experiment& e, const Arm& arm);

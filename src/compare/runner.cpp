@@ -7,6 +7,7 @@
 #include <optional>
 #include <sstream>
 
+#include "compress/lrkv_convert.h"
 #include "eval/bench.h"
 #include "eval/evaluate.h"
 #include "io/atomic_file.h"
@@ -155,13 +156,46 @@ struct Runner {
     ArmResult r;
     r.name = arm.name;
     r.kind = arm.kind;
-    const Arm& trained = arm.kind == "posthoc" ? find_arm(e, arm.spec.at("base").get<std::string>()) : arm;
-    const train::RunConfig cfg = arm_run_config(e, trained);
+    const bool derived = arm.kind == "posthoc" || arm.kind == "convert";
+    const Arm& trained = derived ? find_arm(e, arm.spec.at("base").get<std::string>()) : arm;
+    train::RunConfig cfg = arm_run_config(e, trained);
     const attention::CacheOptions cache = arm_cache(arm);
     r.key = train_arm_key(cfg);
     const std::string label = arm.name + " (" + std::to_string(index + 1) + "/" + std::to_string(e.arms.size()) + ")";
-    const std::string dir = arms_dir + "/" + r.key;
-    const nlohmann::json what = {{"arm", arm.kind == "posthoc" ? arm.spec : nlohmann::json("trained")}};
+    std::string dir = arms_dir + "/" + r.key;
+    const nlohmann::json what = {{"arm", derived ? arm.spec : nlohmann::json("trained")}};
+    // A convert arm's model lives in its own directory, keyed by its base and the conversion.
+    std::function<std::string()> model_dir = [&] { return ensure_trained(cfg, label); };
+    if (arm.kind == "convert") {
+      const std::string base_dir = dir;
+      const std::string base_key = r.key;
+      r.key = metrics_key(base_key, arm.spec);
+      dir = arms_dir + "/" + r.key;
+      compress::LrkvConversion conv{arm.spec.at("rank").get<int>(), arm.spec.value("rope", "expand")};
+      model::Transformer base_shape(cfg.model);
+      cfg.model = compress::convert_to_lrkv(base_shape, conv)->config();
+      model_dir = [&, base_dir, conv] {
+        const int heal = arm.spec.value("heal_steps", 0);
+        const std::string done = heal > 0 ? train::latest_checkpoint(dir + "/heal") : dir + "/converted";
+        const bool finished = io::file_exists(dir + "/report.json");
+        if (!finished || done.empty()) {
+          ensure_trained(arm_run_config(e, trained), label + " base");
+          say(label + ": converting " + trained.name + " and healing " + std::to_string(heal) + " steps into " + dir);
+          compress::ConvertRun run;
+          run.from = base_dir;
+          run.out = dir;
+          run.data_dir = o.data_dir;
+          run.sources = e.base.data.sources;
+          run.conversion = conv;
+          run.heal_steps = heal;
+          run.seq_len = e.base.train.seq_len;
+          run.verbose = o.verbose;
+          run.data = o.data ? o.data : &training_data();
+          compress::convert_lrkv_run(run);
+        }
+        return heal > 0 ? dir + "/heal" : dir + "/converted";
+      };
+    }
 
     // Accounting from the config alone.
     {
@@ -175,7 +209,7 @@ struct Runner {
     const bool needs_model = wants("quality") || wants("mqar");
     std::optional<train::LoadedModel> loaded;
     auto model = [&]() -> model::Transformer& {
-      if (!loaded) loaded = train::load_model(ensure_trained(cfg, label));
+      if (!loaded) loaded = train::load_model(model_dir());
       return loaded->model;
     };
     const attention::CacheOptions* cache_ptr = arm.kind == "posthoc" ? &cache : nullptr;

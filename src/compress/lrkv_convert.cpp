@@ -112,9 +112,13 @@ nlohmann::json convert_lrkv_run(const ConvertRun& run) {
                 std::to_string(src_cfg.max_position_embeddings));
   // The source's own tokenizer and corpora, so the CE numbers are comparable.
   train::TrainingData data;
-  data.tokenizer = source.tokenizer;
-  data.train = train::load_split_tokens(data_dir, run.sources, data.tokenizer, text::Split::Train);
-  data.validation = train::load_split_tokens(data_dir, run.sources, data.tokenizer, text::Split::Validation);
+  if (run.data) {
+    data = *run.data;
+  } else {
+    data.tokenizer = source.tokenizer;
+    data.train = train::load_split_tokens(data_dir, run.sources, data.tokenizer, text::Split::Train);
+    data.validation = train::load_split_tokens(data_dir, run.sources, data.tokenizer, text::Split::Validation);
+  }
   const int windows = std::max(1, std::min<int>(run.eval_windows, static_cast<int>((data.validation.tokens.size() - 1) / seq_len)));
   const auto batches = train::evaluation_batches(data.validation.tokens, windows, 8, seq_len);
   auto quality = [&](model::Transformer& m) { return eval::evaluate_lm(m, batches, data.tokenizer); };

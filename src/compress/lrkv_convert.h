@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "model/transformer.h"
+#include "train/trainer.h"
 
 namespace kvx::compress {
 
@@ -35,6 +36,7 @@ struct ConvertRun {
   int seq_len = 0;        // 0: min(256, the model's context)
   int eval_windows = 64;  // validation windows for each CE
   bool verbose = true;
+  const train::TrainingData* data = nullptr;  // given (tests, the compare runner): used instead of the corpora
 };
 nlohmann::json convert_lrkv_run(const ConvertRun& run);
 

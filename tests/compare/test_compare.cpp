@@ -10,6 +10,7 @@
 #include "io/atomic_file.h"
 #include "support/fixtures.h"
 #include "train/checkpoint.h"
+#include "util/error.h"
 
 using namespace kvx;
 namespace fs = std::filesystem;
@@ -60,6 +61,9 @@ TEST(Compare, BudgetAccountingMatchesHandComputedBytes) {
   auto e = compare::builtin_experiment("posthoc", "tiny");
   e.groups = {};  // accounting only: nothing trained
   e.arms.push_back({"gqa-h4", "train", {{"model", {{"num_key_value_heads", 2}}}}});
+  const auto arch = compare::builtin_experiment("arch", "tiny");
+  e.arms.push_back(compare::find_arm(arch, "mla"));
+  e.arms.push_back(compare::find_arm(arch, "lrkv-r2-pair"));
   compare::CompareOptions o;
   o.out_dir = temp_dir("budget");
   o.verbose = false;
@@ -72,7 +76,10 @@ TEST(Compare, BudgetAccountingMatchesHandComputedBytes) {
       {"mha+sink4-w28", 8192.0 * 32 / 128},  // holds 32 of the 128-token context
       {"mha+sink4-w60", 8192.0 * 64 / 128},
       {"mha+q8+sink4-w60", 2176.0 * 64 / 128},
-      {"gqa-h4", 2 * 4 * 2 * 32 * 4}};
+      {"gqa-h4", 2 * 4 * 2 * 32 * 4},
+      {"mha->lrkv-r8", 4 * 2 * (32 + 8 * 8) * 4},  // layers x 2 (d_h + H r) x 4 bytes: 37.5%
+      {"mla", 4 * (112 + 16) * 4},                 // layers x (d_c + d_R) x 4 bytes: 25%
+      {"lrkv-r2-pair", 4 * 2 * (32 + 8 * 2) * 4}};
   ASSERT_EQ(r.arms.size(), want.size());
   for (const auto& a : r.arms) {
     EXPECT_DOUBLE_EQ(a.metrics["kv_bytes_per_token"].get<double>(), want.at(a.name)) << a.name;
@@ -102,6 +109,35 @@ TEST(Compare, ArmKeysFollowTheConfigAndNothingElse) {
   // posthoc's base and arch's mha are the same model.
   auto p = compare::builtin_experiment("posthoc", "tiny");
   EXPECT_EQ(compare::train_arm_key(compare::arm_run_config(p, compare::find_arm(p, "mha"))), key);
+}
+
+TEST(Compare, ConvertArmConvertsHealsAndIsReused) {
+  SyntheticData d;
+  auto e = micro();
+  e.groups = {"quality"};
+  compare::select_arms(e, {"mha+f32"});  // keeps its base
+  ASSERT_EQ(e.arms.size(), 2u);
+  e.arms.push_back({"mha->lrkv-r8", "convert", {{"base", "mha"}, {"rank", 8}, {"rope", "expand"}, {"heal_steps", 2}}});
+  compare::CompareOptions o;
+  o.out_dir = temp_dir("convert");
+  o.verbose = false;
+  o.data = &d.data;
+  o.test = &d.test;
+  auto first = compare::run_experiment(e, o);
+  ASSERT_EQ(first.arms.size(), 3u);
+  const auto& conv = first.arms[2];
+  EXPECT_TRUE(conv.metrics.contains("test_ce"));
+  EXPECT_DOUBLE_EQ(conv.metrics["kv_bytes_per_token"].get<double>(), 2 * 2 * (32 + 4 * 8) * 4.0);  // layers x 2 (d_h + H r) x 4
+  const std::string dir = o.out_dir + "/arms/" + conv.key;
+  EXPECT_TRUE(fs::exists(dir + "/report.json"));
+  EXPECT_TRUE(fs::exists(dir + "/converted/config.json"));
+  EXPECT_FALSE(train::latest_checkpoint(dir + "/heal").empty());
+  const auto report_time = fs::last_write_time(dir + "/report.json");
+  auto second = compare::run_experiment(e, o);  // nothing redone
+  EXPECT_EQ(fs::last_write_time(dir + "/report.json"), report_time);
+  EXPECT_EQ(second.arms[2].metrics, conv.metrics);
+  EXPECT_THROW(compare::select_arms(e, {"nope"}), Error);
+  fs::remove_all(o.out_dir);
 }
 
 TEST(Compare, ResumesWithoutRedoingFinishedArmsAndReportsEveryArm) {
