@@ -18,11 +18,11 @@ void DenseKVCache::append(const torch::Tensor& k, const torch::Tensor& v) {
   v_.append(v);
 }
 
-FusedKVCache::FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, const CacheOptions& o)
+FusedKVCache::FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, const CacheOptions& o, bool values_are_keys)
     : threads_(o.threads > 0 ? o.threads : torch::get_num_threads()) {
   stores_.reserve(batch);
   for (int64_t b = 0; b < batch; ++b)
-    stores_.emplace_back(o.type, static_cast<int>(kv_heads), static_cast<int>(head_dim), o.evict);
+    stores_.emplace_back(o.type, static_cast<int>(kv_heads), static_cast<int>(head_dim), o.evict, 256, values_are_keys);
 }
 
 int64_t FusedKVCache::bytes() const {

@@ -8,21 +8,6 @@
 
 namespace kvx::attention {
 
-MlaFusedCache::MlaFusedCache(int64_t batch, int64_t width, const CacheOptions& o)
-    : threads_(o.threads > 0 ? o.threads : torch::get_num_threads()) {
-  for (int64_t b = 0; b < batch; ++b) stores_.emplace_back(o.type, 1, static_cast<int>(width), o.evict, 256, true);
-}
-
-int64_t MlaFusedCache::bytes() const {
-  int64_t n = 0;
-  for (const auto& s : stores_) n += s.bytes();
-  return n;
-}
-
-void MlaFusedCache::clear() {
-  for (auto& s : stores_) s.clear();
-}
-
 MlaAttention::MlaAttention(const model::ModelConfig& c, int layer)
     : heads_(c.num_attention_heads), head_dim_(c.head_dim), latent_(c.kv_lora_rank), rope_dim_(c.qk_rope_head_dim),
       shape_(AttentionShape::of_layer(c, "mla")), rope_(c.qk_rope_head_dim, c.rope_theta) {
@@ -68,11 +53,11 @@ torch::Tensor MlaAttention::forward(const torch::Tensor& x) {
 
 std::unique_ptr<MixerCache> MlaAttention::new_cache(int64_t batch, const CacheOptions& options) const {
   if (options.reference) return std::make_unique<MlaCache>(batch, latent_, rope_dim_);
-  return std::make_unique<MlaFusedCache>(batch, latent_ + rope_dim_, options);
+  return std::make_unique<FusedKVCache>(batch, 1, latent_ + rope_dim_, options, true);
 }
 
 torch::Tensor MlaAttention::step(const torch::Tensor& x, MixerCache& cache_base) {
-  if (auto* fused = dynamic_cast<MlaFusedCache*>(&cache_base)) return step_fused(x, *fused);
+  if (auto* fused = dynamic_cast<FusedKVCache*>(&cache_base)) return step_fused(x, *fused);
   auto* cache = dynamic_cast<MlaCache*>(&cache_base);
   if (!cache) throw Error("MlaAttention::step: the cache was not made by an MLA layer (layer/cache mismatch)");
   const int64_t start = cache->length();
@@ -88,7 +73,7 @@ torch::Tensor MlaAttention::step(const torch::Tensor& x, MixerCache& cache_base)
   return merge_heads(torch::matmul(torch::matmul(a, C), w_uv().transpose(-2, -1)));
 }
 
-torch::Tensor MlaAttention::step_fused(const torch::Tensor& x, MlaFusedCache& cache) {
+torch::Tensor MlaAttention::step_fused(const torch::Tensor& x, FusedKVCache& cache) {
   const int64_t start = cache.length(), B = x.size(0), T = x.size(1), H = heads_, W = latent_ + rope_dim_;
   torch::Tensor q, qr, c, kr;
   project(x, start, q, qr, c, kr);

@@ -12,6 +12,7 @@
 // absorbed queries [q_h W_UK,h, rope(q_R,h)], then keeps the first d_c columns of a_h [C | K_R].
 #pragma once
 #include "attention/cost.h"
+#include "attention/dense.h"
 #include "attention/mixer.h"
 
 namespace kvx::attention {
@@ -33,22 +34,6 @@ class MlaCache : public MixerCache {
   int64_t batch_, width_;
 };
 
-// The fused cache: per batch row one KVStore of width d_c + d_R whose values are its keys.
-class MlaFusedCache : public MixerCache {
- public:
-  MlaFusedCache(int64_t batch, int64_t width, const CacheOptions& options);
-  int64_t length() const override { return stores_.front().length(); }
-  int64_t bytes() const override;
-  double bytes_per_token() const override { return stores_.front().bytes_per_token(); }
-  void clear() override;
-  kernels::KVStore& store(int64_t b) { return stores_[b]; }
-  int threads() const { return threads_; }
-
- private:
-  std::vector<kernels::KVStore> stores_;
-  int threads_;
-};
-
 class MlaAttention : public Mixer {
  public:
   MlaAttention(const model::ModelConfig& config, int layer);
@@ -67,7 +52,7 @@ class MlaAttention : public Mixer {
   torch::Tensor w_uk() const;  // [H, d_h, d_c]
   torch::Tensor w_uv() const;  // [H, d_h, d_c]
   torch::Tensor merge_heads(const torch::Tensor& o);
-  torch::Tensor step_fused(const torch::Tensor& x, MlaFusedCache& cache);
+  torch::Tensor step_fused(const torch::Tensor& x, FusedKVCache& cache);  // one [c | k_R] row per token, values are keys
   int64_t heads_, head_dim_, latent_, rope_dim_;
   AttentionShape shape_;
   nn::Rope rope_;  // over d_R

@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define KVX_INLINE inline __attribute__((always_inline))
@@ -182,8 +183,21 @@ struct Prefetch {
 // ---------------------------------------------------------------------------------------------
 // Scores: s[g * kRow + t] = q_g . k_t for GB queries x TB rows (GB * TB = 16); rows past the
 // tile repeat its last row, their scores land in the padding.
+// LRKV's residual in a score block: query g also dots its own latent segment of the residual
+// rows (rows[t] + g * head_bytes, scales ks[t] + g * head_blocks) with qb_g, into the same
+// accumulator, so one reduction serves both parts (lrkv_decode.h).
+struct ResidualRows {
+  const uint8_t* qb = nullptr;  // the group's first prepared qb (float or integer layout)
+  size_t qb_stride = 0;         // bytes between heads' qb
+  int blocks = 0;               // r / 32 per head
+  size_t head_bytes = 0;        // code bytes per head segment
+  const uint8_t* const* rows = nullptr;
+  const float* const* ks = nullptr;
+};
+
 template <class R, int GB, int TB>
-KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const* rows, const float* const* ks, float* s) {
+KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const* rows, const float* const* ks, float* s,
+                            const ResidualRows* res = nullptr) {
   static_assert(GB * TB == 16, "score_block reduces 16 accumulators");
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -197,6 +211,18 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
         acc[g * TB + t] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), kb, acc[g * TB + t]);
       }
     }
+  if (res)
+    for (int j = 0; j < res->blocks; ++j)
+      for (int g = 0; g < GB; ++g) {
+        const float* qg = reinterpret_cast<const float*>(res->qb + g * res->qb_stride) + 32 * j;
+        const __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16);
+        for (int t = 0; t < TB; ++t) {
+          __m512 ka, kb;
+          R::key(res->rows[t] + g * res->head_bytes, res->ks[t] + g * res->blocks, j, ka, kb);
+          acc[g * TB + t] = _mm512_fmadd_ps(q0, ka, acc[g * TB + t]);
+          acc[g * TB + t] = _mm512_fmadd_ps(q1, kb, acc[g * TB + t]);
+        }
+      }
   alignas(64) float r[16];
   _mm512_store_ps(r, reduce16(acc));
   for (int g = 0; g < GB; ++g)
@@ -208,7 +234,7 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
 // accumulator; then the lanes are summed. q: per query nz vectors of R::kQBytes bytes.
 template <class R, int GB, int TB>
 KVX_INLINE void score_block_int(const uint8_t* q, size_t qstride, int nz, int nb, const uint8_t* const* rows,
-                                const float* const* ks, float* s) {
+                                const float* const* ks, float* s, const ResidualRows* res = nullptr) {
   static_assert(GB * TB == 16, "score_block_int reduces 16 accumulators");
   constexpr int kLanesPerBlock = 16 / R::kVecBlocks;
   const __m512i lane_block = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -226,6 +252,24 @@ KVX_INLINE void score_block_int(const uint8_t* q, size_t qstride, int nz, int nb
         const uint8_t* qc = q + g * qstride + static_cast<size_t>(c) * R::kQBytes;
         const __m512 dq = _mm512_loadu_ps(reinterpret_cast<const float*>(qc + R::kQBytes - 64));
         acc[g * TB + t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(R::dot(k, qc)), _mm512_mul_ps(dk, dq), acc[g * TB + t]);
+      }
+    }
+  }
+  if (res) {
+    const int nzr = (res->blocks + R::kVecBlocks - 1) / R::kVecBlocks;
+    for (int c = 0; c < nzr; ++c) {
+      const int left = res->blocks - c * R::kVecBlocks;
+      const __mmask16 sm = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+      for (int g = 0; g < GB; ++g) {
+        const uint8_t* qc = res->qb + g * res->qb_stride + static_cast<size_t>(c) * R::kQBytes;
+        const __m512 dq = _mm512_loadu_ps(reinterpret_cast<const float*>(qc + R::kQBytes - 64));
+        for (int t = 0; t < TB; ++t) {
+          __m512i k[2];
+          R::codes(res->rows[t] + g * res->head_bytes, c, res->blocks, k);
+          const __m512 dk = _mm512_permutexvar_ps(
+              lane_block, _mm512_maskz_loadu_ps(sm, res->ks[t] + g * res->blocks + c * R::kVecBlocks));
+          acc[g * TB + t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(R::dot(k, qc)), _mm512_mul_ps(dk, dq), acc[g * TB + t]);
+        }
       }
     }
   }
@@ -260,6 +304,38 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* p, 
   }
   for (int g = 0; g < GB; ++g)
     for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * d + 32 * j0 + 16 * i, a[g][i]);
+}
+
+// LRKV latents: acc_r[g] += sum_t p[g][t] R_{h0+g},t for GB heads, each reading its own segment
+// of the row (v0 + g * head_bytes, scales vs + g * blocks per row), groups jr0 .. jr0 + JB - 1 of
+// it; GB x 2 JB accumulators held across the rows.
+template <class R, int GB, int JB>
+KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* p, const float* vs,
+                                    int nb, int blocks, float* acc, int r, int jr0) {
+  static_assert(GB * 2 * JB <= 16, "residual_value_pass holds up to 16 accumulators");
+  __m512 a[GB][2 * JB];
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(acc + g * r + 32 * jr0 + 16 * i);
+  for (int t = 0; t < n; ++t)
+    for (int g = 0; g < GB; ++g) {
+      const __m512 wv = _mm512_set1_ps(p[g * kRow + t]);
+      for (int jj = 0; jj < JB; ++jj) {
+        __m512 va, vb;
+        R::key(v0 + t * rb + g * head_bytes, vs + t * nb + g * blocks, jr0 + jj, va, vb);
+        a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
+        a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
+      }
+    }
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * r + 32 * jr0 + 16 * i, a[g][i]);
+}
+
+template <class R, int GB>
+KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* p, const float* vs, int nb,
+                                int blocks, float* acc, int r) {
+  int j = 0;
+  for (; j + 2 <= blocks; j += 2) residual_value_pass<R, GB, 2>(v0, rb, head_bytes, n, p, vs, nb, blocks, acc, r, j);
+  for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, p, vs, nb, blocks, acc, r, j);
 }
 
 // All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
@@ -328,19 +404,41 @@ struct Scratch {
 
 // Scores of the GB queries at q (query floats apart) against rows kb (+ per-row offset `codes`
 // bytes), TB at a time, into s[g * kRow + t].
+// Residual rows for scores_for: the latents' tile (codes start) and scales, head h0 of the group.
+struct ResidualTile {
+  const uint8_t* qb;  // prepared qb of head h0
+  size_t qb_stride;   // bytes between heads
+  int blocks;         // r / 32
+  size_t head_bytes;  // code bytes per head segment
+  const uint8_t* rows0;  // row 0's codes, head h0's segment
+  size_t rb;
+  const float* ks0;   // row 0's scales, head h0's first block
+  int ks_stride;      // scales per row
+};
+
 template <class R>
 KVX_INLINE void scores_for(const float* q, size_t qfloats, int gb, int d, int nb_row, const uint8_t* kb, size_t rb, size_t codes,
-                           const float* ks, int ks_stride, int n, float* s, const Prefetch* pf) {
+                           const float* ks, int ks_stride, int n, float* s, const Prefetch* pf,
+                           const ResidualTile* rt = nullptr) {
   const int nj = d / 32;
   const int TB = 16 / gb;
   for (int t0 = 0; t0 < n; t0 += TB) {
     const uint8_t* rows[16];
     const float* kst[16];
+    const uint8_t* rrows[16];
+    const float* rkst[16];
+    ResidualRows res;
     for (int i = 0; i < TB; ++i) {
       const int t = imin(t0 + i, n - 1);
       rows[i] = kb + t * rb + codes;
       kst[i] = ks + t * ks_stride;
+      if (rt) {
+        rrows[i] = rt->rows0 + t * rt->rb;
+        rkst[i] = rt->ks0 + t * rt->ks_stride;
+      }
     }
+    if (rt) res = {rt->qb, rt->qb_stride, rt->blocks, rt->head_bytes, rrows, rkst};
+    const ResidualRows* rp = rt ? &res : nullptr;
     if (pf) pf->range(t0 * rb, imin(t0 + TB, n) * rb);
     float* sg = s + t0;
     if constexpr (R::kQuant) {
@@ -348,15 +446,15 @@ KVX_INLINE void scores_for(const float* q, size_t qfloats, int gb, int d, int nb
       const uint8_t* qg = reinterpret_cast<const uint8_t*>(q);
       const int nb = d / 32, nz = (nb + R::kVecBlocks - 1) / R::kVecBlocks;
       switch (gb) {
-        case 4: score_block_int<R, 4, 4>(qg, qstride, nz, nb, rows, kst, sg); break;
-        case 2: score_block_int<R, 2, 8>(qg, qstride, nz, nb, rows, kst, sg); break;
-        default: score_block_int<R, 1, 16>(qg, qstride, nz, nb, rows, kst, sg); break;
+        case 4: score_block_int<R, 4, 4>(qg, qstride, nz, nb, rows, kst, sg, rp); break;
+        case 2: score_block_int<R, 2, 8>(qg, qstride, nz, nb, rows, kst, sg, rp); break;
+        default: score_block_int<R, 1, 16>(qg, qstride, nz, nb, rows, kst, sg, rp); break;
       }
     } else {
       switch (gb) {
-        case 4: score_block<R, 4, 4>(q, d, nj, rows, kst, sg); break;
-        case 2: score_block<R, 2, 8>(q, d, nj, rows, kst, sg); break;
-        default: score_block<R, 1, 16>(q, d, nj, rows, kst, sg); break;
+        case 4: score_block<R, 4, 4>(q, d, nj, rows, kst, sg, rp); break;
+        case 2: score_block<R, 2, 8>(q, d, nj, rows, kst, sg, rp); break;
+        default: score_block<R, 1, 16>(q, d, nj, rows, kst, sg, rp); break;
       }
     }
     (void)nb_row;
@@ -435,23 +533,22 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     const Prefetch kpf = prefetcher(kb, has_next ? kv.k_rows(page + 1, pc.head) : nullptr, rb);
     const Prefetch vpf = prefetcher(vb, has_next ? kv.v_rows(page + 1, pc.head) : nullptr, rb);
 
-    // Scores.
-    for (int g0 = 0, gb; g0 < G; g0 += gb) {
-      gb = group_size(G - g0);
-      scores_for<R>(q + g0 * query_floats<R>(d), query_floats<R>(d), gb, d, nb, kb, rb, codes, sc.ks, nb, n,
-                    sc.s + g0 * kRow, g0 == 0 ? &kpf : nullptr);
-    }
-    if (rst) {  // + qb_h . R_h^K, head by head
-      const Prefetch rkpf = prefetcher(rkb, has_next ? rst->k_rows(page + 1, 0) : nullptr, rrb);
-      const Prefetch rvpf = prefetcher(rvb, has_next ? rst->v_rows(page + 1, 0) : nullptr, rrb);
+    // Scores: the shared rows for each group of up to 4 queries, with (LRKV) each query's latent
+    // segment in the same accumulators.
+    const Prefetch rkpf = rst ? prefetcher(rkb, has_next ? rst->k_rows(page + 1, 0) : nullptr, rrb) : Prefetch{};
+    const Prefetch rvpf = rst ? prefetcher(rvb, has_next ? rst->v_rows(page + 1, 0) : nullptr, rrb) : Prefetch{};
+    if (rst) {
       rkpf.range(0, static_cast<size_t>(n) * rrb);
       rvpf.range(0, static_cast<size_t>(n) * rrb);
-      for (int h = 0; h < G; ++h) {
-        scores_for<R>(res.qb + h * res.qstride, res.qstride, 1, r, nbr, rkb, rrb, rcodes + head_bytes(h),
-                      sc.rks + h * (r / 32), nbr, n, sc.rs, nullptr);
-        float* sh = sc.s + h * kRow;
-        for (int t = 0; t < kMaxTile; t += 16) _mm512_storeu_ps(sh + t, _mm512_add_ps(_mm512_loadu_ps(sh + t), _mm512_loadu_ps(sc.rs + t)));
-      }
+    }
+    for (int g0 = 0, gb; g0 < G; g0 += gb) {
+      gb = group_size(G - g0);
+      ResidualTile rt{};
+      if (rst)
+        rt = {reinterpret_cast<const uint8_t*>(res.qb + g0 * res.qstride), res.qstride * sizeof(float), r / 32, head_bytes(1),
+              rkb + rcodes + head_bytes(g0), rrb, sc.rks + g0 * (r / 32), nbr};
+      scores_for<R>(q + g0 * query_floats<R>(d), query_floats<R>(d), gb, d, nb, kb, rb, codes, sc.ks, nb, n,
+                    sc.s + g0 * kRow, g0 == 0 ? &kpf : nullptr, rst ? &rt : nullptr);
     }
 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
@@ -490,10 +587,24 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         default: value_tile<R, 1>(vb + codes, rb, n, p, sc.vs, nb, ag, d, pf); break;
       }
     }
-    if (rst)  // + a_h R_h^V
+    static const int grouped = getenv("KVX_GROUPED") ? atoi(getenv("KVX_GROUPED")) : 1;
+    if (rst && !grouped)  // + a_h R_h^V
       for (int h = 0; h < G; ++h)
         value_tile<R, 1>(rvb + rcodes + head_bytes(h), rrb, n, sc.s + h * kRow, sc.rvs + h * (r / 32), nbr,
                          acc_r + static_cast<size_t>(h) * r, r, nullptr);
+    if (rst && grouped)  // + a_h R_h^V, heads in groups of up to 4
+      for (int h0 = 0, gb; h0 < G; h0 += gb) {
+        gb = group_size(G - h0);
+        const uint8_t* v0 = rvb + rcodes + head_bytes(h0);
+        const float* p = sc.s + h0 * kRow;
+        const float* vs = sc.rvs + h0 * (r / 32);
+        float* ar = acc_r + static_cast<size_t>(h0) * r;
+        switch (gb) {
+          case 4: residual_values<R, 4>(v0, rrb, head_bytes(1), n, p, vs, nbr, r / 32, ar, r); break;
+          case 2: residual_values<R, 2>(v0, rrb, head_bytes(1), n, p, vs, nbr, r / 32, ar, r); break;
+          default: residual_values<R, 1>(v0, rrb, head_bytes(1), n, p, vs, nbr, r / 32, ar, r); break;
+        }
+      }
     row += n;
   }
 

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "attention/dense.h"
+#include "support/fixtures.h"
 #include "support/naive.h"
 
 using namespace kvx;
@@ -14,19 +15,7 @@ using kvx::testing::naive_rope;
 
 namespace {
 
-model::ModelConfig small_config(int heads, int kv_heads) {
-  model::ModelConfig c;
-  c.vocab_size = 11;
-  c.hidden_size = 10;
-  c.num_hidden_layers = 1;
-  c.num_attention_heads = heads;
-  c.num_key_value_heads = kv_heads;
-  c.head_dim = 6;
-  c.intermediate_size = 7;
-  c.max_position_embeddings = 64;
-  c.rope_theta = 100.0;
-  return c;
-}
+model::ModelConfig small_config(int heads, int kv_heads) { return kvx::testing::mixer_config(heads, kv_heads, 6); }
 
 // The whole mixer from its weights, per batch row, head and query, with an explicit softmax.
 torch::Tensor naive_attention_layer(attention::DenseAttention& m, const torch::Tensor& x, const model::ModelConfig& c) {

@@ -8,6 +8,7 @@
 
 #include "attention/dense.h"
 #include "attention/lrkv.h"
+#include "support/fixtures.h"
 #include "support/naive.h"
 #include "util/error.h"
 
@@ -19,16 +20,7 @@ using kvx::testing::naive_rope;
 namespace {
 
 model::ModelConfig lrkv_config(int heads, int head_dim, int rank, const std::string& rope) {
-  model::ModelConfig c;
-  c.vocab_size = 11;
-  c.hidden_size = 10;
-  c.num_hidden_layers = 1;
-  c.num_attention_heads = heads;
-  c.num_key_value_heads = heads;
-  c.head_dim = head_dim;
-  c.intermediate_size = 7;
-  c.max_position_embeddings = 64;
-  c.rope_theta = 100.0;
+  auto c = kvx::testing::mixer_config(heads, heads, head_dim);
   c.layout = "lrkv";
   c.lrkv_rank = rank;
   c.lrkv_rope = rope;

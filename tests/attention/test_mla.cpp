@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "attention/mla.h"
+#include "support/fixtures.h"
 #include "support/naive.h"
 
 using namespace kvx;
@@ -17,16 +18,7 @@ using kvx::testing::naive_rope;
 namespace {
 
 model::ModelConfig mla_config(int heads, int head_dim, int latent, int rope_dim) {
-  model::ModelConfig c;
-  c.vocab_size = 11;
-  c.hidden_size = 12;
-  c.num_hidden_layers = 1;
-  c.num_attention_heads = heads;
-  c.num_key_value_heads = heads;
-  c.head_dim = head_dim;
-  c.intermediate_size = 7;
-  c.max_position_embeddings = 64;
-  c.rope_theta = 100.0;
+  auto c = kvx::testing::mixer_config(heads, heads, head_dim, 12);
   c.layout = "mla";
   c.kv_lora_rank = latent;
   c.qk_rope_head_dim = rope_dim;
@@ -119,7 +111,7 @@ TEST(Mla, FusedDecodeOverOneLatentRowPerToken) {
     torch::NoGradGuard ng;
     auto full = m->forward(x);
     auto cache = m->new_cache(2, attention::CacheOptions{});
-    ASSERT_NE(dynamic_cast<attention::MlaFusedCache*>(cache.get()), nullptr);
+    ASSERT_NE(dynamic_cast<attention::FusedKVCache*>(cache.get()), nullptr);
     std::vector<torch::Tensor> parts{m->step(x.narrow(1, 0, 4), *cache)};
     for (int t = 4; t < 11; ++t) parts.push_back(m->step(x.narrow(1, t, 1), *cache));
     auto stepped = torch::cat(parts, 1);

@@ -38,4 +38,20 @@ inline train::TrainingData synthetic_data(size_t train, size_t validation, size_
   return d;
 }
 
+// A one-layer model config for mixer tests: odd sizes, a short context, RoPE theta 100 (so
+// positions turn visibly); layout and family settings are the caller's.
+inline model::ModelConfig mixer_config(int heads, int kv_heads, int head_dim, int hidden = 10) {
+  model::ModelConfig c;
+  c.vocab_size = 11;
+  c.hidden_size = hidden;
+  c.num_hidden_layers = 1;
+  c.num_attention_heads = heads;
+  c.num_key_value_heads = kv_heads;
+  c.head_dim = head_dim;
+  c.intermediate_size = 7;
+  c.max_position_embeddings = 64;
+  c.rope_theta = 100.0;
+  return c;
+}
+
 }  // namespace kvx::testing
