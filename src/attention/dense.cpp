@@ -18,6 +18,15 @@ void DenseKVCache::append(const torch::Tensor& k, const torch::Tensor& v) {
   v_.append(v);
 }
 
+void DenseKVCache::append_random_history(int64_t tokens, uint32_t seed) {
+  torch::manual_seed(seed);
+  append(torch::randn({batch_, kv_heads_, tokens, head_dim_}), torch::randn({batch_, kv_heads_, tokens, head_dim_}));
+}
+
+void FusedKVCache::append_random_history(int64_t tokens, uint32_t seed) {
+  for (auto& s : stores_) kernels::append_random_rows(s, tokens, seed++);
+}
+
 FusedKVCache::FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, const CacheOptions& o, bool values_are_keys)
     : threads_(o.threads > 0 ? o.threads : torch::get_num_threads()) {
   stores_.reserve(batch);

@@ -16,6 +16,7 @@ class DenseKVCache : public MixerCache {
     v_.clear();
   }
   void append(const torch::Tensor& k, const torch::Tensor& v);  // [B, Hkv, T, d_h] (post-RoPE keys)
+  void append_random_history(int64_t tokens, uint32_t seed) override;
   torch::Tensor keys() const { return k_.view(); }              // [B, Hkv, length, d_h]
   torch::Tensor values() const { return v_.view(); }
 
@@ -36,6 +37,7 @@ class FusedKVCache : public MixerCache {
   void clear() override;
   kernels::KVStore& store(int64_t b) { return stores_[b]; }
   int threads() const { return threads_; }
+  void append_random_history(int64_t tokens, uint32_t seed) override;
 
  private:
   std::vector<kernels::KVStore> stores_;

@@ -44,6 +44,19 @@ LrkvFusedCache::LrkvFusedCache(int64_t batch, int64_t heads, int64_t head_dim, i
   }
 }
 
+void LrkvCache::append_random_history(int64_t tokens, uint32_t seed) {
+  torch::manual_seed(seed);
+  ks.append(torch::randn({batch_, 1, tokens, head_dim_}));
+  vs.append(torch::randn({batch_, 1, tokens, head_dim_}));
+  rk.append(torch::randn({batch_, heads_, tokens, rank_}));
+  rv.append(torch::randn({batch_, heads_, tokens, rank_}));
+}
+
+void LrkvFusedCache::append_random_history(int64_t tokens, uint32_t seed) {
+  for (auto& s : shared_) kernels::append_random_rows(s, tokens, seed++);
+  for (auto& s : residual_) kernels::append_random_rows(s, tokens, seed++);
+}
+
 int64_t LrkvFusedCache::bytes() const {
   int64_t n = 0;
   for (const auto& s : shared_) n += s.bytes();

@@ -36,6 +36,7 @@ class LrkvCache : public MixerCache {
   int64_t bytes() const override { return static_cast<int64_t>(length() * batch_ * bytes_per_token()); }
   double bytes_per_token() const override { return 4.0 * 2 * (head_dim_ + heads_ * rank_); }
   void clear() override;
+  void append_random_history(int64_t tokens, uint32_t seed) override;
   SequenceBuffer ks, vs, rk, rv;
 
  private:
@@ -56,6 +57,7 @@ class LrkvFusedCache : public MixerCache {
   kernels::KVStore& shared(int64_t b) { return shared_[b]; }
   kernels::KVStore* residual(int64_t b) { return residual_.empty() ? nullptr : &residual_[b]; }
   int threads() const { return threads_; }
+  void append_random_history(int64_t tokens, uint32_t seed) override;
 
  private:
   std::vector<kernels::KVStore> shared_, residual_;

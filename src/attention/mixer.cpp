@@ -53,6 +53,12 @@ std::string CacheOptions::describe() const {
   return s;
 }
 
+void MixerCache::append_random_history(int64_t tokens, uint32_t seed) {
+  (void)tokens;
+  (void)seed;
+  throw Error("this layer's cache cannot be filled with random history for a decode benchmark");
+}
+
 void SequenceBuffer::append(const torch::Tensor& x) {
   const int64_t t = x.size(2);
   const int64_t capacity = data_.defined() ? data_.size(2) : 0;

@@ -23,6 +23,9 @@ class MixerCache {
   virtual int64_t bytes() const = 0;            // bytes of cache state currently held
   virtual double bytes_per_token() const = 0;   // bytes per token per batch row
   virtual void clear() = 0;                     // reuse across requests
+  // Appends `tokens` positions of N(0, 1) history (decode-speed benchmarks: speed does not depend
+  // on the values). Caches that cannot are an error.
+  virtual void append_random_history(int64_t tokens, uint32_t seed);
 };
 
 // A libtorch tensor [B, X, capacity, w] that grows along dim 2 by doubling its capacity, so

@@ -20,7 +20,7 @@ namespace kvx::attention {
 // The libtorch reference cache (f32): C [B, 1, L, d_c], K_R [B, 1, L, d_R] (after RoPE).
 class MlaCache : public MixerCache {
  public:
-  MlaCache(int64_t batch, int64_t latent, int64_t rope_dim) : batch_(batch), width_(latent + rope_dim) {}
+  MlaCache(int64_t batch, int64_t latent, int64_t rope_dim) : batch_(batch), latent_(latent), width_(latent + rope_dim) {}
   int64_t length() const override { return c.length(); }
   int64_t bytes() const override { return static_cast<int64_t>(length() * batch_ * bytes_per_token()); }
   double bytes_per_token() const override { return 4.0 * width_; }
@@ -28,10 +28,15 @@ class MlaCache : public MixerCache {
     c.clear();
     kr.clear();
   }
+  void append_random_history(int64_t tokens, uint32_t seed) override {
+    torch::manual_seed(seed);
+    c.append(torch::randn({batch_, 1, tokens, latent_}));
+    kr.append(torch::randn({batch_, 1, tokens, width_ - latent_}));
+  }
   SequenceBuffer c, kr;
 
  private:
-  int64_t batch_, width_;
+  int64_t batch_, latent_, width_;
 };
 
 class MlaAttention : public Mixer {

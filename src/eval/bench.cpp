@@ -116,13 +116,7 @@ double time_per_call(F&& f, double seconds) {
 }
 
 void fill_random(kernels::KVStore& store, int64_t tokens, std::mt19937& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  const int64_t row = static_cast<int64_t>(store.kv_heads()) * store.head_dim();
-  std::vector<float> k(row), v(row);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t i = 0; i < row; ++i) k[i] = normal(rng), v[i] = normal(rng);
-    store.append(k.data(), v.data());
-  }
+  kernels::append_random_rows(store, tokens, static_cast<uint32_t>(rng()));
 }
 
 }  // namespace
@@ -137,12 +131,8 @@ double decode_tokens_per_second(model::ModelConfig config, const attention::Cach
   model::Transformer m(config);
   m->eval();
   auto state = m->new_state(1, cache);
-  std::mt19937 rng(0);
-  for (auto& layer : state.layers) {
-    auto* fused = dynamic_cast<attention::FusedKVCache*>(layer.get());
-    if (!fused) throw Error("decode_tokens_per_second: layer caches must be fused (not --reference)");
-    fill_random(fused->store(0), context, rng);
-  }
+  uint32_t seed = 0;
+  for (auto& layer : state.layers) layer->append_random_history(context, seed++);
   auto tok = torch::zeros({1, 1}, torch::kLong);
   // Each call appends one token (the margin above covers thousands of calls).
   return 1.0 / time_per_call([&] { m->step(tok, state); }, seconds);

@@ -21,7 +21,6 @@
 #include <immintrin.h>
 
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define KVX_INLINE inline __attribute__((always_inline))
@@ -587,12 +586,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         default: value_tile<R, 1>(vb + codes, rb, n, p, sc.vs, nb, ag, d, pf); break;
       }
     }
-    static const int grouped = getenv("KVX_GROUPED") ? atoi(getenv("KVX_GROUPED")) : 1;
-    if (rst && !grouped)  // + a_h R_h^V
-      for (int h = 0; h < G; ++h)
-        value_tile<R, 1>(rvb + rcodes + head_bytes(h), rrb, n, sc.s + h * kRow, sc.rvs + h * (r / 32), nbr,
-                         acc_r + static_cast<size_t>(h) * r, r, nullptr);
-    if (rst && grouped)  // + a_h R_h^V, heads in groups of up to 4
+    if (rst)  // + a_h R_h^V, heads in groups of up to 4
       for (int h0 = 0, gb; h0 < G; h0 += gb) {
         gb = group_size(G - h0);
         const uint8_t* v0 = rvb + rcodes + head_bytes(h0);

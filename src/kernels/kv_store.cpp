@@ -4,7 +4,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <new>
+#include <random>
 #include <string>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -160,6 +162,17 @@ const uint8_t* KVStore::k_row(int64_t slot, int head) const {
 const uint8_t* KVStore::v_row(int64_t slot, int head) const {
   check_slot(slot, head, stored(), kv_heads_);
   return v_rows(slot / page_tokens_, head) + static_cast<size_t>(slot % page_tokens_) * row_bytes_;
+}
+
+void append_random_rows(KVStore& store, int64_t tokens, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const size_t row = static_cast<size_t>(store.kv_heads()) * store.head_dim();
+  std::vector<float> k(row), v(row);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (size_t i = 0; i < row; ++i) k[i] = normal(rng), v[i] = normal(rng);
+    store.append(k.data(), v.data());
+  }
 }
 
 }  // namespace kvx::kernels

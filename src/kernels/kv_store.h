@@ -89,4 +89,8 @@ class KVStore {
   int chunk_pages_left_ = 0;
 };
 
+// Appends `tokens` rows of N(0, 1) values to every head (a benchmark's history: decode speed does
+// not depend on the values).
+void append_random_rows(KVStore& store, int64_t tokens, uint32_t seed);
+
 }  // namespace kvx::kernels
