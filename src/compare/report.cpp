@@ -112,7 +112,9 @@ std::string write_report(const ExperimentResult& r) {
      << " pairs), the seed (" << b.train.seed << "), " << b.train.steps << " steps of " << b.train.batch_size << " x "
      << b.train.seq_len << " tokens, and the base model (d=" << b.model.hidden_size << ", " << b.model.num_hidden_layers
      << " layers, H=" << b.model.num_attention_heads << ", d_h=" << b.model.head_dim << ", vocab " << b.model.vocab_size
-     << "). Post-hoc arms transform the trained model named in their spec. Arms are cached by content hash under "
+     << "). Post-hoc arms transform the trained model named in their spec. Convert arms convert the trained model named "
+        "in their spec to another family (`kvx convert lrkv`) and heal it with `heal_steps` more steps of training of "
+        "the whole model, so their CE also reflects that extra training. Arms are cached by content hash under "
         "`arms/`; `experiment.json` holds the full declaration.\n\n"
      << "## What the numbers mean\n\n"
      << "- **KV bytes/token**: cache bytes per token summed over layers, at the arm's element type, at the training "
