@@ -56,7 +56,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 
 DenseAttention::DenseAttention(const model::ModelConfig& c, int layer)
     : heads_(c.num_attention_heads), kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim),
-      rope_(c.head_dim, c.rope_theta) {
+      shape_(AttentionShape::of_layer(c, "dense")), rope_(c.head_dim, c.rope_theta) {
   (void)layer;
   q_proj = register_module("q_proj", nn::linear_no_bias(c.hidden_size, heads_ * head_dim_));
   k_proj = register_module("k_proj", nn::linear_no_bias(c.hidden_size, kv_heads_ * head_dim_));
@@ -126,8 +126,6 @@ bool DenseAttention::head_projections(torch::Tensor& wq, torch::Tensor& wk) cons
   return true;
 }
 
-double DenseAttention::cache_bytes_per_token(kernels::KVType type) const {
-  return 2.0 * kv_heads_ * kernels::row_bytes(type, static_cast<int>(head_dim_));
-}
+double DenseAttention::cache_bytes_per_token(kernels::KVType type) const { return shape_.cache_bytes(type); }
 
 }  // namespace kvx::attention

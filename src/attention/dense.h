@@ -1,5 +1,6 @@
 // Dense causal softmax attention with Hkv in {H, divisors of H, 1}: MHA, GQA, MQA.
 #pragma once
+#include "attention/cost.h"
 #include "attention/mixer.h"
 
 namespace kvx::attention {
@@ -67,6 +68,7 @@ class DenseAttention : public Mixer {
   // Token by token: append the token's K/V, then attend with the fused kernel (SPEC 3).
   torch::Tensor step_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, FusedKVCache& cache);
   int64_t heads_, kv_heads_, head_dim_;
+  AttentionShape shape_;
   nn::Rope rope_;
 };
 

@@ -87,7 +87,7 @@ LrkvAttention::LrkvAttention(const model::ModelConfig& c, int layer)
   if (rank_ > 0) {
     k_down_proj = register_module("k_down_proj", nn::linear_no_bias(d, heads_ * rank_));
     v_down_proj = register_module("v_down_proj", nn::linear_no_bias(d, heads_ * rank_));
-    v_up = register_parameter("v_up", torch::zeros({heads_, rank_, head_dim_}));
+    v_up = register_parameter("v_up", torch::randn({heads_, rank_, head_dim_}) * 0.02);
     if (mode_ == LrkvRope::PairAligned) {
       auto sel = torch::zeros({heads_, rank_, head_dim_});
       const auto planes = residual_planes(head_dim_, rank_);
@@ -97,7 +97,7 @@ LrkvAttention::LrkvAttention(const model::ModelConfig& c, int layer)
       }
       k_up = register_buffer("k_up", sel);
     } else {
-      k_up = register_parameter("k_up", torch::zeros({heads_, rank_, head_dim_}));
+      k_up = register_parameter("k_up", torch::randn({heads_, rank_, head_dim_}) * 0.02);
     }
   }
   o_proj = register_module("o_proj", nn::linear_no_bias(heads_ * head_dim_, d));
@@ -107,8 +107,6 @@ LrkvAttention::LrkvAttention(const model::ModelConfig& c, int layer)
 void LrkvAttention::initialize() {
   if (rank_ == 0) return;
   torch::NoGradGuard ng;
-  if (mode_ != LrkvRope::PairAligned && k_up.abs().sum().item<double>() == 0.0) k_up.normal_(0.0, 0.02);
-  if (v_up.abs().sum().item<double>() == 0.0) v_up.normal_(0.0, 0.02);
   auto scale_residual = [&](torch::nn::Linear& shared, torch::nn::Linear& down, torch::Tensor& up, bool scale_down) {
     const double target = 0.1 * shared->weight.norm().item<double>();
     for (int64_t h = 0; h < heads_; ++h) {

@@ -75,20 +75,20 @@ model::Transformer convert_to_lrkv(const model::Transformer& dense, const LrkvCo
     const int64_t hkv = c.num_key_value_heads, d = c.hidden_size;
     // Per query head: [H, d_h, d] (GQA heads share their KV head's projection).
     auto per_head = [&](const torch::Tensor& w) { return w.view({hkv, dh, d}).repeat_interleave(H / hkv, 0); };
+    const bool pair = to->rope_mode() == attention::LrkvRope::PairAligned;
     torch::Tensor ks, kd, ku, vs, vd, vu;
-    factor(per_head(from->k_proj->weight), r, ks, kd, ku);
+    factor(per_head(from->k_proj->weight), pair ? 0 : r, ks, kd, ku);  // pair_aligned: only the mean (B_h^K is fixed)
     factor(per_head(from->v_proj->weight), r, vs, vd, vu);
     to->k_shared_proj->weight.copy_(ks);
     to->v_shared_proj->weight.copy_(vs);
     if (r > 0) {
       to->v_down_proj->weight.copy_(vd);
       to->v_up.copy_(vu);
-      if (to->rope_mode() == attention::LrkvRope::PairAligned) {
+      if (pair) {
         // B_h^K fixed: U_h^T = D_h's rows on the selected dims, in the latent's order.
         auto W = per_head(from->k_proj->weight).to(torch::kFloat64);
-        auto Ws = W.mean(0);
         for (int64_t h = 0; h < H; ++h) {
-          auto D = W[h] - Ws;                                   // [d_h, d]
+          auto D = W[h] - ks;                                   // [d_h, d]
           auto sel = to->k_up[h].to(torch::kFloat64);           // [r, d_h] 0/1
           to->k_down_proj->weight.narrow(0, h * r, r).copy_(torch::matmul(sel, D));
         }

@@ -115,10 +115,6 @@ double time_per_call(F&& f, double seconds) {
   return since(t0) / n;
 }
 
-void fill_random(kernels::KVStore& store, int64_t tokens, std::mt19937& rng) {
-  kernels::append_random_rows(store, tokens, static_cast<uint32_t>(rng()));
-}
-
 }  // namespace
 
 double decode_tokens_per_second(model::ModelConfig config, const attention::CacheOptions& cache, int64_t context,
@@ -181,7 +177,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     std::vector<kernels::KVStore> stores;
     for (const auto& name : o.types) stores.emplace_back(kernels::parse_kv_type(name), hkv, o.head_dim);
     for (int64_t ctx : o.contexts) {
-      for (auto& store : stores) fill_random(store, ctx - store.length(), rng);
+      for (auto& store : stores) kernels::append_random_rows(store, ctx - store.length(), static_cast<uint32_t>(rng()));
       const size_t first = timings.size();
       for (auto isa : isas)
         for (size_t i = 0; i < stores.size(); ++i)
@@ -219,8 +215,8 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     }
     for (int64_t ctx : o.contexts) {
       for (size_t i = 0; i < shared.size(); ++i) {
-        fill_random(shared[i], ctx - shared[i].length(), rng);
-        fill_random(residual[i], ctx - residual[i].length(), rng);
+        kernels::append_random_rows(shared[i], ctx - shared[i].length(), static_cast<uint32_t>(rng()));
+        kernels::append_random_rows(residual[i], ctx - residual[i].length(), static_cast<uint32_t>(rng()));
       }
       const size_t first = timings.size();
       for (auto isa : isas)

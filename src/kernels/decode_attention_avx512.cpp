@@ -416,7 +416,7 @@ struct ResidualTile {
 };
 
 template <class R>
-KVX_INLINE void scores_for(const float* q, size_t qfloats, int gb, int d, int nb_row, const uint8_t* kb, size_t rb, size_t codes,
+KVX_INLINE void scores_for(const float* q, size_t qfloats, int gb, int d, const uint8_t* kb, size_t rb, size_t codes,
                            const float* ks, int ks_stride, int n, float* s, const Prefetch* pf,
                            const ResidualTile* rt = nullptr) {
   const int nj = d / 32;
@@ -456,7 +456,6 @@ KVX_INLINE void scores_for(const float* q, size_t qfloats, int gb, int d, int nb
         default: score_block<R, 1, 16>(q, d, nj, rows, kst, sg, rp); break;
       }
     }
-    (void)nb_row;
   }
 }
 
@@ -546,7 +545,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       if (rst)
         rt = {reinterpret_cast<const uint8_t*>(res.qb + g0 * res.qstride), res.qstride * sizeof(float), r / 32, head_bytes(1),
               rkb + rcodes + head_bytes(g0), rrb, sc.rks + g0 * (r / 32), nbr};
-      scores_for<R>(q + g0 * query_floats<R>(d), query_floats<R>(d), gb, d, nb, kb, rb, codes, sc.ks, nb, n,
+      scores_for<R>(q + g0 * query_floats<R>(d), query_floats<R>(d), gb, d, kb, rb, codes, sc.ks, nb, n,
                     sc.s + g0 * kRow, g0 == 0 ? &kpf : nullptr, rst ? &rt : nullptr);
     }
 
