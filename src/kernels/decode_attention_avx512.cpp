@@ -43,7 +43,7 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // ---------------------------------------------------------------------------------------------
 // Row readers: key(row, scales, j, a, b) = group j (values 32j .. 32j + 31) as vectors a, b
-// (q8/q4 times their block scale; val(): the codes without it, q4 without the -8).
+// (q8/q4 times their block scale; val(): f32/bf16/q8 without a scale).
 // q8/q4 `row` points past the fp16 scales.
 
 struct F32Row {
@@ -110,16 +110,14 @@ struct Q4Row {
     const __m512i x = _mm512_dpbusd_epi32(_mm512_loadu_si512(qc + 128), k[0], _mm512_loadu_si512(qc));
     return _mm512_dpbusd_epi32(x, k[1], _mm512_loadu_si512(qc + 64));
   }
-  static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
+  // d (n - 8) by table lookup: the 16 possible values of the block, indexed by the nibble
+  // (vpermps reads the low 4 bits of each lane).
+  static KVX_INLINE void key(const uint8_t* row, const float* scale, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
-    a = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xf)));
-    b = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
-  }
-  static KVX_INLINE void key(const uint8_t* row, const float* scale, int j, __m512& a, __m512& b) {  // d (n - 8)
-    val(row, j, a, b);
-    const __m512 d = _mm512_set1_ps(scale[j]), off = _mm512_set1_ps(-8.0f * scale[j]);
-    a = _mm512_fmadd_ps(a, d, off);
-    b = _mm512_fmadd_ps(b, d, off);
+    const __m512 table = _mm512_mul_ps(_mm512_set1_ps(scale[j]),
+                                       _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+    a = _mm512_permutexvar_ps(w, table);
+    b = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), table);
   }
 };
 
