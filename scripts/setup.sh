@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(cmake make g++ git ccache pkg-config libtorch-dev libopenblas0-pthread libcli11-dev
-          nlohmann-json3-dev libgtest-dev googletest bible-kjv gnuplot-nox fonts-dejavu-core)
+          nlohmann-json3-dev libgtest-dev googletest bible-kjv gnuplot-nox fonts-dejavu-core
+          clang libclang-rt-14-dev libomp-dev)  # the last three: the sanitizer and fuzzing build (test.sh)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -20,6 +21,6 @@ if ((${#missing[@]})); then
 fi
 
 jobs=$(nproc)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build -j"$jobs"
+cmake --preset release >/dev/null
+cmake --build --preset release -j"$jobs"
 build/kvx data fetch

@@ -16,6 +16,7 @@
 #include "eval/evaluate.h"
 #include "io/atomic_file.h"
 #include "io/json_config.h"
+#include "model/memory.h"
 #include "model/sampling.h"
 #include "text/corpus.h"
 #include "train/checkpoint.h"
@@ -109,6 +110,9 @@ std::string cmd_generate(const GenerateArgs& a, bool print) {
   auto m = train::load_model(a.model);
   auto prompt = m.tokenizer.encode(a.prompt);
   if (prompt.empty()) throw Error("--prompt is empty; give some text to continue");
+  model::require_memory(model::inference_memory(m.model->config(), 1, static_cast<int64_t>(prompt.size()) + a.max_new,
+                                                m.model->kv_bytes_per_token()),
+                        model::available_memory_bytes(), "kvx generate", "shorten the prompt or lower --max-new");
   auto cache = attention::CacheOptions::parse(a.kv_cache, a.evict, a.reference);
   std::string out;
   if (print) std::cout << a.prompt << std::flush;
@@ -143,6 +147,8 @@ nlohmann::json cmd_eval(const EvalArgs& a) {
   if (seq_len > m.model->config().max_position_embeddings)
     throw Error("--seq-len " + std::to_string(seq_len) + " exceeds the model's context limit of " +
                 std::to_string(m.model->config().max_position_embeddings));
+  model::require_memory(model::inference_memory(m.model->config(), a.batch, seq_len, m.model->kv_bytes_per_token()),
+                        model::available_memory_bytes(), "kvx eval", "lower --seq-len or --batch");
   auto tokens = train::load_split_tokens(dir, sources, m.tokenizer, split);
   auto train_tokens = train::load_split_tokens(dir, sources, m.tokenizer, text::Split::Train);
   int windows = static_cast<int>((tokens.tokens.size() - 1) / seq_len);

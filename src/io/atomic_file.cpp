@@ -1,9 +1,11 @@
 #include "io/atomic_file.h"
 
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -67,6 +69,30 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
     throw Error("cannot rename '" + tmp + "' to '" + path + "': " + std::strerror(e));
   }
   fsync_dir(target.has_parent_path() ? target.parent_path().string() : ".");
+}
+
+double free_disk_bytes(const std::string& dir) {
+  struct statvfs st {};
+  if (::statvfs(dir.c_str(), &st) != 0) throw Error("cannot query free space of '" + dir + "': " + std::strerror(errno));
+  return static_cast<double>(st.f_bavail) * static_cast<double>(st.f_frsize);
+}
+
+void check_output_dir(const std::string& dir, double bytes_needed, const std::string& what) {
+  try {
+    make_dirs(dir);
+    write_file_atomic(dir + "/.kvx_write_probe", "probe\n");
+  } catch (const Error& e) {
+    throw Error(what + ": the output directory '" + dir + "' is not writable (" + e.what() +
+                "); choose another directory or fix its permissions");
+  }
+  ::unlink((dir + "/.kvx_write_probe").c_str());
+  const double free = free_disk_bytes(dir);
+  if (free < bytes_needed) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "needs about %.1f MiB on disk but '%s' has %.1f MiB free", bytes_needed / 1048576.0,
+                  dir.c_str(), free / 1048576.0);
+    throw Error(what + " " + buf + "; free some space or write elsewhere");
+  }
 }
 
 }  // namespace kvx::io

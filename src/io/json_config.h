@@ -2,8 +2,11 @@
 // unknown keys (a typo must not silently fall back to a default).
 #pragma once
 #include <nlohmann/json.hpp>
+#include <cstdint>
+#include <limits>
 #include <set>
 #include <string>
+#include <type_traits>
 
 #include "util/error.h"
 
@@ -34,10 +37,27 @@ class JsonReader {
  private:
   template <class T>
   T convert(const std::string& key) {
-    try {
-      return j_[key].get<T>();
-    } catch (const std::exception&) {
-      throw Error(what_ + ": key '" + key + "' has the wrong type (" + j_[key].dump() + ")");
+    const nlohmann::json& v = j_[key];
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      // nlohmann turns 2e57 or -1 into an int/unsigned without complaint (undefined behaviour).
+      using L = std::numeric_limits<T>;
+      bool ok = v.is_number_integer();
+      if (v.is_number_unsigned())
+        ok = v.get<uint64_t>() <= static_cast<uint64_t>(L::max());
+      else if constexpr (std::is_unsigned_v<T>)
+        ok = false;  // negative
+      else if (ok)
+        ok = v.get<int64_t>() >= static_cast<int64_t>(L::min()) && v.get<int64_t>() <= static_cast<int64_t>(L::max());
+      if (!ok)
+        throw Error(what_ + ": key '" + key + "' must be an integer in [" + std::to_string(L::min()) + ", " +
+                    std::to_string(L::max()) + "], got " + v.dump().substr(0, 80));
+      return v.is_number_unsigned() ? static_cast<T>(v.get<uint64_t>()) : static_cast<T>(v.get<int64_t>());
+    } else {
+      try {
+        return v.get<T>();
+      } catch (const std::exception&) {
+        throw Error(what_ + ": key '" + key + "' has the wrong type (" + v.dump().substr(0, 80) + ")");
+      }
     }
   }
   const nlohmann::json& j_;

@@ -110,6 +110,7 @@ void ModelConfig::validate() const {
 std::vector<std::string> ModelConfig::layer_kinds() const { return expand_layout(layout, num_hidden_layers); }
 
 std::vector<std::string> expand_layout(const std::string& layout, int num_layers) {
+  if (num_layers < 1) throw Error("num_hidden_layers must be >= 1, got " + std::to_string(num_layers));
   std::vector<std::string> kinds;
   std::stringstream ss(layout);
   std::string item;
@@ -121,15 +122,21 @@ std::vector<std::string> expand_layout(const std::string& layout, int num_layers
     auto star = item.find('*');
     if (star != std::string::npos) {
       kind = item.substr(0, star);
+      const std::string n = item.substr(star + 1);
+      size_t used = 0;
       try {
-        count = std::stoi(item.substr(star + 1));
+        count = std::stoi(n, &used);
       } catch (...) {
         count = -1;
       }
-      if (count <= 0) throw Error("layout '" + layout + "': bad repeat count in '" + item + "' (write kind*N with N >= 1)");
+      if (count <= 0 || used != n.size())
+        throw Error("layout '" + layout + "': bad repeat count in '" + item + "' (write kind*N with N >= 1)");
     }
     if (kind.empty()) throw Error("layout '" + layout + "': empty mixer kind");
-    for (int i = 0; i < count; ++i) kinds.push_back(kind);
+    if (count > num_layers - static_cast<int>(kinds.size()))  // checked before expanding: N may be huge
+      throw Error("layout '" + layout + "' describes more than num_hidden_layers = " + std::to_string(num_layers) +
+                  " layers; make them agree");
+    kinds.insert(kinds.end(), count, kind);
   }
   if (items == 1 && layout.find('*') == std::string::npos) kinds.assign(num_layers, kinds.empty() ? "" : kinds[0]);
   if (static_cast<int>(kinds.size()) != num_layers)

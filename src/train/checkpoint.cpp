@@ -1,6 +1,7 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <iomanip>
@@ -10,6 +11,7 @@
 #include "io/json_config.h"
 #include "nn/tensor_io.h"
 #include "util/error.h"
+#include "util/fault.h"
 
 namespace kvx::train {
 
@@ -66,20 +68,30 @@ void save_checkpoint(const std::string& run_dir, const model::Transformer& model
   const std::string final_dir = run_dir + "/" + name.str();
   const std::string tmp_dir = run_dir + "/." + name.str() + ".tmp";
   fs::remove_all(tmp_dir);
-  save_model_dir(tmp_dir, model, tokenizer);
-  nn::save_safetensors(tmp_dir + "/optimizer.safetensors", optimizer.state());
-  nlohmann::json st = {{"step", state.step}, {"sampler_state", state.sampler_state}, {"run_config", state.run_config}};
-  io::write_file_atomic(tmp_dir + "/trainer_state.json", st.dump(2) + "\n");
+  try {
+    save_model_dir(tmp_dir, model, tokenizer);
+    if (fault_at("checkpoint.mid_write")) ::raise(SIGKILL);
+    nn::save_safetensors(tmp_dir + "/optimizer.safetensors", optimizer.state());
+    nlohmann::json st = {{"step", state.step}, {"sampler_state", state.sampler_state}, {"run_config", state.run_config}};
+    io::write_file_atomic(tmp_dir + "/trainer_state.json", st.dump(2) + "\n");
+  } catch (...) {  // e.g. a full disk: the previous checkpoint and LATEST are untouched; free the space
+    std::error_code ec;
+    fs::remove_all(tmp_dir, ec);
+    throw;
+  }
   if (fs::exists(final_dir)) fs::remove_all(final_dir);  // a leftover from an interrupted save of this step
   fs::rename(tmp_dir, final_dir);
   io::fsync_dir(run_dir);
+  if (fault_at("checkpoint.before_latest")) ::raise(SIGKILL);
   io::write_file_atomic(run_dir + "/LATEST", name.str() + "\n");
-  // Drop all but the newest `keep` checkpoints.
-  std::vector<std::string> all;
+  // Drop all but the newest `keep` checkpoints, and saves that a killed run left unfinished.
+  std::vector<std::string> all, unfinished;
   for (const auto& e : fs::directory_iterator(run_dir)) {
     std::string n = e.path().filename().string();
     if (e.is_directory() && n.rfind("ckpt-", 0) == 0) all.push_back(n);
+    if (e.is_directory() && n.rfind(".ckpt-", 0) == 0) unfinished.push_back(n);
   }
+  for (const auto& n : unfinished) fs::remove_all(run_dir + "/" + n);
   std::sort(all.begin(), all.end());
   for (size_t i = 0; i + keep < all.size(); ++i)
     if (all[i] != name.str()) fs::remove_all(run_dir + "/" + all[i]);

@@ -5,19 +5,24 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 #include "eval/evaluate.h"
 #include "eval/plot.h"
 #include "io/atomic_file.h"
+#include "model/memory.h"
 #include "model/transformer.h"
 #include "train/adamw.h"
 #include "train/checkpoint.h"
 #include "util/error.h"
+#include "util/fault.h"
 
 namespace kvx::train {
 
 namespace {
+
+constexpr int kMaxBadSteps = 3, kMaxRollbacks = 3;
 
 std::string format_duration(double s) {
   char buf[32];
@@ -58,7 +63,10 @@ struct LossLog {
     }
   }
   void append(const nlohmann::json& j) {
-    std::ofstream(path, std::ios::app) << j.dump() << "\n";
+    std::ofstream out(path, std::ios::app);
+    out << j.dump() << "\n";
+    out.flush();
+    if (!out) throw Error("cannot append to '" + path + "' (disk full or not writable?); the last checkpoint is intact, --resume once fixed");
     add(j);
   }
   void plot(const std::string& png, const std::string& name) {
@@ -86,7 +94,12 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   if (data.tokenizer.vocab_size() > cfg.model.vocab_size)
     throw Error("the tokenizer has " + std::to_string(data.tokenizer.vocab_size()) + " tokens but model.vocab_size is " +
                 std::to_string(cfg.model.vocab_size));
-  io::make_dirs(args.run_dir);
+  // Refuse what cannot fit before building anything: memory for training, disk for checkpoints
+  // (the one being written besides the kept ones: weights and AdamW's two moments).
+  const std::string job = "training '" + cfg.name + "'";
+  model::require_memory(model::training_memory(cfg.model, opt.batch_size, opt.seq_len), model::available_memory_bytes(), job,
+                        "lower train.batch_size or train.seq_len, or train a smaller model");
+  io::check_output_dir(args.run_dir, 2 * (12.0 * model::parameter_count(cfg.model) + (1 << 20)), job);
   const std::string latest = latest_checkpoint(args.run_dir);
   if (!latest.empty() && !args.resume)
     throw Error("run directory '" + args.run_dir + "' already has a checkpoint (" + latest +
@@ -138,7 +151,8 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   auto t_window = t_start;
   double window_loss = 0;
   int window_steps = 0;
-  const int64_t first_step = step;
+  int64_t first_step = step;
+  int bad_in_a_row = 0, rollbacks = 0;
 
   auto checkpoint = [&] {
     save_checkpoint(args.run_dir, model, data.tokenizer, optimizer, TrainerState{step, sampler.state(), cfg.to_json()});
@@ -155,28 +169,67 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
     log.plot(args.run_dir + "/loss.png", cfg.name);
   };
 
+  // After kMaxBadSteps non-finite steps in a row: back to the last checkpoint, skipping the
+  // batches that led here (as PaLM does after a loss spike); after kMaxRollbacks, give up.
+  auto roll_back = [&] {
+    const std::string ckpt = latest_checkpoint(args.run_dir);
+    const std::string fix = "; lower train.lr (now " + std::to_string(opt.lr) + ") or raise train.warmup";
+    if (ckpt.empty())
+      throw Error("training diverged: non-finite loss or gradients for " + std::to_string(kMaxBadSteps) +
+                  " steps in a row (up to step " + std::to_string(step) + ") before the first checkpoint" + fix);
+    if (++rollbacks > kMaxRollbacks)
+      throw Error("training diverged: non-finite loss or gradients again at step " + std::to_string(step) + " after " +
+                  std::to_string(kMaxRollbacks) + " roll-backs to the last checkpoint" + fix + ", then --resume");
+    const int64_t failed = step;
+    const TrainerState st = load_trainer_state(ckpt, optimizer);
+    model->load_state_dict_hf(nn::load_safetensors(ckpt + "/model.safetensors"), ckpt + "/model.safetensors");
+    sampler.set_state(st.sampler_state);
+    for (int64_t i = st.step; i < failed; ++i) sampler.next();
+    step = first_step = st.step;
+    t_start = t_window = std::chrono::steady_clock::now();
+    window_loss = 0;
+    window_steps = bad_in_a_row = 0;
+    log.load(step);
+    log.append({{"step", step}, {"rolled_back_from", failed}, {"skipped_batches", failed - st.step}});
+    std::fprintf(stderr, "rolled back from step %lld to the checkpoint at step %lld; its %lld batches are skipped\n",
+                 static_cast<long long>(failed), static_cast<long long>(step), static_cast<long long>(failed - step));
+  };
+
   while (step < end) {
     const double lr = learning_rate(opt, static_cast<int>(step));
     auto [x, y] = sampler.next();
     optimizer.zero_grad();
     auto logits = model->forward(x);
     auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
-    loss.backward();
-    double grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), opt.grad_clip);
-    optimizer.step(lr);
-    ++step;
+    if (fault_at("train.nan_loss")) loss = loss * std::numeric_limits<double>::quiet_NaN();
     const double l = loss.item<double>();
-    if (!std::isfinite(l))
-      throw Error("training diverged at step " + std::to_string(step) + " (loss " + std::to_string(l) +
-                  "); lower train.lr or raise train.warmup, then --resume from the last checkpoint");
-    window_loss += l;
-    ++window_steps;
-    if (step % opt.log_every == 0 || step == end) {
+    double grad_norm = std::numeric_limits<double>::quiet_NaN();
+    if (std::isfinite(l)) {
+      loss.backward();
+      grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), opt.grad_clip);
+    }
+    ++step;
+    if (!std::isfinite(l) || !std::isfinite(grad_norm)) {  // never applied: one NaN update poisons every weight
+      const std::string what = std::isfinite(l) ? "non-finite gradient norm" : "non-finite loss";
+      log.append({{"step", step}, {"skipped", what}});
+      std::fprintf(stderr, "step %lld: %s; update skipped (%d in a row)\n", static_cast<long long>(step), what.c_str(),
+                   ++bad_in_a_row);
+      if (bad_in_a_row >= kMaxBadSteps) {
+        roll_back();
+        continue;
+      }
+    } else {
+      optimizer.step(lr);
+      bad_in_a_row = 0;
+      window_loss += l;
+      ++window_steps;
+    }
+    if ((step % opt.log_every == 0 || step == end) && window_steps > 0) {
       auto now = std::chrono::steady_clock::now();
       const double dt = std::chrono::duration<double>(now - t_window).count();
       const double elapsed = std::chrono::duration<double>(now - t_start).count();
       const double tps = window_steps * tokens_per_step / std::max(dt, 1e-9);
-      const double eta = elapsed / (step - first_step) * (end - step);
+      const double eta = elapsed / std::max<int64_t>(step - first_step, 1) * (end - step);
       sum.train_loss = window_loss / window_steps;
       log.append({{"step", step}, {"loss", sum.train_loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"tokens_per_s", tps}});
       if (args.verbose)

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "io/safetensors_format.h"
 #include "util/error.h"
 

@@ -41,8 +41,11 @@ TEST(ModelConfig, BadValuesNameTheFix) {
   j["head_dim"] = 7;
   EXPECT_NE(error_of(j).find("even"), std::string::npos);
   j = good();
-  j["hidden_size"] = "wide";
-  EXPECT_NE(error_of(j).find("wrong type"), std::string::npos);
+  for (const nlohmann::json bad : {nlohmann::json("wide"), nlohmann::json(2e57), nlohmann::json(1.5), nlohmann::json(1ull << 40)}) {
+    j["hidden_size"] = bad;  // never converted silently (2e57 used to overflow inside the JSON library)
+    EXPECT_NE(error_of(j).find("'hidden_size' must be an integer in [-2147483648, 2147483647], got"), std::string::npos)
+        << error_of(j);
+  }
   j = good();
   j.erase("vocab_size");
   EXPECT_NE(error_of(j).find("missing required key 'vocab_size'"), std::string::npos);
@@ -55,6 +58,13 @@ TEST(Layout, Expands) {
   EXPECT_EQ(model::expand_layout("dense", 3), (std::vector<std::string>{"dense", "dense", "dense"}));
   EXPECT_EQ(model::expand_layout("a*2,b", 3), (std::vector<std::string>{"a", "a", "b"}));
   EXPECT_THROW(model::expand_layout("a*0", 1), kvx::Error);
+  EXPECT_THROW(model::expand_layout("a*2x", 2), kvx::Error);  // trailing junk after the count
+  try {  // a huge count is refused before anything is expanded (found by fuzzing: it ran out of memory)
+    model::expand_layout("a*99999999", 4);
+    ADD_FAILURE() << "no error";
+  } catch (const kvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than num_hidden_layers = 4"), std::string::npos) << e.what();
+  }
   EXPECT_THROW(model::expand_layout("a*x", 1), kvx::Error);
 }
 
