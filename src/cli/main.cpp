@@ -20,6 +20,7 @@
 #include "model/sampling.h"
 #include "text/corpus.h"
 #include "train/checkpoint.h"
+#include "train/distributed.h"
 #include "train/dataset.h"
 #include "train/trainer.h"
 #include "util/error.h"
@@ -69,7 +70,12 @@ struct TrainCliArgs {
   std::string config, preset, out, data_dir, init_from;
   bool resume = false, print_config = false;
   int steps = 0;
+  // Data-parallel: --nproc N local workers, or one worker of a multi-machine run.
+  int nproc = 1, world_size = 0, rank = 0, master_port = -1;
+  std::string master_addr = "127.0.0.1";
+  double timeout = 300;
 };
+std::vector<std::string> g_argv;  // this process's arguments, for launching workers
 train::RunConfig run_config_from(const std::string& config, const std::string& preset) {
   if (!config.empty() && !preset.empty()) throw Error("give either --config FILE or --preset NAME, not both");
   if (!config.empty()) return train::load_run_config(config);
@@ -88,8 +94,33 @@ train::TrainSummary cmd_train(const TrainCliArgs& a) {
   args.run_dir = a.out.empty() ? "runs/" + cfg.name : a.out;
   args.resume = a.resume;
   args.init_from = a.init_from;
+  const bool launched = std::getenv("KVX_RANK") != nullptr;  // a worker started by launch_workers
+  if (a.nproc > 1 && a.world_size > 0)
+    throw Error("give --nproc N (N workers on this machine) or --world-size/--rank (one worker of a multi-machine run), not both");
+  if (a.nproc > 1 && !launched) {
+    const int port = train::choose_port(a.master_addr, std::max(a.master_port, 0));
+    std::fprintf(stderr, "launching %d workers (rendezvous at %s:%d; workers 1.. log to %s/workers/)\n", a.nproc,
+                 a.master_addr.c_str(), port, args.run_dir.c_str());
+    const int rc = train::launch_workers(g_argv, a.nproc, a.master_addr, port, args.run_dir + "/workers");
+    if (rc != 0)
+      throw Error("a training worker failed (status " + std::to_string(rc) +
+                  "); the last checkpoint is intact: fix the cause and run again with --resume");
+    return {};
+  }
+  if (launched) {
+    args.distributed = train::DistributedOptions::from_env();
+  } else if (a.world_size > 0) {
+    args.distributed.world_size = a.world_size;
+    args.distributed.rank = a.rank;
+    args.distributed.master_addr = a.master_addr;
+    args.distributed.master_port = a.master_port < 0 ? 29500 : a.master_port;
+  }
+  args.distributed.timeout_seconds = a.timeout;
+  args.distributed.validate();
+  if (launched) torch::set_num_threads(std::max(1, hardware_threads() / args.distributed.world_size));  // share the cores
   auto data = train::prepare_training_data(cfg);
   auto s = train::run_training(args, data);
+  if (args.distributed.rank != 0) return s;
   std::printf("trained %s to step %lld in %.0f s (%.0f tokens/s): train loss %.4f, validation CE %.4f (%.3f bits/byte), "
               "unigram CE %.4f\nmodel: %s\n",
               cfg.name.c_str(), static_cast<long long>(s.step), s.seconds, s.tokens_per_second, s.train_loss,
@@ -430,6 +461,7 @@ void cmd_demo(const std::string& out, const std::string& data_dir) {
 
 int main(int argc, char** argv) {
   ensure_passive_openmp(argv);
+  g_argv.assign(argv, argv + argc);
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
     std::cerr << "kvx: error: this CPU lacks AVX2/FMA, which kvx's decode kernels are built for (x86-64-v3)\n";
@@ -467,6 +499,12 @@ int main(int argc, char** argv) {
   train_cmd->add_flag("--resume", tr.resume, "continue from the run directory's latest checkpoint");
   train_cmd->add_option("--init-from", tr.init_from, "fine-tune: start from this model directory's weights (same model config)");
   train_cmd->add_flag("--print-config", tr.print_config, "print the resolved run config as JSON and exit");
+  train_cmd->add_option("--nproc", tr.nproc, "data-parallel workers on this machine (Gloo; train.batch_size is per worker)");
+  train_cmd->add_option("--world-size", tr.world_size, "multi-machine data parallelism: total workers (with --rank)");
+  train_cmd->add_option("--rank", tr.rank, "this worker's rank in [0, world size)");
+  train_cmd->add_option("--master-addr", tr.master_addr, "rank 0's address for the rendezvous (default 127.0.0.1)");
+  train_cmd->add_option("--master-port", tr.master_port, "rendezvous port (default: a free one with --nproc, 29500 otherwise)");
+  train_cmd->add_option("--timeout", tr.timeout, "seconds to wait for another worker before failing (default 300)");
 
   GenerateArgs gen;
   auto* gen_cmd = app.add_subcommand("generate", "generate text with the KV cache");

@@ -110,7 +110,9 @@ void ModelConfig::validate() const {
 std::vector<std::string> ModelConfig::layer_kinds() const { return expand_layout(layout, num_hidden_layers); }
 
 std::vector<std::string> expand_layout(const std::string& layout, int num_layers) {
-  if (num_layers < 1) throw Error("num_hidden_layers must be >= 1, got " + std::to_string(num_layers));
+  constexpr int kMaxLayers = 1 << 16;  // a sanity bound: the layout is expanded into one entry per layer
+  if (num_layers < 1 || num_layers > kMaxLayers)
+    throw Error("num_hidden_layers must be in [1, " + std::to_string(kMaxLayers) + "], got " + std::to_string(num_layers));
   std::vector<std::string> kinds;
   std::stringstream ss(layout);
   std::string item;

@@ -72,7 +72,11 @@ void save_checkpoint(const std::string& run_dir, const model::Transformer& model
     save_model_dir(tmp_dir, model, tokenizer);
     if (fault_at("checkpoint.mid_write")) ::raise(SIGKILL);
     nn::save_safetensors(tmp_dir + "/optimizer.safetensors", optimizer.state());
-    nlohmann::json st = {{"step", state.step}, {"sampler_state", state.sampler_state}, {"run_config", state.run_config}};
+    nlohmann::json st = {{"step", state.step}, {"run_config", state.run_config}};
+    if (state.sampler_states.size() == 1)
+      st["sampler_state"] = state.sampler_states[0];
+    else
+      st["sampler_states"] = state.sampler_states;  // data-parallel: one per worker
     io::write_file_atomic(tmp_dir + "/trainer_state.json", st.dump(2) + "\n");
   } catch (...) {  // e.g. a full disk: the previous checkpoint and LATEST are untouched; free the space
     std::error_code ec;
@@ -102,7 +106,10 @@ TrainerState load_trainer_state(const std::string& dir, AdamW& optimizer) {
   TrainerState s;
   try {
     s.step = j.at("step").get<int64_t>();
-    s.sampler_state = j.at("sampler_state").get<std::string>();
+    if (j.contains("sampler_states"))
+      s.sampler_states = j.at("sampler_states").get<std::vector<std::string>>();
+    else
+      s.sampler_states = {j.at("sampler_state").get<std::string>()};
     s.run_config = j.at("run_config");
   } catch (const std::exception& e) {
     throw Error(dir + "/trainer_state.json is incomplete (" + e.what() + "); the checkpoint cannot be resumed");

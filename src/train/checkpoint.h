@@ -8,6 +8,7 @@
 #pragma once
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "model/transformer.h"
 #include "text/bpe.h"
@@ -17,7 +18,7 @@ namespace kvx::train {
 
 struct TrainerState {
   int64_t step = 0;
-  std::string sampler_state;
+  std::vector<std::string> sampler_states;  // one per data-parallel worker, in rank order
   nlohmann::json run_config;
 };
 

@@ -87,32 +87,50 @@ text::MqarSpec mqar_spec(int vocab_size, int pairs, int length, int symbols) {
   return text::MqarSpec::for_vocab(vocab_size, pairs, std::max(1, (length - 2 * pairs) / 2), length, symbols);
 }
 
-BatchSampler::BatchSampler(const std::vector<int32_t>* tokens, int batch, int seq_len, uint64_t seed, MqarMix mix)
-    : tokens_(tokens), batch_(batch), seq_len_(seq_len), mix_(mix), rng_(seed) {
+BatchSampler::BatchSampler(const std::vector<int32_t>* tokens, int batch, int seq_len, uint64_t seed, MqarMix mix,
+                           DataShards shards)
+    : batch_(batch), seq_len_(seq_len), mix_(mix) {
   if (mix_.fraction > 0) mqar_spec(mix_.vocab_size, mix_.max_pairs, seq_len + 1, mix_.symbols);  // validates
-  if (static_cast<int64_t>(tokens->size()) < seq_len + 1)
-    throw Error("training split has " + std::to_string(tokens->size()) + " tokens, fewer than seq_len + 1 = " +
-                std::to_string(seq_len + 1) + "; use more data or a shorter seq_len");
+  if (shards.total < 1 || shards.count < 1 || shards.first < 0 || shards.first + shards.count > shards.total)
+    throw Error("data shards [" + std::to_string(shards.first) + ", " + std::to_string(shards.first + shards.count) +
+                ") do not lie within the " + std::to_string(shards.total) + " shards");
+  if (batch % shards.count != 0)
+    throw Error("batch_size " + std::to_string(batch) + " does not split evenly over " + std::to_string(shards.count) +
+                " data shards");
+  const int64_t n = static_cast<int64_t>(tokens->size());
+  for (int s = shards.first; s < shards.first + shards.count; ++s) {
+    const int64_t lo = n * s / shards.total, hi = n * (s + 1) / shards.total;
+    if (hi - lo < seq_len + 1)
+      throw Error("training split has " + std::to_string(hi - lo) + " tokens" +
+                  (shards.total > 1 ? " per data shard (" + std::to_string(shards.total) + " shards)" : std::string()) +
+                  ", fewer than seq_len + 1 = " + std::to_string(seq_len + 1) + "; use more data or a shorter seq_len");
+    // One shard keeps the plain seed (runs before sharding existed sample the same windows).
+    const uint64_t shard_seed = shards.total == 1 ? seed : seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(s + 1);
+    shards_.push_back({tokens->data() + lo, hi - lo, std::mt19937_64(shard_seed)});
+  }
 }
 
 std::pair<torch::Tensor, torch::Tensor> BatchSampler::next() {
-  const int64_t span = static_cast<int64_t>(tokens_->size()) - seq_len_ - 1;
   auto x = torch::empty({batch_, seq_len_}, torch::kLong);
   auto y = torch::empty({batch_, seq_len_}, torch::kLong);
   int64_t* px = x.data_ptr<int64_t>();
   int64_t* py = y.data_ptr<int64_t>();
+  const int rows = batch_ / static_cast<int>(shards_.size());
   for (int b = 0; b < batch_; ++b) {
-    if (mix_.fraction > 0 && static_cast<double>(rng_() % 1000000) < mix_.fraction * 1e6) {
-      const int pairs = 1 + static_cast<int>(rng_() % static_cast<uint64_t>(mix_.max_pairs));
-      auto seq = text::make_mqar(mqar_spec(mix_.vocab_size, pairs, seq_len_ + 1, mix_.symbols), rng_);
+    Shard& sh = shards_[b / rows];
+    auto& rng = sh.rng;
+    if (mix_.fraction > 0 && static_cast<double>(rng() % 1000000) < mix_.fraction * 1e6) {
+      const int pairs = 1 + static_cast<int>(rng() % static_cast<uint64_t>(mix_.max_pairs));
+      auto seq = text::make_mqar(mqar_spec(mix_.vocab_size, pairs, seq_len_ + 1, mix_.symbols), rng);
       for (int t = 0; t < seq_len_; ++t) {
         px[b * seq_len_ + t] = seq.tokens[t];
         py[b * seq_len_ + t] = seq.answer[t] >= 0 ? seq.answer[t] : kIgnoreTarget;
       }
       continue;
     }
-    int64_t start = span > 0 ? static_cast<int64_t>(rng_() % static_cast<uint64_t>(span + 1)) : 0;
-    const int32_t* src = tokens_->data() + start;
+    const int64_t span = sh.size - seq_len_ - 1;
+    int64_t start = span > 0 ? static_cast<int64_t>(rng() % static_cast<uint64_t>(span + 1)) : 0;
+    const int32_t* src = sh.tokens + start;
     for (int t = 0; t < seq_len_; ++t) {
       px[b * seq_len_ + t] = src[t];
       py[b * seq_len_ + t] = src[t + 1];
@@ -123,14 +141,22 @@ std::pair<torch::Tensor, torch::Tensor> BatchSampler::next() {
 
 std::string BatchSampler::state() const {
   std::ostringstream ss;
-  ss << rng_;
+  for (size_t i = 0; i < shards_.size(); ++i) ss << (i ? "|" : "") << shards_[i].rng;
   return ss.str();
 }
 
 void BatchSampler::set_state(const std::string& s) {
-  std::istringstream ss(s);
-  ss >> rng_;
-  if (ss.fail()) throw Error("checkpoint: the data sampler state is corrupt; the checkpoint cannot be resumed");
+  std::vector<std::string> parts;
+  std::istringstream all(s);
+  for (std::string one; std::getline(all, one, '|');) parts.push_back(one);
+  if (parts.size() != shards_.size())
+    throw Error("checkpoint: the data sampler state is for " + std::to_string(parts.size()) + " data shards, this run has " +
+                std::to_string(shards_.size()) + "; resume with the number of workers (--nproc) it was trained with");
+  for (size_t i = 0; i < parts.size(); ++i) {
+    std::istringstream ss(parts[i]);
+    ss >> shards_[i].rng;
+    if (ss.fail()) throw Error("checkpoint: the data sampler state is corrupt; the checkpoint cannot be resumed");
+  }
 }
 
 std::vector<std::pair<torch::Tensor, torch::Tensor>> evaluation_batches(const std::vector<int32_t>& tokens, int count,

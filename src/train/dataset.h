@@ -38,19 +38,32 @@ constexpr int64_t kIgnoreTarget = -100;  // torch cross_entropy's default ignore
 // The MQAR rows' layout at `pairs`: queries fill the rest of a window of `length` tokens.
 text::MqarSpec mqar_spec(int vocab_size, int pairs, int length, int symbols);
 
+// Data-parallel sharding: the tokens split into `total` equal contiguous shards, of which this
+// sampler draws from [first, first + count), batch / count rows from each with the shard's own
+// RNG. Worker r of N owns {r, 1, N}; one process owning {0, N, N} with N times the batch draws
+// exactly the rows the N workers draw together (the data-parallel equivalence test uses this).
+struct DataShards {
+  int first = 0, count = 1, total = 1;
+};
+
 // Random windows of seq_len + 1 tokens; inputs are the first seq_len, targets the last seq_len.
 class BatchSampler {
  public:
-  BatchSampler(const std::vector<int32_t>* tokens, int batch, int seq_len, uint64_t seed, MqarMix mix = {});
+  BatchSampler(const std::vector<int32_t>* tokens, int batch, int seq_len, uint64_t seed, MqarMix mix = {},
+               DataShards shards = {});
   std::pair<torch::Tensor, torch::Tensor> next();  // [B, T] int64 each
-  std::string state() const;                       // the RNG state, for checkpoints
+  std::string state() const;                       // the RNG states, for checkpoints
   void set_state(const std::string& s);
 
  private:
-  const std::vector<int32_t>* tokens_;
+  struct Shard {
+    const int32_t* tokens;
+    int64_t size;
+    std::mt19937_64 rng;
+  };
+  std::vector<Shard> shards_;
   int batch_, seq_len_;
   MqarMix mix_;
-  std::mt19937_64 rng_;
 };
 
 // `count` windows of seq_len + 1 tokens spread evenly over the tokens (deterministic), as

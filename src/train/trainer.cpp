@@ -1,6 +1,9 @@
 #include "train/trainer.h"
 
 #include <chrono>
+#include <csignal>
+#include <functional>
+#include <memory>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -15,6 +18,7 @@
 #include "model/transformer.h"
 #include "train/adamw.h"
 #include "train/checkpoint.h"
+#include "train/distributed.h"
 #include "util/error.h"
 #include "util/fault.h"
 
@@ -99,54 +103,119 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   const std::string job = "training '" + cfg.name + "'";
   model::require_memory(model::training_memory(cfg.model, opt.batch_size, opt.seq_len), model::available_memory_bytes(), job,
                         "lower train.batch_size or train.seq_len, or train a smaller model");
-  io::check_output_dir(args.run_dir, 2 * (12.0 * model::parameter_count(cfg.model) + (1 << 20)), job);
-  const std::string latest = latest_checkpoint(args.run_dir);
-  if (!latest.empty() && !args.resume)
-    throw Error("run directory '" + args.run_dir + "' already has a checkpoint (" + latest +
-                "); pass --resume to continue it or --out to start a new run elsewhere");
+
+  // Data-parallel workers (distributed.h): rank 0 alone reads and writes the run directory and
+  // sends what the others need (weights, optimizer state, sampler states, decisions).
+  std::unique_ptr<ProcessGroup> group;
+  if (args.distributed.enabled()) group = std::make_unique<ProcessGroup>(args.distributed);
+  const bool root = !group || group->is_root();
+  const int rank = group ? group->rank() : 0, world = group ? group->world_size() : 1;
+  const bool verbose = args.verbose && root;
+  // Runs `decide` on rank 0 and gives every rank its result, or its error.
+  auto agree = [&](const std::function<std::string()>& decide) {
+    std::string value, error;
+    if (root) try {
+        value = decide();
+      } catch (const Error& e) {
+        error = e.what();
+      }
+    if (group) {
+      const auto j = nlohmann::json::parse(group->broadcast_string(nlohmann::json{{"value", value}, {"error", error}}.dump()));
+      value = j["value"].get<std::string>();
+      error = j["error"].get<std::string>();
+    }
+    if (!error.empty()) throw Error(error);
+    return value;
+  };
+  const std::string latest = agree([&] {
+    io::check_output_dir(args.run_dir, 2 * (12.0 * model::parameter_count(cfg.model) + (1 << 20)), job);
+    const std::string l = latest_checkpoint(args.run_dir);
+    if (!l.empty() && !args.resume)
+      throw Error("run directory '" + args.run_dir + "' already has a checkpoint (" + l +
+                  "); pass --resume to continue it or --out to start a new run elsewhere");
+    return l;
+  });
 
   torch::manual_seed(opt.seed);
   model::Transformer model(cfg.model);
-  if (!args.init_from.empty() && latest.empty()) {  // fine-tuning: start from given weights (a resumed run has its own)
+  if (!args.init_from.empty() && latest.empty() && root) {  // fine-tuning: start from given weights (a resumed run has its own)
     const std::string dir = resolve_model_dir(args.init_from);
     model->load_state_dict_hf(nn::load_safetensors(dir + "/model.safetensors"), dir + "/model.safetensors");
-    if (args.verbose) std::cerr << "initialised from " << dir << "\n";
+    if (verbose) std::cerr << "initialised from " << dir << "\n";
   }
   model->train();
   AdamW optimizer(model->named_parameters().pairs(),
                   AdamWOptions{opt.beta1, opt.beta2, opt.eps, opt.weight_decay});
+  const int shards = args.data_shards > 0 ? args.data_shards : world;
+  if (shards % world != 0)
+    throw Error("data shards (" + std::to_string(shards) + ") must be a multiple of the number of workers (" +
+                std::to_string(world) + ")");
   BatchSampler sampler(&data.train.tokens, opt.batch_size, opt.seq_len, opt.seed,
-                       MqarMix{cfg.data.mqar_fraction, cfg.data.mqar_max_pairs, cfg.model.vocab_size, cfg.data.mqar_symbols});
+                       MqarMix{cfg.data.mqar_fraction, cfg.data.mqar_max_pairs, cfg.model.vocab_size, cfg.data.mqar_symbols},
+                       DataShards{rank * shards / world, shards / world, shards});
+  std::vector<torch::Tensor> params = model->parameters();
+  std::unique_ptr<GradientBuckets> buckets;
+  if (group) buckets = std::make_unique<GradientBuckets>(*group, params);
   int64_t step = 0;
+
+  // Loads checkpoint `ckpt` (read by rank 0, sent to the others); returns its step and leaves
+  // every rank's sampler where its worker was.
+  auto restore = [&](const std::string& ckpt) {
+    TrainerState st;
+    std::string err;
+    if (root) {
+      st = load_trainer_state(ckpt, optimizer);
+      if (RunConfig::from_json(st.run_config).model.to_json() != cfg.model.to_json())
+        err = ckpt + ": the checkpoint's model config differs from the given config; resume with the same config (see " +
+              ckpt + "/trainer_state.json) or train into a new --out directory";
+      else if (static_cast<int>(st.sampler_states.size()) != world)
+        err = ckpt + " was written by " + std::to_string(st.sampler_states.size()) + " data-parallel workers; resume it with --nproc " +
+              std::to_string(st.sampler_states.size());
+      else
+        model->load_state_dict_hf(nn::load_safetensors(ckpt + "/model.safetensors"), ckpt + "/model.safetensors");
+    }
+    const auto j = nlohmann::json::parse(agree([&] {
+      if (!err.empty()) throw Error(err);
+      return nlohmann::json{{"step", st.step}, {"samplers", st.sampler_states}}.dump();
+    }));
+    if (group) {
+      group->broadcast(params);
+      auto state = optimizer.state();
+      std::vector<torch::Tensor> tensors;
+      for (auto& [name, t] : state) tensors.push_back(t);
+      group->broadcast(tensors);
+      optimizer.load_state(state, "optimizer state from rank 0");
+    }
+    sampler.set_state(j["samplers"][rank].get<std::string>());
+    return j["step"].get<int64_t>();
+  };
 
   LossLog log;
   log.path = args.run_dir + "/log.jsonl";
   if (args.resume && !latest.empty()) {
-    TrainerState st = load_trainer_state(latest, optimizer);
-    auto saved = RunConfig::from_json(st.run_config);
-    if (saved.model.to_json() != cfg.model.to_json())
-      throw Error(latest + ": the checkpoint's model config differs from the given config; resume with the same config "
-                  "(see " + latest + "/trainer_state.json) or train into a new --out directory");
-    model->load_state_dict_hf(nn::load_safetensors(latest + "/model.safetensors"), latest + "/model.safetensors");
-    sampler.set_state(st.sampler_state);
-    step = st.step;
-    if (args.verbose) std::cerr << "resuming " << args.run_dir << " from step " << step << "\n";
+    step = restore(latest);
+    if (verbose) std::cerr << "resuming " << args.run_dir << " from step " << step << "\n";
+  } else if (group) {
+    group->broadcast(params);  // identical initial weights everywhere
   }
-  log.load(step);
-  io::write_file_atomic(args.run_dir + "/run_config.json", cfg.to_json().dump(2) + "\n");
+  if (root) {
+    log.load(step);
+    io::write_file_atomic(args.run_dir + "/run_config.json", cfg.to_json().dump(2) + "\n");
+  }
 
   auto val_batches = evaluation_batches(data.validation.tokens, opt.eval_batches * opt.batch_size, opt.batch_size, opt.seq_len);
   const eval::LmQuality unigram = eval::unigram_quality(data.train.tokens, cfg.model.vocab_size, val_batches, data.tokenizer);
-  if (args.verbose)
+  if (verbose)
     std::cerr << "model: " << model->num_parameters() << " parameters (" << model->num_parameters(false)
               << " without embeddings), KV cache " << model->kv_bytes_per_token() << " bytes/token; "
-              << data.train.tokens.size() << " training tokens\n";
+              << data.train.tokens.size() << " training tokens"
+              << (group ? ", " + std::to_string(world) + " data-parallel workers" : std::string()) << "\n";
 
   TrainSummary sum;
   sum.run_dir = args.run_dir;
   sum.unigram_cross_entropy = unigram.cross_entropy;
   const int64_t end = args.stop_after >= 0 ? std::min<int64_t>(args.stop_after, opt.steps) : opt.steps;
-  const int64_t tokens_per_step = static_cast<int64_t>(opt.batch_size) * opt.seq_len;
+  const int64_t tokens_per_step = static_cast<int64_t>(opt.batch_size) * opt.seq_len * world;
   auto t_start = std::chrono::steady_clock::now();
   auto t_window = t_start;
   double window_loss = 0;
@@ -155,14 +224,16 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   int bad_in_a_row = 0, rollbacks = 0;
 
   auto checkpoint = [&] {
-    save_checkpoint(args.run_dir, model, data.tokenizer, optimizer, TrainerState{step, sampler.state(), cfg.to_json()});
+    std::vector<std::string> samplers = group ? group->gather_strings(sampler.state()) : std::vector<std::string>{sampler.state()};
+    if (root) save_checkpoint(args.run_dir, model, data.tokenizer, optimizer, TrainerState{step, samplers, cfg.to_json()});
   };
   auto evaluate = [&] {
+    if (!root) return;
     auto q = eval::evaluate_lm(model, val_batches, data.tokenizer);
     sum.val_cross_entropy = q.cross_entropy;
     sum.val_bits_per_byte = q.bits_per_byte;
     log.append({{"step", step}, {"val_ce", q.cross_entropy}, {"val_bpb", q.bits_per_byte}, {"unigram_ce", unigram.cross_entropy}});
-    if (args.verbose) {
+    if (verbose) {
       std::fprintf(stderr, "eval  step %lld | validation CE %.4f (ppl %.1f, %.3f bits/byte) | unigram CE %.4f\n",
                    static_cast<long long>(step), q.cross_entropy, q.perplexity, q.bits_per_byte, unigram.cross_entropy);
     }
@@ -172,27 +243,30 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   // After kMaxBadSteps non-finite steps in a row: back to the last checkpoint, skipping the
   // batches that led here (as PaLM does after a loss spike); after kMaxRollbacks, give up.
   auto roll_back = [&] {
-    const std::string ckpt = latest_checkpoint(args.run_dir);
-    const std::string fix = "; lower train.lr (now " + std::to_string(opt.lr) + ") or raise train.warmup";
-    if (ckpt.empty())
-      throw Error("training diverged: non-finite loss or gradients for " + std::to_string(kMaxBadSteps) +
-                  " steps in a row (up to step " + std::to_string(step) + ") before the first checkpoint" + fix);
-    if (++rollbacks > kMaxRollbacks)
-      throw Error("training diverged: non-finite loss or gradients again at step " + std::to_string(step) + " after " +
-                  std::to_string(kMaxRollbacks) + " roll-backs to the last checkpoint" + fix + ", then --resume");
     const int64_t failed = step;
-    const TrainerState st = load_trainer_state(ckpt, optimizer);
-    model->load_state_dict_hf(nn::load_safetensors(ckpt + "/model.safetensors"), ckpt + "/model.safetensors");
-    sampler.set_state(st.sampler_state);
-    for (int64_t i = st.step; i < failed; ++i) sampler.next();
-    step = first_step = st.step;
+    const std::string ckpt = agree([&] {
+      const std::string c = latest_checkpoint(args.run_dir);
+      const std::string fix = "; lower train.lr (now " + std::to_string(opt.lr) + ") or raise train.warmup";
+      if (c.empty())
+        throw Error("training diverged: non-finite loss or gradients for " + std::to_string(kMaxBadSteps) +
+                    " steps in a row (up to step " + std::to_string(failed) + ") before the first checkpoint" + fix);
+      if (rollbacks + 1 > kMaxRollbacks)
+        throw Error("training diverged: non-finite loss or gradients again at step " + std::to_string(failed) + " after " +
+                    std::to_string(kMaxRollbacks) + " roll-backs to the last checkpoint" + fix + ", then --resume");
+      return c;
+    });
+    ++rollbacks;
+    step = first_step = restore(ckpt);
+    for (int64_t i = step; i < failed; ++i) sampler.next();
     t_start = t_window = std::chrono::steady_clock::now();
     window_loss = 0;
     window_steps = bad_in_a_row = 0;
-    log.load(step);
-    log.append({{"step", step}, {"rolled_back_from", failed}, {"skipped_batches", failed - st.step}});
-    std::fprintf(stderr, "rolled back from step %lld to the checkpoint at step %lld; its %lld batches are skipped\n",
-                 static_cast<long long>(failed), static_cast<long long>(step), static_cast<long long>(failed - step));
+    if (root) {
+      log.load(step);
+      log.append({{"step", step}, {"rolled_back_from", failed}, {"skipped_batches", failed - step}});
+      std::fprintf(stderr, "rolled back from step %lld to the checkpoint at step %lld; its %lld batches are skipped\n",
+                   static_cast<long long>(failed), static_cast<long long>(step), static_cast<long long>(failed - step));
+    }
   };
 
   while (step < end) {
@@ -202,18 +276,19 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
     auto logits = model->forward(x);
     auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
     if (fault_at("train.nan_loss")) loss = loss * std::numeric_limits<double>::quiet_NaN();
-    const double l = loss.item<double>();
-    double grad_norm = std::numeric_limits<double>::quiet_NaN();
-    if (std::isfinite(l)) {
-      loss.backward();
-      grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), opt.grad_clip);
-    }
+    loss.backward();  // also when not finite: every worker's hooks must run (the step is then skipped)
+    if (buckets) buckets->finish();
+    const double l = group ? group->mean(loss.item<double>()) : loss.item<double>();
+    const double grad_norm = torch::nn::utils::clip_grad_norm_(params, opt.grad_clip);
     ++step;
     if (!std::isfinite(l) || !std::isfinite(grad_norm)) {  // never applied: one NaN update poisons every weight
       const std::string what = std::isfinite(l) ? "non-finite gradient norm" : "non-finite loss";
-      log.append({{"step", step}, {"skipped", what}});
-      std::fprintf(stderr, "step %lld: %s; update skipped (%d in a row)\n", static_cast<long long>(step), what.c_str(),
-                   ++bad_in_a_row);
+      ++bad_in_a_row;
+      if (root) {
+        log.append({{"step", step}, {"skipped", what}});
+        std::fprintf(stderr, "step %lld: %s; update skipped (%d in a row)\n", static_cast<long long>(step), what.c_str(),
+                     bad_in_a_row);
+      }
       if (bad_in_a_row >= kMaxBadSteps) {
         roll_back();
         continue;
@@ -224,6 +299,7 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
       window_loss += l;
       ++window_steps;
     }
+    if (fault_at("train.kill")) ::raise(SIGKILL);
     if ((step % opt.log_every == 0 || step == end) && window_steps > 0) {
       auto now = std::chrono::steady_clock::now();
       const double dt = std::chrono::duration<double>(now - t_window).count();
@@ -231,8 +307,12 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
       const double tps = window_steps * tokens_per_step / std::max(dt, 1e-9);
       const double eta = elapsed / std::max<int64_t>(step - first_step, 1) * (end - step);
       sum.train_loss = window_loss / window_steps;
-      log.append({{"step", step}, {"loss", sum.train_loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"tokens_per_s", tps}});
-      if (args.verbose)
+      if (root) {
+        nlohmann::json row = {{"step", step}, {"loss", sum.train_loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"tokens_per_s", tps}};
+        if (buckets) row["allreduce_wait_s"] = buckets->seconds_waiting();
+        log.append(row);
+      }
+      if (verbose)
         std::fprintf(stderr, "step %5lld/%d | loss %.4f | lr %.2e | grad %.2f | %.0f tok/s | %s elapsed, ETA %s\n",
                      static_cast<long long>(step), opt.steps, sum.train_loss, lr, grad_norm, tps,
                      format_duration(elapsed).c_str(), format_duration(eta).c_str());
@@ -247,6 +327,7 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   sum.step = step;
   sum.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   sum.tokens_per_second = (step - first_step) * tokens_per_step / std::max(sum.seconds, 1e-9);
+  if (buckets) sum.allreduce_wait_seconds = buckets->seconds_waiting();
   return sum;
 }
 

@@ -5,6 +5,7 @@
 
 #include "text/bpe.h"
 #include "train/dataset.h"
+#include "train/distributed.h"
 #include "train/train_config.h"
 
 namespace kvx::train {
@@ -24,6 +25,8 @@ struct TrainArgs {
   int stop_after = -1;       // stop (after checkpointing) once this step is reached; -1 = run to the end
   bool verbose = true;
   std::string init_from;     // a model directory whose weights start a fresh run (fine-tuning); must match the config
+  DistributedOptions distributed;  // data-parallel workers (world_size > 1); train.batch_size is per worker
+  int data_shards = 0;       // data shards (0: one per worker); a multiple of the workers (dataset.h, DataShards)
 };
 
 struct TrainSummary {
@@ -31,7 +34,8 @@ struct TrainSummary {
   double train_loss = 0;     // mean of the last log window
   double val_cross_entropy = 0, val_bits_per_byte = 0;
   double unigram_cross_entropy = 0;
-  double seconds = 0, tokens_per_second = 0;
+  double seconds = 0, tokens_per_second = 0;     // tokens of every worker
+  double allreduce_wait_seconds = 0;             // data-parallel: waiting for gradients, not overlapped with backward
   std::string run_dir;
 };
 

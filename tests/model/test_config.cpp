@@ -59,6 +59,7 @@ TEST(Layout, Expands) {
   EXPECT_EQ(model::expand_layout("a*2,b", 3), (std::vector<std::string>{"a", "a", "b"}));
   EXPECT_THROW(model::expand_layout("a*0", 1), kvx::Error);
   EXPECT_THROW(model::expand_layout("a*2x", 2), kvx::Error);  // trailing junk after the count
+  EXPECT_THROW(model::expand_layout("a", 428207405), kvx::Error);  // found by fuzzing: 428M layer entries
   try {  // a huge count is refused before anything is expanded (found by fuzzing: it ran out of memory)
     model::expand_layout("a*99999999", 4);
     ADD_FAILURE() << "no error";
