@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 packages=(cmake make g++ git ccache pkg-config libtorch-dev libopenblas0-pthread libcli11-dev
           nlohmann-json3-dev libgtest-dev googletest bible-kjv gnuplot-nox fonts-dejavu-core
-          clang libclang-rt-14-dev libomp-dev)  # the last three: the sanitizer and fuzzing build (test.sh)
+          libgloo-dev clang libclang-rt-14-dev libomp-dev)  # Gloo headers (c10d); then the sanitizer and fuzzing build
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

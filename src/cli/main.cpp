@@ -535,12 +535,13 @@ int main(int argc, char** argv) {
   auto* bench = app.add_subcommand("bench", "benchmarks measured against this machine's own reference");
   bench->require_subcommand(1);
   std::string bench_preset = "tiny";
-  int bench_steps = 10, bench_vocab = 4096;
+  int bench_steps = 10, bench_vocab = 4096, bench_nproc = 1;
   bool bench_json = false;
   std::string bench_data;
   auto* bench_train = bench->add_subcommand("train", "training tokens/s and GFLOP/s vs this machine's sgemm GFLOP/s");
   bench_train->add_option("--preset", bench_preset, "run config preset (default tiny)");
   bench_train->add_option("--steps", bench_steps, "timed steps (default 10)");
+  bench_train->add_option("--nproc", bench_nproc, "also time N data-parallel workers (Gloo) and the all-reduce's share");
   bench_train->add_flag("--json", bench_json, "print JSON");
   auto* bench_tok = bench->add_subcommand("tokenizer", "BPE training and encoding MB/s on the Brown corpus");
   bench_tok->add_option("--vocab", bench_vocab, "vocabulary size (default 4096)");
@@ -617,7 +618,37 @@ int main(int argc, char** argv) {
     if (train_cmd->parsed()) cmd_train(tr);
     if (gen_cmd->parsed()) cmd_generate(gen, true);
     if (eval_cmd->parsed()) cmd_eval(ev);
-    if (bench_train->parsed()) {
+    if (bench_train->parsed() && std::getenv("KVX_RANK")) {  // a data-parallel worker of the launcher below
+      const auto cfg = train::preset(bench_preset);
+      torch::set_num_threads(std::max(1, hardware_threads() / train::DistributedOptions::from_env().world_size));
+      auto j = eval::bench_train_worker(cfg, bench_steps);
+      if (!j.is_null()) io::write_file_atomic(std::getenv("KVX_BENCH_OUT"), j.dump());
+    } else if (bench_train->parsed() && bench_nproc > 1) {
+      auto j = eval::bench_train_data_parallel(train::preset(bench_preset), bench_steps, bench_nproc, g_argv, !bench_json);
+      if (bench_json) {
+        std::cout << j.dump(2) << "\n";
+      } else {
+        const auto &one = j["single"], &dp = j["data_parallel"];
+        std::printf("train %s, batch %d x %d per worker\n"
+                    "  1 worker  (%d threads):            %8.0f tokens/s\n"
+                    "  %d workers (%d thread(s) each):     %8.0f tokens/s = %.2fx; all-reduce waits %.1f%% of a step\n"
+                    "  gradient %.1f MB per step; blocking all-reduce over loopback %.1f ms (%.2f GB/s ring traffic)\n"
+                    "projection, N machines like this one (step %.0f ms of compute at batch %d):\n",
+                    one["preset"].get<std::string>().c_str(), one["batch_size"].get<int>(), one["seq_len"].get<int>(),
+                    one["threads"].get<int>(), one["tokens_per_second"].get<double>(), dp["workers"].get<int>(),
+                    dp["threads_per_worker"].get<int>(), dp["tokens_per_second"].get<double>(),
+                    j["speedup_measured"].get<double>(), 100 * dp["allreduce_wait_share"].get<double>(),
+                    dp["gradient_bytes"].get<double>() / 1e6, 1e3 * dp["blocking_allreduce_seconds"].get<double>(),
+                    j["loopback_allreduce_gbytes_s"].get<double>(), 1e3 * one["seconds_per_step"].get<double>(),
+                    one["batch_size"].get<int>());
+        std::printf("  %8s %8s %14s %18s %18s\n", "machines", "Gbit/s", "all-reduce ms", "speed-up (serial)",
+                    "speed-up (overlap)");
+        for (const auto& p : j["projection"])
+          std::printf("  %8d %8.0f %14.1f %17.2fx %17.2fx\n", p["machines"].get<int>(), p["network_gbit_s"].get<double>(),
+                      1e3 * p["allreduce_seconds"].get<double>(), p["speedup_no_overlap"].get<double>(),
+                      p["speedup_full_overlap"].get<double>());
+      }
+    } else if (bench_train->parsed()) {
       auto j = eval::bench_train(train::preset(bench_preset), bench_steps, !bench_json);
       if (bench_json) {
         std::cout << j.dump(2) << "\n";

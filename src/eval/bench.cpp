@@ -6,16 +6,20 @@
 #include <cstdio>
 #include <iostream>
 #include <random>
+#include <filesystem>
+#include <unistd.h>
 
 #include "attention/dense.h"
 #include "kernels/decode_attention.h"
 #include "kernels/lrkv_decode.h"
 #include "kernels/compute_peak.h"
 #include "kernels/memory_bandwidth.h"
+#include "io/atomic_file.h"
 #include "model/transformer.h"
 #include "text/bpe.h"
 #include "text/corpus.h"
 #include "train/adamw.h"
+#include "train/distributed.h"
 #include "util/error.h"
 
 namespace kvx::eval {
@@ -98,6 +102,91 @@ nlohmann::json bench_train(const train::RunConfig& cfg, int steps, bool verbose)
           {"achieved_gflops", achieved},
           {"sgemm_gflops_1024", sgemm},
           {"ratio_to_sgemm", achieved / sgemm}};
+}
+
+nlohmann::json bench_train_worker(const train::RunConfig& cfg, int steps) {
+  const auto opts = train::DistributedOptions::from_env();
+  train::ProcessGroup group(opts);
+  const auto& t = cfg.train;
+  torch::manual_seed(0);
+  model::Transformer model(cfg.model);
+  model->train();
+  train::AdamW opt(model->named_parameters().pairs(), train::AdamWOptions{});
+  std::vector<torch::Tensor> params = model->parameters();
+  group.broadcast(params);
+  train::GradientBuckets buckets(group, params);
+  torch::manual_seed(1 + group.rank());  // each worker its own batch
+  auto x = torch::randint(cfg.model.vocab_size, {t.batch_size, t.seq_len}, torch::kLong);
+  auto y = torch::randint(cfg.model.vocab_size, {t.batch_size, t.seq_len}, torch::kLong);
+  auto one_step = [&] {
+    opt.zero_grad();
+    auto logits = model->forward(x);
+    torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1})).backward();
+    buckets.finish();
+    torch::nn::utils::clip_grad_norm_(params, 1.0);
+    opt.step(1e-4);
+  };
+  for (int i = 0; i < 2; ++i) one_step();
+  group.barrier();
+  const double waited_before = buckets.seconds_waiting();
+  auto t0 = Clock::now();
+  for (int i = 0; i < steps; ++i) one_step();
+  const double secs = since(t0);
+  const double waited = buckets.seconds_waiting() - waited_before;
+  // The whole gradient in one blocking all-reduce (the cost without any overlap).
+  auto flat = torch::zeros({static_cast<int64_t>(buckets.bytes_per_step() / 4)});
+  double allreduce = 1e30;
+  for (int i = 0; i < 5; ++i) {
+    group.barrier();
+    auto a0 = Clock::now();
+    group.sum(flat);
+    allreduce = std::min(allreduce, since(a0));
+  }
+  const double mean_secs = group.mean(secs), mean_wait = group.mean(waited);
+  if (!group.is_root()) return nullptr;
+  const int N = group.world_size();
+  return {{"workers", N},
+          {"threads_per_worker", torch::get_num_threads()},
+          {"seconds_per_step", mean_secs / steps},
+          {"tokens_per_second", static_cast<double>(t.batch_size) * t.seq_len * N * steps / mean_secs},
+          {"allreduce_wait_share", mean_wait / mean_secs},
+          {"gradient_bytes", buckets.bytes_per_step()},
+          {"blocking_allreduce_seconds", allreduce}};
+}
+
+nlohmann::json bench_train_data_parallel(const train::RunConfig& cfg, int steps, int nproc,
+                                         const std::vector<std::string>& worker_argv, bool verbose) {
+  nlohmann::json single = bench_train(cfg, steps, verbose);
+  const std::string out = std::filesystem::temp_directory_path().string() + "/kvx_bench_train_" + std::to_string(::getpid()) + ".json";
+  setenv("KVX_BENCH_OUT", out.c_str(), 1);
+  if (verbose) std::cerr << "bench train: " << nproc << " data-parallel workers ...\n";
+  const int rc = train::launch_workers(worker_argv, nproc, "127.0.0.1", train::choose_port("127.0.0.1", 0), "");
+  unsetenv("KVX_BENCH_OUT");
+  if (rc != 0) throw Error("bench train: a data-parallel worker failed (status " + std::to_string(rc) + ")");
+  nlohmann::json multi = nlohmann::json::parse(io::read_file(out));
+  std::remove(out.c_str());
+
+  // N machines like this one, each a worker with all its cores at the measured single-worker
+  // speed, joined by a network: a ring all-reduce sends and receives 2 (N - 1) / N of the
+  // gradient per worker. Without overlap a step costs compute + all-reduce, with full overlap
+  // the larger of the two.
+  const double compute = single["seconds_per_step"].get<double>(), bytes = multi["gradient_bytes"].get<double>();
+  nlohmann::json projection = nlohmann::json::array();
+  for (int machines : {2, 4, 8, 16})
+    for (double gbit : {1.0, 10.0, 100.0}) {
+      const double comm = 2.0 * (machines - 1) / machines * bytes / (gbit * 1e9 / 8);
+      projection.push_back({{"machines", machines},
+                            {"network_gbit_s", gbit},
+                            {"allreduce_seconds", comm},
+                            {"speedup_no_overlap", machines * compute / (compute + comm)},
+                            {"speedup_full_overlap", machines * compute / std::max(compute, comm)}});
+    }
+  const double ring_bytes = 2.0 * (nproc - 1) / nproc * bytes;
+  return {{"single", single},
+          {"data_parallel", multi},
+          {"speedup_measured", multi["tokens_per_second"].get<double>() / single["tokens_per_second"].get<double>()},
+          {"loopback_allreduce_gbytes_s", ring_bytes / multi["blocking_allreduce_seconds"].get<double>() / 1e9},
+          {"projection", projection}};
 }
 
 namespace {

@@ -19,6 +19,16 @@ double measure_sgemm_gflops(int n, double seconds);
 double training_flops_per_step(const model::ModelConfig& m, int batch, int seq_len);
 
 nlohmann::json bench_train(const train::RunConfig& config, int steps, bool verbose);
+
+// One data-parallel worker of `kvx bench train --nproc N` (coordinates from the environment, set
+// by train::launch_workers): timed steps with the gradient buckets, the part of the step spent
+// waiting for the all-reduce, and a blocking all-reduce of the whole gradient; rank 0 returns
+// the row, the others null.
+nlohmann::json bench_train_worker(const train::RunConfig& config, int steps);
+// The launcher side: 1 worker in this process, then N workers; rows for both, the all-reduce's
+// share and a projection to N machines (each like this one) joined by networks of given speeds.
+nlohmann::json bench_train_data_parallel(const train::RunConfig& config, int steps, int nproc,
+                                         const std::vector<std::string>& worker_argv, bool verbose);
 // Whole-model decode tokens/s at `context` cached tokens with the given cache: a model of this
 // config with random weights and a cache filled with random rows, one token per step.
 double decode_tokens_per_second(model::ModelConfig config, const attention::CacheOptions& cache, int64_t context,

@@ -122,6 +122,11 @@ double ProcessGroup::mean(double value) {
   return t[0].item<double>() / options_.world_size;
 }
 
+void ProcessGroup::sum(torch::Tensor& t) {
+  std::vector<at::Tensor> one{t};
+  impl_->pg->allreduce(one)->wait();
+}
+
 std::string ProcessGroup::broadcast_string(const std::string& value) {
   const std::string key = "bcast/" + std::to_string(exchanges_++);
   if (is_root()) impl_->store->set(key, std::vector<uint8_t>(value.begin(), value.end()));

@@ -43,6 +43,7 @@ class ProcessGroup {
 
   void broadcast(std::vector<torch::Tensor>& tensors);  // rank 0's values to every rank, in place
   double mean(double value);                             // over ranks
+  void sum(torch::Tensor& t);                            // over ranks, in place
   std::string broadcast_string(const std::string& value);              // rank 0's value
   std::vector<std::string> gather_strings(const std::string& value);   // every rank's, in rank order (all ranks get them)
   void barrier();
