@@ -157,7 +157,7 @@ struct GradientBuckets::Bucket {
 };
 
 GradientBuckets::GradientBuckets(ProcessGroup& group, std::vector<torch::Tensor> params, size_t bucket_bytes)
-    : group_(group), params_(std::move(params)), where_(params_.size()) {
+    : group_(group), params_(std::move(params)), where_(params_.size()), fired_(params_.size(), 0) {
   // Reverse registration order: the last layers' gradients come first in backward.
   for (size_t k = params_.size(); k-- > 0;) {
     const int64_t bytes = params_[k].numel() * static_cast<int64_t>(sizeof(float));
@@ -186,6 +186,7 @@ GradientBuckets::~GradientBuckets() {
 }
 
 void GradientBuckets::ready(size_t param) {
+  fired_[param] = 1;
   Bucket& b = *buckets_[where_[param].first];
   if (++b.ready == b.params.size()) launch(b);
 }
@@ -200,7 +201,7 @@ void GradientBuckets::finish() {
   for (auto& b : buckets_) {
     if (!b->work) {  // a parameter without a gradient this step: zero, launched in bucket order on every rank
       for (size_t k : b->params)
-        if (!params_[k].grad().defined()) b->flat.narrow(0, where_[k].second, params_[k].numel()).zero_();
+        if (!fired_[k]) b->flat.narrow(0, where_[k].second, params_[k].numel()).zero_();
       launch(*b);
     }
   }
@@ -222,6 +223,7 @@ void GradientBuckets::finish() {
     }
     b->ready = 0;
     b->work.reset();
+    for (size_t k : b->params) fired_[k] = 0;
   }
   waiting_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

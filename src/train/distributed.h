@@ -76,6 +76,7 @@ class GradientBuckets {
   std::vector<std::unique_ptr<Bucket>> buckets_;
   std::vector<std::pair<size_t, int64_t>> where_;  // param -> (bucket, offset)
   std::vector<unsigned> hooks_;                    // param -> its hook
+  std::vector<char> fired_;                        // param -> its gradient arrived this step
   double waiting_ = 0;
 };
 
