@@ -52,6 +52,16 @@ std::string first_line(const std::exception& e) {
   return nl == std::string::npos ? s : s.substr(0, nl);
 }
 
+// Waits for a collective; a peer that died or hung becomes a clear error.
+void wait_for(const c10::intrusive_ptr<c10d::Work>& work, int rank, const char* what) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    throw Error("rank " + std::to_string(rank) + ": " + what + " failed (" + first_line(e) +
+                "); another worker has probably died or stopped responding, see its log");
+  }
+}
+
 }  // namespace
 
 void DistributedOptions::validate() const {
@@ -112,40 +122,48 @@ ProcessGroup::~ProcessGroup() = default;
 void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors) {
   for (auto& t : tensors) {
     std::vector<at::Tensor> one{t};
-    impl_->pg->broadcast(one)->wait();
+    wait_for(impl_->pg->broadcast(one), rank(), "broadcast");
   }
 }
 
 double ProcessGroup::mean(double value) {
   std::vector<at::Tensor> t{torch::tensor({value}, torch::kDouble)};
-  impl_->pg->allreduce(t)->wait();
+  wait_for(impl_->pg->allreduce(t), rank(), "all-reduce");
   return t[0].item<double>() / options_.world_size;
 }
 
 void ProcessGroup::sum(torch::Tensor& t) {
   std::vector<at::Tensor> one{t};
-  impl_->pg->allreduce(one)->wait();
+  wait_for(impl_->pg->allreduce(one), rank(), "all-reduce");
 }
 
 std::string ProcessGroup::broadcast_string(const std::string& value) {
   const std::string key = "bcast/" + std::to_string(exchanges_++);
   if (is_root()) impl_->store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
-  const auto v = impl_->store->get(key);
-  return std::string(v.begin(), v.end());
+  try {
+    const auto v = impl_->store->get(key);
+    return std::string(v.begin(), v.end());
+  } catch (const std::exception& e) {
+    throw Error("rank " + std::to_string(rank()) + ": waiting for rank 0 failed (" + first_line(e) +
+                "); it has probably died or stopped responding, see its log");
+  }
 }
 
 std::vector<std::string> ProcessGroup::gather_strings(const std::string& value) {
   const std::string key = "gather/" + std::to_string(exchanges_++) + "/";
   impl_->store->set(key + std::to_string(rank()), std::vector<uint8_t>(value.begin(), value.end()));
   std::vector<std::string> all;
-  for (int r = 0; r < world_size(); ++r) {
-    const auto v = impl_->store->get(key + std::to_string(r));
-    all.emplace_back(v.begin(), v.end());
-  }
+  for (int r = 0; r < world_size(); ++r) try {
+      const auto v = impl_->store->get(key + std::to_string(r));
+      all.emplace_back(v.begin(), v.end());
+    } catch (const std::exception& e) {
+      throw Error("rank " + std::to_string(rank()) + ": waiting for rank " + std::to_string(r) + " failed (" +
+                  first_line(e) + "); it has probably died or stopped responding, see its log");
+    }
   return all;
 }
 
-void ProcessGroup::barrier() { impl_->pg->barrier()->wait(); }
+void ProcessGroup::barrier() { wait_for(impl_->pg->barrier(), rank(), "barrier"); }
 
 // --- gradient buckets ---------------------------------------------------------------------------
 
@@ -206,12 +224,7 @@ void GradientBuckets::finish() {
     }
   }
   for (auto& b : buckets_) {
-    try {
-      b->work->wait();
-    } catch (const std::exception& e) {
-      throw Error("rank " + std::to_string(group_.rank()) + ": gradient all-reduce failed (" + first_line(e) +
-                  "); another worker has probably died, see its log");
-    }
+    wait_for(b->work, group_.rank(), "gradient all-reduce");
     b->flat.div_(group_.world_size());
     for (size_t k : b->params) {
       auto& p = params_[k];

@@ -4,9 +4,11 @@
 // stops the other promptly and the run resumes to the uninterrupted result; a port in use and
 // a missing peer give clear errors.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -21,6 +23,8 @@
 #include "train/distributed.h"
 #include "train/trainer.h"
 #include "util/error.h"
+
+extern char** environ;
 
 using namespace kvx;
 namespace fs = std::filesystem;
@@ -135,6 +139,46 @@ TEST(DataParallel, TwoWorkersEqualOneWorkerWithTwiceTheBatchAndSurviveAKilledWor
             io::read_file(train::latest_checkpoint(pair) + "/model.safetensors"));
   EXPECT_EQ(losses(killed), la);
   for (const auto& d : {pair, single, killed}) fs::remove_all(d);
+}
+
+TEST(DataParallel, WithoutTheLauncherASurvivingWorkerStopsWithAClearError) {
+  // Two workers started directly (as on two machines): when rank 1 dies, rank 0 fails its next
+  // collective with a message that says so, instead of waiting forever.
+  const std::string dir = temp_dir("dp_orphan");
+  const int port = train::choose_port("127.0.0.1", 0);
+  pid_t pids[2];
+  for (int r = 0; r < 2; ++r) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e; ++e) env.emplace_back(*e);
+    for (std::string v : {"KVX_WORLD_SIZE=2", "KVX_MASTER_ADDR=127.0.0.1", "KVX_DP_TEST_KILL=1@6"}) env.push_back(v);
+    env.push_back("KVX_RANK=" + std::to_string(r));
+    env.push_back("KVX_MASTER_PORT=" + std::to_string(port));
+    env.push_back("KVX_DP_TEST_DIR=" + dir);
+    std::vector<char*> envp;
+    for (auto& v : env) envp.push_back(v.data());
+    envp.push_back(nullptr);
+    const std::string log = dir + "/rank" + std::to_string(r) + ".log";
+    char arg0[] = "kvx_tests", arg1[] = "--gtest_filter=DataParallel.Worker";
+    char* argv[] = {arg0, arg1, nullptr};
+    pids[r] = fork();
+    if (pids[r] == 0) {
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      execve("/proc/self/exe", argv, envp.data());
+      _exit(127);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pids[1], &status, 0), pids[1]);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(waitpid(pids[0], &status, 0), pids[0]);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0);
+  const std::string log = io::read_file(dir + "/rank0.log");
+  EXPECT_NE(log.find("another worker has probably died"), std::string::npos) << log;
+  fs::remove_all(dir);
 }
 
 TEST(DataParallel, PortInUseIsRefused) {
