@@ -46,26 +46,20 @@ inline void tokenizer_json(std::string_view bytes) {
   }
 }
 
-inline void model_config(std::string_view bytes) {
+// A config file: parsed, validated, and what it writes read back.
+template <class Config>
+void json_config(std::string_view bytes) {
   nlohmann::json j;
   if (!parse_json(bytes, &j)) return;
   try {
-    const model::ModelConfig c = model::ModelConfig::from_json(j);
+    const Config c = Config::from_json(j);
     c.validate();
-    (void)model::ModelConfig::from_json(c.to_json());  // what it writes, it reads back
+    (void)Config::from_json(c.to_json());
   } catch (const Error&) {
   }
 }
 
-inline void run_config(std::string_view bytes) {
-  nlohmann::json j;
-  if (!parse_json(bytes, &j)) return;
-  try {
-    const train::RunConfig c = train::RunConfig::from_json(j);
-    c.validate();
-    (void)train::RunConfig::from_json(c.to_json());
-  } catch (const Error&) {
-  }
-}
+inline void model_config(std::string_view bytes) { json_config<model::ModelConfig>(bytes); }
+inline void run_config(std::string_view bytes) { json_config<train::RunConfig>(bytes); }
 
 }  // namespace kvx::fuzz

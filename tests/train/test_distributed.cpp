@@ -36,27 +36,9 @@ using kvx::testing::temp_dir;
 constexpr int kBatch = 2, kSteps = 8;
 
 train::RunConfig parallel_run(int batch) {
-  train::RunConfig c;
-  c.name = "parallel";
-  auto& m = c.model;
-  m.vocab_size = 256;
-  m.hidden_size = 32;
-  m.num_hidden_layers = 2;
-  m.num_attention_heads = 4;
-  m.num_key_value_heads = 2;
-  m.head_dim = 8;
-  m.intermediate_size = 48;
-  m.max_position_embeddings = 64;
-  auto& t = c.train;
-  t.steps = kSteps;
-  t.batch_size = batch;
-  t.seq_len = 32;
-  t.warmup = 2;
-  t.lr = 1e-2;
-  t.eval_every = 4;
-  t.eval_batches = 2;
-  t.checkpoint_every = 4;
-  t.log_every = 1;
+  train::RunConfig c = kvx::testing::small_run(kSteps);
+  c.train.batch_size = batch;
+  c.train.log_every = 1;
   return c;
 }
 
@@ -102,7 +84,7 @@ TEST(DataParallel, Worker) {
     const std::string k = kill;
     if (std::stoi(k) == args.distributed.rank) setenv("KVX_FAULT", ("train.kill@" + k.substr(k.find('@') + 1)).c_str(), 1);
   }
-  train::run_training(args, kvx::testing::synthetic_data(16000, 4000, 20000));
+  train::run_training(args, kvx::testing::small_training_data());
 }
 
 TEST(DataParallel, TwoWorkersEqualOneWorkerWithTwiceTheBatchAndSurviveAKilledWorker) {
@@ -114,7 +96,7 @@ TEST(DataParallel, TwoWorkersEqualOneWorkerWithTwiceTheBatchAndSurviveAKilledWor
   ref.run_dir = single;
   ref.verbose = false;
   ref.data_shards = 2;  // the rows of both workers' shards in one batch
-  train::run_training(ref, kvx::testing::synthetic_data(16000, 4000, 20000));
+  train::run_training(ref, kvx::testing::small_training_data());
 
   const auto a = nn::load_safetensors(train::latest_checkpoint(pair) + "/model.safetensors");
   const auto b = nn::load_safetensors(train::latest_checkpoint(single) + "/model.safetensors");

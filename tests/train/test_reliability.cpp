@@ -41,31 +41,13 @@ namespace {
 
 using kvx::testing::temp_dir;
 
-train::TrainingData synthetic_data() { return kvx::testing::synthetic_data(16000, 4000, 20000); }
-
-// Long enough (in steps) that random kills land during training, small enough to be quick.
+// The training tests' run, logging every step and evaluating rarely (long runs: random kills
+// land during training).
 train::RunConfig reliability_run(int steps) {
-  train::RunConfig c;
-  c.name = "reliability";
-  auto& m = c.model;
-  m.vocab_size = 256;
-  m.hidden_size = 32;
-  m.num_hidden_layers = 2;
-  m.num_attention_heads = 4;
-  m.num_key_value_heads = 2;
-  m.head_dim = 8;
-  m.intermediate_size = 48;
-  m.max_position_embeddings = 64;
-  auto& t = c.train;
-  t.steps = steps;
-  t.batch_size = 4;
-  t.seq_len = 32;
-  t.warmup = 4;
-  t.lr = 1e-2;
-  t.eval_every = 20;
-  t.eval_batches = 2;
-  t.checkpoint_every = 4;
-  t.log_every = 1;
+  train::RunConfig c = kvx::testing::small_run(steps);
+  c.train.warmup = 4;
+  c.train.eval_every = 20;
+  c.train.log_every = 1;
   return c;
 }
 constexpr int kWorkerSteps = 400;
@@ -181,7 +163,7 @@ TEST(CrashSafety, Worker) {
   if (!dir) GTEST_SKIP() << "the kill tests' child process";
   auto args = args_for(reliability_run(kWorkerSteps), dir);
   args.resume = true;  // continue whatever is there (a fresh directory starts from step 0)
-  train::run_training(args, synthetic_data());
+  train::run_training(args, kvx::testing::small_training_data());
 }
 
 TEST(CrashSafety, KilledTrainingResumesFromTheLastCheckpointWithTheSameLossTrace) {
@@ -239,7 +221,7 @@ TEST(CrashSafety, FullDiskFailsTheWriteAndKeepsTheLastCheckpoint) {
   const std::string dir = temp_dir("full_disk");
   auto args = args_for(reliability_run(kWorkerSteps), dir);
   args.stop_after = 4;
-  train::run_training(args, synthetic_data());
+  train::run_training(args, kvx::testing::small_training_data());
   const std::string before = train::latest_checkpoint(dir);
   const std::string weights = io::read_file(before + "/model.safetensors");
   const std::string moments = io::read_file(before + "/optimizer.safetensors");
@@ -265,7 +247,7 @@ TEST(CrashSafety, UnwritableOutputIsReportedBeforeTraining) {
   const std::string dir = temp_dir("unwritable");
   io::write_file_atomic(dir + "/a_file", "x");
   try {  // a path below a regular file cannot be created, whoever runs the test (root included)
-    train::run_training(args_for(reliability_run(4), dir + "/a_file/run"), synthetic_data());
+    train::run_training(args_for(reliability_run(4), dir + "/a_file/run"), kvx::testing::small_training_data());
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("is not writable"), std::string::npos) << e.what();
@@ -281,7 +263,7 @@ TEST(CrashSafety, UnwritableOutputIsReportedBeforeTraining) {
 }
 
 TEST(Numerics, NonFiniteStepIsSkippedNotApplied) {
-  const auto data = synthetic_data();
+  const auto data = kvx::testing::small_training_data();
   const std::string clean = temp_dir("clean4"), faulty = temp_dir("nan5");
   auto a = args_for(reliability_run(12), clean);
   a.stop_after = 4;
@@ -304,7 +286,7 @@ TEST(Numerics, NonFiniteStepIsSkippedNotApplied) {
 }
 
 TEST(Numerics, RepeatedNonFiniteStepsRollBackToTheLastCheckpoint) {
-  const auto data = synthetic_data();
+  const auto data = kvx::testing::small_training_data();
   const std::string dir = temp_dir("rollback");
   {
     ScopedFault fault("train.nan_loss@6-8");  // steps 6, 7, 8
@@ -323,7 +305,7 @@ TEST(Numerics, RepeatedNonFiniteStepsRollBackToTheLastCheckpoint) {
 }
 
 TEST(Numerics, DivergenceWithoutACheckpointOrAfterRollbacksStopsWithAClearError) {
-  const auto data = synthetic_data();
+  const auto data = kvx::testing::small_training_data();
   auto error_of = [&](const char* spec) {
     ScopedFault fault(spec);
     const std::string dir = temp_dir("diverged");
@@ -341,7 +323,7 @@ TEST(Numerics, DivergenceWithoutACheckpointOrAfterRollbacksStopsWithAClearError)
 }
 
 TEST(Determinism, SameSeedConfigAndThreadsGiveTheSameLossTrace) {
-  const auto data = synthetic_data();
+  const auto data = kvx::testing::small_training_data();
   const std::string a = temp_dir("same_a"), b = temp_dir("same_b");
   train::run_training(args_for(reliability_run(12), a), data);
   train::run_training(args_for(reliability_run(12), b), data);
@@ -377,11 +359,11 @@ TEST(MemoryEstimate, TrainingThatCannotFitIsRefusedBeforeAllocating) {
   c.model.layout = "dense";
   const std::string dir = temp_dir("too_big");
   try {
-    train::run_training(args_for(c, dir), synthetic_data());
+    train::run_training(args_for(c, dir), kvx::testing::small_training_data());
     ADD_FAILURE() << "no error";
   } catch (const Error& e) {
     const std::string what = e.what();
-    EXPECT_NE(what.find("training 'reliability' needs about"), std::string::npos) << what;
+    EXPECT_NE(what.find("training 'unit' needs about"), std::string::npos) << what;
     EXPECT_NE(what.find("GiB available; lower train.batch_size"), std::string::npos) << what;
   }
   EXPECT_FALSE(fs::exists(dir + "/LATEST"));

@@ -18,34 +18,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
+using kvx::testing::small_run;
 using kvx::testing::temp_dir;
 
-train::TrainingData synthetic_data() { return kvx::testing::synthetic_data(16000, 4000, 20000); }
-
-train::RunConfig small_run(int steps) {
-  train::RunConfig c;
-  c.name = "unit";
-  auto& m = c.model;
-  m.vocab_size = 256;
-  m.hidden_size = 32;
-  m.num_hidden_layers = 2;
-  m.num_attention_heads = 4;
-  m.num_key_value_heads = 2;
-  m.head_dim = 8;
-  m.intermediate_size = 48;
-  m.max_position_embeddings = 64;
-  auto& t = c.train;
-  t.steps = steps;
-  t.batch_size = 4;
-  t.seq_len = 32;
-  t.warmup = 2;
-  t.lr = 1e-2;
-  t.eval_every = 4;
-  t.eval_batches = 2;
-  t.checkpoint_every = 4;
-  t.log_every = 2;
-  return c;
-}
 
 void expect_same_weights(const nn::TensorMap& a, const nn::TensorMap& b) {
   ASSERT_EQ(a.size(), b.size());
@@ -55,7 +30,7 @@ void expect_same_weights(const nn::TensorMap& a, const nn::TensorMap& b) {
 }  // namespace
 
 TEST(Training, LossGoesDownAndCheckpointLoadsBitExact) {
-  auto data = synthetic_data();
+  auto data = kvx::testing::small_training_data();
   train::TrainArgs args;
   args.config = small_run(8);
   args.run_dir = temp_dir("ckpt");
@@ -85,7 +60,7 @@ TEST(Training, LossGoesDownAndCheckpointLoadsBitExact) {
 }
 
 TEST(Training, ResumeEqualsStraightRun) {
-  auto data = synthetic_data();
+  auto data = kvx::testing::small_training_data();
   train::TrainArgs straight;
   straight.config = small_run(8);
   straight.run_dir = temp_dir("straight");
@@ -109,7 +84,7 @@ TEST(Training, ResumeEqualsStraightRun) {
 }
 
 TEST(Training, DamagedOrMismatchedCheckpointsGiveClearErrors) {
-  auto data = synthetic_data();
+  auto data = kvx::testing::small_training_data();
   train::TrainArgs args;
   args.config = small_run(4);
   args.run_dir = temp_dir("bad");
@@ -185,7 +160,7 @@ TEST(Training, LearningRateScheduleWarmsUpThenDecays) {
 }
 
 TEST(Training, InitFromStartsAtTheGivenWeightsAndChecksTheConfig) {
-  auto data = synthetic_data();
+  auto data = kvx::testing::small_training_data();
   train::TrainArgs first;
   first.config = small_run(4);
   first.run_dir = temp_dir("init_src");
