@@ -117,7 +117,7 @@ train::TrainSummary cmd_train(const TrainCliArgs& a) {
   }
   args.distributed.timeout_seconds = a.timeout;
   args.distributed.validate();
-  if (launched) torch::set_num_threads(std::max(1, hardware_threads() / args.distributed.world_size));  // share the cores
+  if (launched) torch::set_num_threads(std::max(1, hardware_threads() / args.distributed.local_workers));  // share the cores
   auto data = train::prepare_training_data(cfg);
   auto s = train::run_training(args, data);
   if (args.distributed.rank != 0) return s;
@@ -141,8 +141,8 @@ std::string cmd_generate(const GenerateArgs& a, bool print) {
   auto m = train::load_model(a.model);
   auto prompt = m.tokenizer.encode(a.prompt);
   if (prompt.empty()) throw Error("--prompt is empty; give some text to continue");
-  model::require_memory(model::inference_memory(m.model->config(), 1, static_cast<int64_t>(prompt.size()) + a.max_new,
-                                                m.model->kv_bytes_per_token()),
+  model::require_memory(model::inference_memory(m.model->config(), 1, static_cast<int64_t>(prompt.size()),
+                                                static_cast<int64_t>(prompt.size()) + a.max_new, m.model->kv_bytes_per_token()),
                         model::available_memory_bytes(), "kvx generate", "shorten the prompt or lower --max-new");
   auto cache = attention::CacheOptions::parse(a.kv_cache, a.evict, a.reference);
   std::string out;
@@ -178,7 +178,7 @@ nlohmann::json cmd_eval(const EvalArgs& a) {
   if (seq_len > m.model->config().max_position_embeddings)
     throw Error("--seq-len " + std::to_string(seq_len) + " exceeds the model's context limit of " +
                 std::to_string(m.model->config().max_position_embeddings));
-  model::require_memory(model::inference_memory(m.model->config(), a.batch, seq_len, m.model->kv_bytes_per_token()),
+  model::require_memory(model::inference_memory(m.model->config(), a.batch, seq_len, seq_len, m.model->kv_bytes_per_token()),
                         model::available_memory_bytes(), "kvx eval", "lower --seq-len or --batch");
   auto tokens = train::load_split_tokens(dir, sources, m.tokenizer, split);
   auto train_tokens = train::load_split_tokens(dir, sources, m.tokenizer, text::Split::Train);
@@ -620,7 +620,7 @@ int main(int argc, char** argv) {
     if (eval_cmd->parsed()) cmd_eval(ev);
     if (bench_train->parsed() && std::getenv("KVX_RANK")) {  // a data-parallel worker of the launcher below
       const auto cfg = train::preset(bench_preset);
-      torch::set_num_threads(std::max(1, hardware_threads() / train::DistributedOptions::from_env().world_size));
+      torch::set_num_threads(std::max(1, hardware_threads() / train::DistributedOptions::from_env().local_workers));
       auto j = eval::bench_train_worker(cfg, bench_steps);
       if (!j.is_null()) io::write_file_atomic(std::getenv("KVX_BENCH_OUT"), j.dump());
     } else if (bench_train->parsed() && bench_nproc > 1) {

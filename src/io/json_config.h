@@ -45,7 +45,7 @@ class JsonReader {
       if (v.is_number_unsigned())
         ok = v.get<uint64_t>() <= static_cast<uint64_t>(L::max());
       else if constexpr (std::is_unsigned_v<T>)
-        ok = false;  // negative
+        ok = ok && v.get<int64_t>() >= 0;  // a signed JSON integer (built in code) that is not negative
       else if (ok)
         ok = v.get<int64_t>() >= static_cast<int64_t>(L::min()) && v.get<int64_t>() <= static_cast<int64_t>(L::max());
       if (!ok)

@@ -70,11 +70,12 @@ MemoryEstimate training_memory(const ModelConfig& c, int batch, int seq_len) {
   return m;
 }
 
-MemoryEstimate inference_memory(const ModelConfig& c, int batch, int64_t context, double cache_bytes_per_token) {
+MemoryEstimate inference_memory(const ModelConfig& c, int batch, int64_t prefill_tokens, int64_t cached_tokens,
+                                double cache_bytes_per_token) {
   MemoryEstimate m;
-  const double T = static_cast<double>(context), H = c.num_attention_heads;
-  m.cache = cache_bytes_per_token * batch * T;
-  m.activations = kFloat * batch * (2 * H * T * T + 4 * T * (c.hidden_size + c.intermediate_size) + T * c.vocab_size);
+  const double P = static_cast<double>(prefill_tokens), H = c.num_attention_heads;
+  m.cache = cache_bytes_per_token * batch * static_cast<double>(cached_tokens);
+  m.activations = kFloat * batch * (2 * H * P * P + 4 * P * (c.hidden_size + c.intermediate_size) + P * c.vocab_size);
   return m;
 }
 

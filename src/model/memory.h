@@ -5,8 +5,8 @@
 //   training   weights 4P + gradients 4P + AdamW moments 8P
 //              + activations B T (L a_layer + 3 V) 4 bytes, a_layer = the tensors autograd keeps
 //                per token and layer: 8 d + 3 q/k/v widths + H d_h + 4 I + 2 H T (scores, probs)
-//   inference  (beyond the loaded weights) KV cache bytes/token x B x context
-//              + the prefill's largest transient: B (2 H T^2 + 4 T (d + I) + T V) 4 bytes
+//   inference  (beyond the loaded weights) KV cache bytes/token x B x cached tokens
+//              + the prefill's largest transient over P prompt tokens: B (2 H P^2 + 4 P (d + I) + P V) 4 bytes
 // The estimates are deliberately round (they ignore allocator slack and libtorch's workspace);
 // they exist to catch requests that are off by a large factor.
 #pragma once
@@ -25,7 +25,8 @@ struct MemoryEstimate {
 
 double parameter_count(const ModelConfig& config);  // every weight, embeddings included
 MemoryEstimate training_memory(const ModelConfig& config, int batch, int seq_len);
-MemoryEstimate inference_memory(const ModelConfig& config, int batch, int64_t context, double cache_bytes_per_token);
+MemoryEstimate inference_memory(const ModelConfig& config, int batch, int64_t prefill_tokens, int64_t cached_tokens,
+                                double cache_bytes_per_token);
 
 // MemAvailable of /proc/meminfo (bytes); 0 if unknown.
 double available_memory_bytes();

@@ -41,7 +41,9 @@ text::MqarSpec mqar_spec(int vocab_size, int pairs, int length, int symbols);
 // Data-parallel sharding: the tokens split into `total` equal contiguous shards, of which this
 // sampler draws from [first, first + count), batch / count rows from each with the shard's own
 // RNG. Worker r of N owns {r, 1, N}; one process owning {0, N, N} with N times the batch draws
-// exactly the rows the N workers draw together (the data-parallel equivalence test uses this).
+// exactly the rows the N workers draw together (the data-parallel equivalence test uses this;
+// the mean gradients agree when every row has the same number of targets, i.e. without MQAR
+// rows, whose ignored targets weigh each worker's mean differently).
 struct DataShards {
   int first = 0, count = 1, total = 1;
 };

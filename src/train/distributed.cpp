@@ -52,6 +52,26 @@ std::string first_line(const std::exception& e) {
   return nl == std::string::npos ? s : s.substr(0, nl);
 }
 
+// This machine's address on the route to rank 0 (hostname lookups give 127.0.1.1 on Debian).
+std::string address_towards(const DistributedOptions& o) {
+  if (o.master_addr == "127.0.0.1" || o.master_addr == "localhost") return "127.0.0.1";
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(o.master_port));
+  const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+  char buf[INET_ADDRSTRLEN] = {};
+  socklen_t len = sizeof sa;
+  const bool ok = fd >= 0 && ::inet_pton(AF_INET, o.master_addr.c_str(), &sa.sin_addr) == 1 &&
+                  ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0 &&
+                  ::inet_ntop(AF_INET, &sa.sin_addr, buf, sizeof buf) != nullptr;
+  if (fd >= 0) ::close(fd);
+  if (!ok)
+    throw Error("cannot find this machine's address towards --master-addr " + o.master_addr +
+                " (give rank 0's IPv4 address, or set GLOO_SOCKET_IFNAME to the network interface)");
+  return buf;
+}
+
 // Waits for a collective; a peer that died or hung becomes a clear error.
 void wait_for(const c10::intrusive_ptr<c10d::Work>& work, int rank, const char* what) {
   try {
@@ -71,7 +91,8 @@ void DistributedOptions::validate() const {
                 std::to_string(world_size));
   if (master_port < 1 || master_port > 65535)
     throw Error("--master-port must be in [1, 65535], got " + std::to_string(master_port));
-  if (!(timeout_seconds > 0)) throw Error("the distributed timeout must be positive");
+  if (!(timeout_seconds > 0 && timeout_seconds <= 1e6))
+    throw Error("--timeout must be in (0, 1e6] seconds, got " + std::to_string(timeout_seconds));
 }
 
 DistributedOptions DistributedOptions::from_env() {
@@ -80,6 +101,7 @@ DistributedOptions DistributedOptions::from_env() {
   o.rank = env_int("KVX_RANK", 0);
   o.master_addr = env_or("KVX_MASTER_ADDR", o.master_addr);
   o.master_port = env_int("KVX_MASTER_PORT", o.master_port);
+  o.local_workers = env_int("KVX_LOCAL_WORKERS", 1);
   o.validate();
   return o;
 }
@@ -108,9 +130,9 @@ ProcessGroup::ProcessGroup(const DistributedOptions& options) : options_(options
   try {
     auto go = c10d::ProcessGroupGloo::Options::create();
     go->timeout = timeout;
-    const bool loopback = options_.master_addr == "127.0.0.1" || options_.master_addr == "localhost";
-    go->devices.push_back(loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                   : c10d::ProcessGroupGloo::createDefaultDevice());
+    const std::string ifname = env_or("GLOO_SOCKET_IFNAME", "");
+    go->devices.push_back(ifname.empty() ? c10d::ProcessGroupGloo::createDeviceForHostname(address_towards(options_))
+                                         : c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
     impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, options_.rank, options_.world_size, go);
   } catch (const std::exception& e) {
     throw Error("rank " + std::to_string(options_.rank) + ": cannot form the Gloo process group (" + first_line(e) + ")");
@@ -189,8 +211,9 @@ GradientBuckets::GradientBuckets(ProcessGroup& group, std::vector<torch::Tensor>
     b.params.push_back(k);
     b.flat = torch::empty({b.flat.numel() + params_[k].numel()}, torch::kFloat);
   }
+  for (const auto& p : params_)
+    if (p.scalar_type() != torch::kFloat) throw Error("GradientBuckets: parameters must be float32");
   for (size_t k = 0; k < params_.size(); ++k) {
-    if (params_[k].scalar_type() != torch::kFloat) throw Error("GradientBuckets: parameters must be float32");
     hooks_.push_back(params_[k].register_hook([this, k](const torch::Tensor& grad) {
       auto& [bi, off] = where_[k];
       buckets_[bi]->flat.narrow(0, off, grad.numel()).copy_(grad.reshape({-1}));
@@ -203,10 +226,12 @@ GradientBuckets::~GradientBuckets() {
   for (size_t k = 0; k < params_.size(); ++k) params_[k].remove_hook(hooks_[k]);  // they capture `this`
 }
 
+// Buckets are launched strictly in bucket order (Gloo pairs the ranks' collectives by call order),
+// each as soon as it and every bucket before it are complete.
 void GradientBuckets::ready(size_t param) {
   fired_[param] = 1;
-  Bucket& b = *buckets_[where_[param].first];
-  if (++b.ready == b.params.size()) launch(b);
+  ++buckets_[where_[param].first]->ready;
+  while (next_ < buckets_.size() && buckets_[next_]->ready == buckets_[next_]->params.size()) launch(*buckets_[next_++]);
 }
 
 void GradientBuckets::launch(Bucket& b) {
@@ -216,13 +241,13 @@ void GradientBuckets::launch(Bucket& b) {
 
 void GradientBuckets::finish() {
   const auto t0 = std::chrono::steady_clock::now();
-  for (auto& b : buckets_) {
-    if (!b->work) {  // a parameter without a gradient this step: zero, launched in bucket order on every rank
-      for (size_t k : b->params)
-        if (!fired_[k]) b->flat.narrow(0, where_[k].second, params_[k].numel()).zero_();
-      launch(*b);
-    }
+  for (; next_ < buckets_.size(); ++next_) {  // parameters without a gradient this step count as zero
+    Bucket& b = *buckets_[next_];
+    for (size_t k : b.params)
+      if (!fired_[k]) b.flat.narrow(0, where_[k].second, params_[k].numel()).zero_();
+    launch(b);
   }
+  next_ = 0;
   for (auto& b : buckets_) {
     wait_for(b->work, group_.rank(), "gradient all-reduce");
     b->flat.div_(group_.world_size());
@@ -250,8 +275,11 @@ double GradientBuckets::bytes_per_step() const {
 // --- launcher -----------------------------------------------------------------------------------
 
 int choose_port(const std::string& addr, int port) {
+  if (port < 0 || port > 65535) throw Error("--master-port must be in [0, 65535], got " + std::to_string(port));
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) throw Error(std::string("cannot open a socket: ") + std::strerror(errno));
+  const int on = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);  // as the TCP store binds: TIME_WAIT is no obstacle
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   sa.sin_port = htons(static_cast<uint16_t>(port));
@@ -280,12 +308,14 @@ int launch_workers(const std::vector<std::string>& argv, int nproc, const std::s
     std::vector<std::string> env;
     for (char** e = environ; *e; ++e) {
       const std::string s(*e);
-      if (s.rfind("KVX_WORLD_SIZE=", 0) && s.rfind("KVX_RANK=", 0) && s.rfind("KVX_MASTER_", 0)) env.push_back(s);
+      if (s.rfind("KVX_WORLD_SIZE=", 0) && s.rfind("KVX_RANK=", 0) && s.rfind("KVX_MASTER_", 0) && s.rfind("KVX_LOCAL_", 0))
+        env.push_back(s);
     }
     env.push_back("KVX_WORLD_SIZE=" + std::to_string(nproc));
     env.push_back("KVX_RANK=" + std::to_string(r));
     env.push_back("KVX_MASTER_ADDR=" + addr);
     env.push_back("KVX_MASTER_PORT=" + std::to_string(port));
+    env.push_back("KVX_LOCAL_WORKERS=" + std::to_string(nproc));
     std::vector<std::string> args = argv;
     std::vector<char*> cargs, cenv;
     for (auto& a : args) cargs.push_back(a.data());
@@ -294,7 +324,11 @@ int launch_workers(const std::vector<std::string>& argv, int nproc, const std::s
     cenv.push_back(nullptr);
     const std::string log = log_dir.empty() || r == 0 ? "" : log_dir + "/worker-" + std::to_string(r) + ".log";
     const pid_t pid = ::fork();
-    if (pid < 0) throw Error(std::string("cannot start a worker: ") + std::strerror(errno));
+    if (pid < 0) {
+      const int e = errno;
+      for (pid_t p : pids) ::kill(p, SIGKILL), ::waitpid(p, nullptr, 0);
+      throw Error(std::string("cannot start a worker: ") + std::strerror(e));
+    }
     if (pid == 0) {
       if (!log.empty()) {
         const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -311,6 +345,7 @@ int launch_workers(const std::vector<std::string>& argv, int nproc, const std::s
   while (alive > 0) {
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, 0);
+    if (pid < 0 && errno == EINTR) continue;
     if (pid < 0) break;
     int rank = -1;
     for (size_t r = 0; r < pids.size(); ++r)

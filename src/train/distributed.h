@@ -7,8 +7,9 @@
 //
 // Gradients are averaged by GradientBuckets: parameters are grouped into buckets of about
 // bucket_bytes in reverse registration order (the order backward produces them) and each
-// bucket's all-reduce is launched from autograd hooks as soon as its last gradient exists, so
-// communication overlaps the rest of the backward pass (what PyTorch's DDP does).
+// bucket's all-reduce is launched from autograd hooks as soon as it (and every bucket before it)
+// is complete, so communication overlaps the rest of the backward pass (what PyTorch's DDP does).
+// Every worker must train the same model config (checked at start by run_training).
 #pragma once
 #include <torch/torch.h>
 
@@ -23,10 +24,13 @@ struct DistributedOptions {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   double timeout_seconds = 300;  // rendezvous and every collective; a dead worker ends the others after this at most
+                                 // (it must exceed rank 0's evaluation and checkpoint time)
+  int local_workers = 1;         // workers on this machine (memory and cores are shared among them)
 
   bool enabled() const { return world_size > 1; }
   void validate() const;  // throws kvx::Error naming the bad value
-  // KVX_WORLD_SIZE, KVX_RANK, KVX_MASTER_ADDR, KVX_MASTER_PORT as set by launch_workers (world 1 if unset).
+  // KVX_WORLD_SIZE, KVX_RANK, KVX_MASTER_ADDR, KVX_MASTER_PORT, KVX_LOCAL_WORKERS as set by
+  // launch_workers (world 1 if unset).
   static DistributedOptions from_env();
 };
 
@@ -77,13 +81,14 @@ class GradientBuckets {
   std::vector<std::pair<size_t, int64_t>> where_;  // param -> (bucket, offset)
   std::vector<unsigned> hooks_;                    // param -> its hook
   std::vector<char> fired_;                        // param -> its gradient arrived this step
+  size_t next_ = 0;                                // the next bucket to launch
   double waiting_ = 0;
 };
 
 // Which port to use: `port` if free (else an error naming it), or a free one when port == 0.
 int choose_port(const std::string& addr, int port);
 
-// Runs argv N times with KVX_WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT set, rank 0's output
+// Runs argv N times with KVX_WORLD_SIZE/RANK/MASTER_ADDR/MASTER_PORT/LOCAL_WORKERS set, rank 0's output
 // shown, the others' kept in `log_dir`/worker-<rank>.log; when one fails, stops the rest and
 // returns its exit status (0 if all succeed).
 int launch_workers(const std::vector<std::string>& argv, int nproc, const std::string& addr, int port,

@@ -18,6 +18,7 @@
 #include "model/transformer.h"
 #include "train/adamw.h"
 #include "train/checkpoint.h"
+#include "text/corpus.h"
 #include "train/distributed.h"
 #include "util/error.h"
 #include "util/fault.h"
@@ -101,7 +102,10 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   // Refuse what cannot fit before building anything: memory for training, disk for checkpoints
   // (the one being written besides the kept ones: weights and AdamW's two moments).
   const std::string job = "training '" + cfg.name + "'";
-  model::require_memory(model::training_memory(cfg.model, opt.batch_size, opt.seq_len), model::available_memory_bytes(), job,
+  model::MemoryEstimate need = model::training_memory(cfg.model, opt.batch_size, opt.seq_len);
+  for (double* part : {&need.weights, &need.gradients, &need.optimizer, &need.activations})
+    *part *= args.distributed.local_workers;  // the workers on this machine share its memory
+  model::require_memory(need, model::available_memory_bytes(), job,
                         "lower train.batch_size or train.seq_len, or train a smaller model");
 
   // Data-parallel workers (distributed.h): rank 0 alone reads and writes the run directory and
@@ -116,7 +120,7 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
     std::string value, error;
     if (root) try {
         value = decide();
-      } catch (const Error& e) {
+      } catch (const std::exception& e) {
         error = e.what();
       }
     if (group) {
@@ -127,8 +131,20 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
     if (!error.empty()) throw Error(error);
     return value;
   };
+  if (group) {  // every worker must train the same thing on the same tokens
+    const std::string mine = text::sha256_hex(cfg.model.to_json().dump() + std::to_string(opt.steps) +
+                                              std::to_string(opt.batch_size) + std::to_string(opt.checkpoint_every) +
+                                              std::to_string(args.stop_after) + std::to_string(args.data_shards) +
+                                              data.tokenizer.to_json());
+    const auto all = group->gather_strings(mine);
+    for (int r = 0; r < static_cast<int>(all.size()); ++r)
+      if (all[r] != all[0])
+        throw Error("worker " + std::to_string(r) + "'s model config, steps, batch size, checkpoint interval or tokenizer "
+                    "differs from worker 0's; start every worker with the same --config/--preset, options and data");
+  }
   const std::string latest = agree([&] {
-    io::check_output_dir(args.run_dir, 2 * (12.0 * model::parameter_count(cfg.model) + (1 << 20)), job);
+    // Room for a checkpoint being written besides the `keep` (2) kept: weights and AdamW's two moments.
+    io::check_output_dir(args.run_dir, 3 * (12.0 * model::parameter_count(cfg.model) + (1 << 20)), job);
     const std::string l = latest_checkpoint(args.run_dir);
     if (!l.empty() && !args.resume)
       throw Error("run directory '" + args.run_dir + "' already has a checkpoint (" + l +
@@ -163,17 +179,19 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   auto restore = [&](const std::string& ckpt) {
     TrainerState st;
     std::string err;
-    if (root) {
-      st = load_trainer_state(ckpt, optimizer);
-      if (RunConfig::from_json(st.run_config).model.to_json() != cfg.model.to_json())
-        err = ckpt + ": the checkpoint's model config differs from the given config; resume with the same config (see " +
-              ckpt + "/trainer_state.json) or train into a new --out directory";
-      else if (static_cast<int>(st.sampler_states.size()) != world)
-        err = ckpt + " was written by " + std::to_string(st.sampler_states.size()) + " data-parallel workers; resume it with --nproc " +
-              std::to_string(st.sampler_states.size());
-      else
-        model->load_state_dict_hf(nn::load_safetensors(ckpt + "/model.safetensors"), ckpt + "/model.safetensors");
-    }
+    if (root) try {  // any failure here is every rank's (agree below)
+        st = load_trainer_state(ckpt, optimizer);
+        if (RunConfig::from_json(st.run_config).model.to_json() != cfg.model.to_json())
+          err = ckpt + ": the checkpoint's model config differs from the given config; resume with the same config (see " +
+                ckpt + "/trainer_state.json) or train into a new --out directory";
+        else if (static_cast<int>(st.sampler_states.size()) != world)
+          err = ckpt + " was written by " + std::to_string(st.sampler_states.size()) +
+                " data-parallel workers; resume it with --nproc " + std::to_string(st.sampler_states.size());
+        else
+          model->load_state_dict_hf(nn::load_safetensors(ckpt + "/model.safetensors"), ckpt + "/model.safetensors");
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
     const auto j = nlohmann::json::parse(agree([&] {
       if (!err.empty()) throw Error(err);
       return nlohmann::json{{"step", st.step}, {"samplers", st.sampler_states}}.dump();
@@ -328,6 +346,7 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   sum.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   sum.tokens_per_second = (step - first_step) * tokens_per_step / std::max(sum.seconds, 1e-9);
   if (buckets) sum.allreduce_wait_seconds = buckets->seconds_waiting();
+  if (group) group->barrier();  // rank 0 hosts the store: nobody leaves while another still needs it
   return sum;
 }
 

@@ -38,9 +38,9 @@ TEST(MemoryEstimate, TrainingCountsWeightsGradientsMomentsAndActivations) {
 }
 
 TEST(MemoryEstimate, InferenceCountsTheCacheAndThePrefill) {
-  const auto m = model::inference_memory(small(), 2, 1000, 256.0);
+  const auto m = model::inference_memory(small(), 2, 1000, 5000, 256.0);  // 1000 prompt tokens, 4000 generated
   EXPECT_EQ(m.weights, 0);  // the caller has loaded them already
-  EXPECT_EQ(m.cache, 256.0 * 2 * 1000);
+  EXPECT_EQ(m.cache, 256.0 * 2 * 5000);
   EXPECT_EQ(m.activations, 4.0 * 2 * (2 * 4 * 1000.0 * 1000 + 4 * 1000.0 * (64 + 96) + 1000.0 * 1000));
 }
 

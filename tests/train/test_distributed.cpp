@@ -80,6 +80,7 @@ TEST(DataParallel, Worker) {
   args.verbose = false;
   args.distributed = train::DistributedOptions::from_env();
   args.distributed.timeout_seconds = 60;
+  if (std::getenv("KVX_DP_TEST_MISMATCH") && args.distributed.rank == 1) args.config.train.checkpoint_every = 3;
   if (const char* kill = std::getenv("KVX_DP_TEST_KILL")) {  // "rank@step": that worker dies there
     const std::string k = kill;
     if (std::stoi(k) == args.distributed.rank) setenv("KVX_FAULT", ("train.kill@" + k.substr(k.find('@') + 1)).c_str(), 1);
@@ -160,6 +161,19 @@ TEST(DataParallel, WithoutTheLauncherASurvivingWorkerStopsWithAClearError) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0);
   const std::string log = io::read_file(dir + "/rank0.log");
   EXPECT_NE(log.find("another worker has probably died"), std::string::npos) << log;
+  fs::remove_all(dir);
+}
+
+TEST(DataParallel, WorkersWithDifferentSettingsRefuseToStart) {
+  const std::string dir = temp_dir("dp_mismatch");
+  setenv("KVX_DP_TEST_MISMATCH", "1", 1);
+  EXPECT_NE(launch_pair(dir), 0);
+  unsetenv("KVX_DP_TEST_MISMATCH");
+  const std::string log = io::read_file(dir + "/workers/worker-1.log");
+  EXPECT_NE(log.find("worker 1's model config, steps, batch size, checkpoint interval or tokenizer differs from worker 0's"),
+            std::string::npos)
+      << log;
+  EXPECT_FALSE(fs::exists(dir + "/LATEST"));
   fs::remove_all(dir);
 }
 
