@@ -42,8 +42,8 @@ text::MqarSpec mqar_spec(int vocab_size, int pairs, int length, int symbols);
 // sampler draws from [first, first + count), batch / count rows from each with the shard's own
 // RNG. Worker r of N owns {r, 1, N}; one process owning {0, N, N} with N times the batch draws
 // exactly the rows the N workers draw together (the data-parallel equivalence test uses this;
-// the mean gradients agree when every row has the same number of targets, i.e. without MQAR
-// rows, whose ignored targets weigh each worker's mean differently).
+// the trainer weighs each worker's loss by its share of the targets, so the averaged gradient
+// is that of the whole batch also when MQAR rows ignore some targets).
 struct DataShards {
   int first = 0, count = 1, total = 1;
 };

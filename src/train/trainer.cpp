@@ -294,6 +294,10 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
     auto logits = model->forward(x);
     auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
     if (fault_at("train.nan_loss")) loss = loss * std::numeric_limits<double>::quiet_NaN();
+    if (group) {  // weigh each worker by its targets (MQAR rows ignore some): the mean over all of them
+      const double mine = (y != kIgnoreTarget).sum().item<double>(), all = group->mean(mine) * world;
+      loss = loss * (mine * world / std::max(all, 1.0));
+    }
     loss.backward();  // also when not finite: every worker's hooks must run (the step is then skipped)
     if (buckets) buckets->finish();
     const double l = group ? group->mean(loss.item<double>()) : loss.item<double>();

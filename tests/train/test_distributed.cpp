@@ -39,6 +39,8 @@ train::RunConfig parallel_run(int batch) {
   train::RunConfig c = kvx::testing::small_run(kSteps);
   c.train.batch_size = batch;
   c.train.log_every = 1;
+  c.data.mqar_fraction = 0.5;  // rows with ignored targets: the workers' losses are weighed by their targets
+  c.data.mqar_max_pairs = 4;
   return c;
 }
 
