@@ -99,8 +99,7 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   if (data.tokenizer.vocab_size() > cfg.model.vocab_size)
     throw Error("the tokenizer has " + std::to_string(data.tokenizer.vocab_size()) + " tokens but model.vocab_size is " +
                 std::to_string(cfg.model.vocab_size));
-  // Refuse what cannot fit before building anything: memory for training, disk for checkpoints
-  // (the one being written besides the kept ones: weights and AdamW's two moments).
+  // Refuse what cannot fit before building anything (memory here, disk space below).
   const std::string job = "training '" + cfg.name + "'";
   model::MemoryEstimate need = model::training_memory(cfg.model, opt.batch_size, opt.seq_len);
   for (double* part : {&need.weights, &need.gradients, &need.optimizer, &need.activations})
