@@ -633,7 +633,7 @@ int main(int argc, char** argv) {
                     "  1 worker  (%d threads):            %8.0f tokens/s\n"
                     "  %d workers (%d thread(s) each):     %8.0f tokens/s = %.2fx; all-reduce waits %.1f%% of a step\n"
                     "  gradient %.1f MB per step; blocking all-reduce over loopback %.1f ms (%.2f GB/s ring traffic)\n"
-                    "projection, N machines like this one (step %.0f ms of compute at batch %d):\n",
+                    "projection, N machines of C cores (this one's step, %.0f ms at batch %d, scaled by cores):\n",
                     one["preset"].get<std::string>().c_str(), one["batch_size"].get<int>(), one["seq_len"].get<int>(),
                     one["threads"].get<int>(), one["tokens_per_second"].get<double>(), dp["workers"].get<int>(),
                     dp["threads_per_worker"].get<int>(), dp["tokens_per_second"].get<double>(),
@@ -641,10 +641,11 @@ int main(int argc, char** argv) {
                     dp["gradient_bytes"].get<double>() / 1e6, 1e3 * dp["blocking_allreduce_seconds"].get<double>(),
                     j["loopback_allreduce_gbytes_s"].get<double>(), 1e3 * one["seconds_per_step"].get<double>(),
                     one["batch_size"].get<int>());
-        std::printf("  %8s %8s %14s %18s %18s\n", "machines", "Gbit/s", "all-reduce ms", "speed-up (serial)",
-                    "speed-up (overlap)");
+        std::printf("  %5s %8s %8s %10s %14s %18s %18s\n", "cores", "machines", "Gbit/s", "compute ms", "all-reduce ms",
+                    "speed-up (serial)", "speed-up (overlap)");
         for (const auto& p : j["projection"])
-          std::printf("  %8d %8.0f %14.1f %17.2fx %17.2fx\n", p["machines"].get<int>(), p["network_gbit_s"].get<double>(),
+          std::printf("  %5d %8d %8.0f %10.1f %14.1f %17.2fx %17.2fx\n", p["cores_per_machine"].get<int>(),
+                      p["machines"].get<int>(), p["network_gbit_s"].get<double>(), 1e3 * p["compute_seconds"].get<double>(),
                       1e3 * p["allreduce_seconds"].get<double>(), p["speedup_no_overlap"].get<double>(),
                       p["speedup_full_overlap"].get<double>());
       }

@@ -21,6 +21,7 @@
 #include "train/adamw.h"
 #include "train/distributed.h"
 #include "util/error.h"
+#include "util/threads.h"
 
 namespace kvx::eval {
 
@@ -166,21 +167,27 @@ nlohmann::json bench_train_data_parallel(const train::RunConfig& cfg, int steps,
   nlohmann::json multi = nlohmann::json::parse(io::read_file(out));
   std::remove(out.c_str());
 
-  // N machines like this one, each a worker with all its cores at the measured single-worker
-  // speed, joined by a network: a ring all-reduce sends and receives 2 (N - 1) / N of the
-  // gradient per worker. Without overlap a step costs compute + all-reduce, with full overlap
-  // the larger of the two.
-  const double compute = single["seconds_per_step"].get<double>(), bytes = multi["gradient_bytes"].get<double>();
+  // N machines of C cores, each one worker whose step takes this machine's measured time scaled
+  // by its cores / C (ideal scaling within a machine), joined by a network: a ring all-reduce
+  // sends and receives 2 (N - 1) / N of the gradient per worker. Without overlap a step costs
+  // compute + all-reduce, with full overlap the larger of the two.
+  const double bytes = multi["gradient_bytes"].get<double>();
+  const int here = hardware_threads();
   nlohmann::json projection = nlohmann::json::array();
-  for (int machines : {2, 4, 8, 16})
-    for (double gbit : {1.0, 10.0, 100.0}) {
-      const double comm = 2.0 * (machines - 1) / machines * bytes / (gbit * 1e9 / 8);
-      projection.push_back({{"machines", machines},
-                            {"network_gbit_s", gbit},
-                            {"allreduce_seconds", comm},
-                            {"speedup_no_overlap", machines * compute / (compute + comm)},
-                            {"speedup_full_overlap", machines * compute / std::max(compute, comm)}});
-    }
+  for (int cores : {here, 16, 64}) {
+    const double compute = single["seconds_per_step"].get<double>() * here / cores;
+    for (int machines : {2, 8, 32})
+      for (double gbit : {1.0, 10.0, 100.0}) {
+        const double comm = 2.0 * (machines - 1) / machines * bytes / (gbit * 1e9 / 8);
+        projection.push_back({{"cores_per_machine", cores},
+                              {"machines", machines},
+                              {"network_gbit_s", gbit},
+                              {"compute_seconds", compute},
+                              {"allreduce_seconds", comm},
+                              {"speedup_no_overlap", machines * compute / (compute + comm)},
+                              {"speedup_full_overlap", machines * compute / std::max(compute, comm)}});
+      }
+  }
   const double ring_bytes = 2.0 * (nproc - 1) / nproc * bytes;
   return {{"single", single},
           {"data_parallel", multi},
