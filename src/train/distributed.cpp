@@ -299,8 +299,20 @@ int choose_port(const std::string& addr, int port) {
   return ntohs(sa.sin_port);
 }
 
+namespace {
+// The launcher's workers, for its SIGTERM/SIGINT handler: a stop request reaches every worker.
+constexpr int kMaxLocalWorkers = 1024;
+volatile sig_atomic_t g_workers[kMaxLocalWorkers];
+volatile sig_atomic_t g_worker_count = 0;
+void forward_signal(int sig) {
+  for (int i = 0; i < g_worker_count; ++i)
+    if (g_workers[i] > 0) ::kill(static_cast<pid_t>(g_workers[i]), sig);
+}
+}  // namespace
+
 int launch_workers(const std::vector<std::string>& argv, int nproc, const std::string& addr, int port,
                    const std::string& log_dir) {
+  if (nproc > kMaxLocalWorkers) throw Error("--nproc is at most " + std::to_string(kMaxLocalWorkers) + " on one machine");
   if (nproc < 1) throw Error("--nproc must be >= 1, got " + std::to_string(nproc));
   if (!log_dir.empty()) io::make_dirs(log_dir);
   std::vector<pid_t> pids;
@@ -338,7 +350,13 @@ int launch_workers(const std::vector<std::string>& argv, int nproc, const std::s
       _exit(127);
     }
     pids.push_back(pid);
+    g_workers[r] = pid;
+    g_worker_count = r + 1;
   }
+  struct sigaction sa {}, old_term {}, old_int {};
+  sa.sa_handler = forward_signal;
+  ::sigaction(SIGTERM, &sa, &old_term);
+  ::sigaction(SIGINT, &sa, &old_int);
   // The first worker to fail stops the rest (they would otherwise wait for it until the timeout).
   int result = 0;
   size_t alive = pids.size();
@@ -363,7 +381,11 @@ int launch_workers(const std::vector<std::string>& argv, int nproc, const std::s
       for (pid_t p : pids)
         if (p > 0) ::kill(p, SIGTERM);
     }
+    g_workers[rank] = 0;
   }
+  ::sigaction(SIGTERM, &old_term, nullptr);
+  ::sigaction(SIGINT, &old_int, nullptr);
+  g_worker_count = 0;
   return result;
 }
 
