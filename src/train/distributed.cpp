@@ -202,7 +202,6 @@ GradientBuckets::GradientBuckets(ProcessGroup& group, std::vector<torch::Tensor>
   for (size_t k = params_.size(); k-- > 0;) {
     const int64_t bytes = params_[k].numel() * static_cast<int64_t>(sizeof(float));
     if (buckets_.empty() || buckets_.back()->flat.numel() * 4 + bytes > static_cast<int64_t>(bucket_bytes)) {
-      if (!buckets_.empty() && buckets_.back()->params.empty()) buckets_.pop_back();
       buckets_.push_back(std::make_unique<Bucket>());
       buckets_.back()->flat = torch::empty({0}, torch::kFloat);
     }
