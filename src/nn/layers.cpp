@@ -1,5 +1,9 @@
 #include "nn/layers.h"
 
+#include <string>
+
+#include "util/error.h"
+
 namespace kvx::nn {
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
@@ -55,6 +59,29 @@ SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden) {
 
 torch::Tensor SwiGLUImpl::forward(const torch::Tensor& x) {
   return down_proj(torch::silu(gate_proj(x)) * up_proj(x));
+}
+
+CausalConv1dImpl::CausalConv1dImpl(int64_t channels, int64_t kernel) {
+  if (channels < 1 || kernel < 1)
+    throw Error("CausalConv1d: channels and kernel must be >= 1, got " + std::to_string(channels) + " and " +
+                std::to_string(kernel));
+  weight = register_parameter("weight", torch::randn({channels, 1, kernel}) * 0.02);
+}
+
+torch::Tensor CausalConv1dImpl::forward(const torch::Tensor& x, torch::Tensor* tail) {
+  const int64_t C = weight.size(0), K = weight.size(2);
+  if (x.dim() != 3 || x.size(2) != C)
+    throw Error("CausalConv1d: expected x [B, T, " + std::to_string(C) + "], got " + std::to_string(x.dim()) +
+                "-d input with last size " + std::to_string(x.dim() ? x.size(-1) : 0));
+  torch::Tensor before = tail && tail->defined() ? *tail : torch::zeros({x.size(0), K - 1, C}, x.options());
+  if (before.sizes() != torch::IntArrayRef({x.size(0), K - 1, C}))
+    throw Error("CausalConv1d: the carried tail must be [B, K-1, C] = [" + std::to_string(x.size(0)) + ", " +
+                std::to_string(K - 1) + ", " + std::to_string(C) + "]");
+  const auto padded = torch::cat({before, x}, 1);  // [B, K-1+T, C]
+  if (tail) *tail = padded.narrow(1, padded.size(1) - (K - 1), K - 1).detach().clone();
+  const std::vector<int64_t> one{1}, none{0};
+  const auto y = torch::conv1d(padded.transpose(1, 2), weight.to(x.scalar_type()), c10::nullopt, one, none, one, C);
+  return y.transpose(1, 2);
 }
 
 }  // namespace kvx::nn

@@ -1,4 +1,5 @@
-// Building blocks shared by every model: RMSNorm, rotary position embedding, SwiGLU MLP.
+// Building blocks shared by every model: RMSNorm, rotary position embedding, SwiGLU MLP, causal
+// depthwise convolution.
 #pragma once
 #include <torch/torch.h>
 
@@ -42,6 +43,19 @@ class SwiGLUImpl : public torch::nn::Module {
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(SwiGLU);
+
+// Causal depthwise convolution along time, no bias (the short convolution of GDN and NAtS-L,
+// SPEC 1.2, kernel 4): y_t[c] = sum_j weight[c][0][j] x_{t-K+1+j}[c], zeros before the start.
+// Decode carries the last K-1 inputs (`tail`) from one call to the next.
+class CausalConv1dImpl : public torch::nn::Module {
+ public:
+  CausalConv1dImpl(int64_t channels, int64_t kernel);
+  // x [B, T, C]; *tail [B, K-1, C] the inputs before x (undefined: zeros), replaced by the last
+  // K-1 inputs when given (detached: it is decode state).
+  torch::Tensor forward(const torch::Tensor& x, torch::Tensor* tail = nullptr);
+  torch::Tensor weight;  // [C, 1, K], torch's depthwise conv1d layout
+};
+TORCH_MODULE(CausalConv1d);
 
 torch::nn::Linear linear_no_bias(int64_t in, int64_t out);
 
