@@ -4,7 +4,6 @@
 // stops the other promptly and the run resumes to the uninterrupted result; a port in use and
 // a missing peer give clear errors.
 #include <arpa/inet.h>
-#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -18,13 +17,12 @@
 
 #include "io/atomic_file.h"
 #include "nn/tensor_io.h"
+#include "support/child_process.h"
 #include "support/fixtures.h"
 #include "train/checkpoint.h"
 #include "train/distributed.h"
 #include "train/trainer.h"
 #include "util/error.h"
-
-extern char** environ;
 
 using namespace kvx;
 namespace fs = std::filesystem;
@@ -132,28 +130,12 @@ TEST(DataParallel, WithoutTheLauncherASurvivingWorkerStopsWithAClearError) {
   const std::string dir = temp_dir("dp_orphan");
   const int port = train::choose_port("127.0.0.1", 0);
   pid_t pids[2];
-  for (int r = 0; r < 2; ++r) {
-    std::vector<std::string> env;
-    for (char** e = environ; *e; ++e) env.emplace_back(*e);
-    for (std::string v : {"KVX_WORLD_SIZE=2", "KVX_MASTER_ADDR=127.0.0.1", "KVX_DP_TEST_KILL=1@6"}) env.push_back(v);
-    env.push_back("KVX_RANK=" + std::to_string(r));
-    env.push_back("KVX_MASTER_PORT=" + std::to_string(port));
-    env.push_back("KVX_DP_TEST_DIR=" + dir);
-    std::vector<char*> envp;
-    for (auto& v : env) envp.push_back(v.data());
-    envp.push_back(nullptr);
-    const std::string log = dir + "/rank" + std::to_string(r) + ".log";
-    char arg0[] = "kvx_tests", arg1[] = "--gtest_filter=DataParallel.Worker";
-    char* argv[] = {arg0, arg1, nullptr};
-    pids[r] = fork();
-    if (pids[r] == 0) {
-      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      dup2(fd, 1);
-      dup2(fd, 2);
-      execve("/proc/self/exe", argv, envp.data());
-      _exit(127);
-    }
-  }
+  for (int r = 0; r < 2; ++r)
+    pids[r] = kvx::testing::spawn_test_process(
+        "DataParallel.Worker",
+        {"KVX_WORLD_SIZE=2", "KVX_RANK=" + std::to_string(r), "KVX_MASTER_ADDR=127.0.0.1",
+         "KVX_MASTER_PORT=" + std::to_string(port), "KVX_DP_TEST_DIR=" + dir, "KVX_DP_TEST_KILL=1@6"},
+        dir + "/rank" + std::to_string(r) + ".log");
   int status = 0;
   ASSERT_EQ(waitpid(pids[1], &status, 0), pids[1]);
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);

@@ -5,13 +5,10 @@
 // config and threads give the same trace.
 //
 // The kill tests re-execute this binary as a child process running CrashSafety.Worker.
-#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -27,12 +24,11 @@
 #include "io/safetensors_format.h"
 #include "model/memory.h"
 #include "nn/tensor_io.h"
+#include "support/child_process.h"
 #include "support/fixtures.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 #include "util/error.h"
-
-extern char** environ;
 
 using namespace kvx;
 namespace fs = std::filesystem;
@@ -101,33 +97,12 @@ void expect_consistent(const std::string& run_dir) {
   if (fs::exists(run_dir + "/LATEST")) EXPECT_NO_THROW(train::load_model(run_dir)) << "LATEST names a damaged checkpoint";
 }
 
-// The worker process: this binary again, running CrashSafety.Worker on `run_dir`. Everything the
-// child needs is prepared before fork (only async-signal-safe calls between fork and exec).
+// The worker process: this binary again, running CrashSafety.Worker on `run_dir`; KVX_FAULT is
+// the given one (or none).
 pid_t spawn_worker(const std::string& run_dir, const std::string& fault, rlim_t file_size_limit = 0) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e; ++e)
-    if (std::string(*e).rfind("KVX_FAULT=", 0) != 0) env.emplace_back(*e);
-  env.push_back("KVX_RELIABILITY_WORKER_DIR=" + run_dir);
-  if (!fault.empty()) env.push_back("KVX_FAULT=" + fault);
-  std::vector<char*> envp;
-  for (auto& s : env) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  char arg0[] = "kvx_tests", arg1[] = "--gtest_filter=CrashSafety.Worker";
-  char* argv[] = {arg0, arg1, nullptr};
-  const pid_t pid = fork();
-  if (pid == 0) {
-    if (file_size_limit > 0) {  // a full disk, as the kernel reports it: writes past the limit fail with EFBIG
-      const rlimit r{file_size_limit, file_size_limit};
-      setrlimit(RLIMIT_FSIZE, &r);
-      signal(SIGXFSZ, SIG_IGN);
-    }
-    const int null = open("/dev/null", O_WRONLY);
-    dup2(null, 1);
-    dup2(null, 2);
-    execve("/proc/self/exe", argv, envp.data());
-    _exit(127);
-  }
-  return pid;
+  return kvx::testing::spawn_test_process("CrashSafety.Worker",
+                                          {"KVX_RELIABILITY_WORKER_DIR=" + run_dir, "KVX_FAULT=" + fault}, "",
+                                          file_size_limit);
 }
 
 // Waits up to `seconds` for the child; returns true with its status if it ended.
