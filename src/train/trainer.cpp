@@ -293,13 +293,17 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
     auto logits = model->forward(x);
     auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
     if (fault_at("train.nan_loss")) loss = loss * std::numeric_limits<double>::quiet_NaN();
+    double l = loss.item<double>();
     if (group) {  // weigh each worker by its targets (MQAR rows ignore some): the mean over all of them
-      const double mine = (y != kIgnoreTarget).sum().item<double>(), all = group->mean(mine) * world;
-      loss = loss * (mine * world / std::max(all, 1.0));
+      const double mine = (y != kIgnoreTarget).sum().item<double>();
+      auto sums = torch::tensor({mine, l * mine}, torch::kDouble);  // one all-reduce: targets, loss sums
+      group->sum(sums);
+      const double all = std::max(sums[0].item<double>(), 1.0);
+      l = sums[1].item<double>() / all;
+      loss = loss * (mine * world / all);
     }
     loss.backward();  // also when not finite: every worker's hooks must run (the step is then skipped)
     if (buckets) buckets->finish();
-    const double l = group ? group->mean(loss.item<double>()) : loss.item<double>();
     const double grad_norm = torch::nn::utils::clip_grad_norm_(params, opt.grad_clip);
     ++step;
     if (!std::isfinite(l) || !std::isfinite(grad_norm)) {  // never applied: one NaN update poisons every weight
