@@ -71,11 +71,13 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
   fsync_dir(target.has_parent_path() ? target.parent_path().string() : ".");
 }
 
+namespace {
 double free_disk_bytes(const std::string& dir) {
   struct statvfs st {};
   if (::statvfs(dir.c_str(), &st) != 0) throw Error("cannot query free space of '" + dir + "': " + std::strerror(errno));
   return static_cast<double>(st.f_bavail) * static_cast<double>(st.f_frsize);
 }
+}  // namespace
 
 void check_output_dir(const std::string& dir, double bytes_needed, const std::string& what) {
   try {

@@ -15,6 +15,5 @@ void fsync_dir(const std::string& dir);
 // Before a long job writes into `dir`: creates it, checks that a file can be written there and
 // that the file system has `bytes_needed` free; throws kvx::Error naming `what` and the fix.
 void check_output_dir(const std::string& dir, double bytes_needed, const std::string& what);
-double free_disk_bytes(const std::string& dir);  // for an existing directory
 
 }  // namespace kvx::io

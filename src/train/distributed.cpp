@@ -149,9 +149,9 @@ void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors) {
 }
 
 double ProcessGroup::mean(double value) {
-  std::vector<at::Tensor> t{torch::tensor({value}, torch::kDouble)};
-  wait_for(impl_->pg->allreduce(t), rank(), "all-reduce");
-  return t[0].item<double>() / options_.world_size;
+  auto t = torch::tensor({value}, torch::kDouble);
+  sum(t);
+  return t.item<double>() / options_.world_size;
 }
 
 void ProcessGroup::sum(torch::Tensor& t) {
