@@ -61,6 +61,20 @@ std::string latest_checkpoint(const std::string& run_dir) {
   return dir;
 }
 
+namespace {
+
+// Removes a checkpoint directory without ever leaving a half-deleted ckpt-* behind: it is first
+// renamed (atomic) to a hidden .ckpt-*.old name, which the next save cleans up if a kill interrupts.
+void discard_checkpoint_dir(const std::string& run_dir, const std::string& name) {
+  const std::string hidden = run_dir + "/." + name + ".old";
+  fs::remove_all(hidden);
+  fs::rename(run_dir + "/" + name, hidden);
+  if (fault_at("checkpoint.mid_prune")) ::raise(SIGKILL);
+  fs::remove_all(hidden);
+}
+
+}  // namespace
+
 void save_checkpoint(const std::string& run_dir, const model::Transformer& model, const text::BpeTokenizer& tokenizer,
                      const AdamW& optimizer, const TrainerState& state, int keep) {
   std::ostringstream name;
@@ -83,7 +97,7 @@ void save_checkpoint(const std::string& run_dir, const model::Transformer& model
     fs::remove_all(tmp_dir, ec);
     throw;
   }
-  if (fs::exists(final_dir)) fs::remove_all(final_dir);  // a leftover from an interrupted save of this step
+  if (fs::exists(final_dir)) discard_checkpoint_dir(run_dir, name.str());  // a leftover from an interrupted save of this step
   fs::rename(tmp_dir, final_dir);
   io::fsync_dir(run_dir);
   if (fault_at("checkpoint.before_latest")) ::raise(SIGKILL);
@@ -98,7 +112,7 @@ void save_checkpoint(const std::string& run_dir, const model::Transformer& model
   for (const auto& n : unfinished) fs::remove_all(run_dir + "/" + n);
   std::sort(all.begin(), all.end());
   for (size_t i = 0; i + keep < all.size(); ++i)
-    if (all[i] != name.str()) fs::remove_all(run_dir + "/" + all[i]);
+    if (all[i] != name.str()) discard_checkpoint_dir(run_dir, all[i]);
 }
 
 TrainerState load_trainer_state(const std::string& dir, AdamW& optimizer) {

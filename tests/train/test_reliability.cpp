@@ -152,8 +152,8 @@ TEST(CrashSafety, KilledTrainingResumesFromTheLastCheckpointWithTheSameLossTrace
 
   const std::string dir = temp_dir("killed_run");
   // Deterministic kills inside a checkpoint save: with the new checkpoint half-written, and
-  // with it complete but LATEST still naming the previous one.
-  for (const char* fault : {"checkpoint.mid_write@3", "checkpoint.before_latest@2"}) {
+  // with it complete but LATEST still naming the previous one, and while an old one is removed.
+  for (const char* fault : {"checkpoint.mid_write@3", "checkpoint.before_latest@2", "checkpoint.mid_prune@1"}) {
     const pid_t pid = spawn_worker(dir, fault);
     ASSERT_TRUE(wait_for(pid, 300, &status)) << fault;
     EXPECT_TRUE(killed(status)) << fault << ": the fault site was not reached";
