@@ -1,5 +1,6 @@
 #include "attention/cost.h"
 
+#include <cstdio>
 #include <sstream>
 
 #include "util/error.h"
@@ -22,14 +23,14 @@ int parse_int(const std::string& spec, const std::string& key, const std::string
 
 AttentionShape AttentionShape::parse(const std::string& spec) {
   const std::string usage =
-      "; write kind:key=value,... with kind mha|gqa|mqa|lrkv|mla and keys H, Hkv, d_h, d, r, rope, d_c, d_R "
-      "(e.g. lrkv:H=18,r=55,d_h=128)";
+      "; write kind:key=value,... with kind mha|gqa|mqa|lrkv|mla|gdn|natsl and keys H, Hkv, d_h, d, r, rope, d_c, d_R, "
+      "d_v, conv, HA, f (e.g. lrkv:H=18,r=55,d_h=128 or natsl:H=6,HA=18,d_h=128,d_v=128,f=0.25)";
   AttentionShape s;
   const auto colon = spec.find(':');
   const std::string kind = spec.substr(0, colon);
   if (kind == "mha" || kind == "gqa" || kind == "mqa" || kind == "dense") {
     s.kind = "dense";
-  } else if (kind == "lrkv" || kind == "mla") {
+  } else if (kind == "lrkv" || kind == "mla" || kind == "gdn" || kind == "natsl") {
     s.kind = kind;
   } else {
     throw Error("shape '" + spec + "': unknown attention kind '" + kind + "'" + usage);
@@ -49,6 +50,18 @@ AttentionShape AttentionShape::parse(const std::string& spec) {
       else if (key == "rope") s.rope = value;
       else if (key == "d_c") s.latent = parse_int(spec, key, value);
       else if (key == "d_R") s.rope_dim = parse_int(spec, key, value);
+      else if (key == "d_v") s.value_dim = parse_int(spec, key, value);
+      else if (key == "conv") s.conv = parse_int(spec, key, value);
+      else if (key == "HA") s.attn_heads = parse_int(spec, key, value);
+      else if (key == "f") {
+        try {
+          size_t used = 0;
+          s.softmax_fraction = std::stod(value, &used);
+          if (used != value.size()) throw Error("");
+        } catch (...) {
+          throw Error("shape '" + spec + "': f=" + value + " is not a number");
+        }
+      }
       else throw Error("shape '" + spec + "': unknown key '" + key + "'" + usage);
     }
   }
@@ -56,6 +69,8 @@ AttentionShape AttentionShape::parse(const std::string& spec) {
   if (kind == "mqa") s.kv_heads = 1;
   if (kind == "gqa" && s.kv_heads == 0) throw Error("shape '" + spec + "': gqa needs Hkv" + usage);
   if (s.kind == "dense" && s.kv_heads == 0) s.kv_heads = s.heads;
+  if ((s.kind == "gdn" || s.kind == "natsl") && s.value_dim == 0) s.value_dim = s.head_dim;
+  if (s.kind == "natsl" && s.attn_heads == 0) s.attn_heads = s.heads;
   s.validate();
   return s;
 }
@@ -71,14 +86,25 @@ AttentionShape AttentionShape::of_layer(const model::ModelConfig& c, const std::
   s.rope = c.lrkv_rope;
   s.latent = c.kv_lora_rank;
   s.rope_dim = c.qk_rope_head_dim;
+  if (kind == "gdn" || kind == "natsl") {
+    s.heads = c.linear_num_heads;
+    s.kv_heads = 0;
+    s.head_dim = c.linear_key_head_dim;
+    s.value_dim = c.linear_value_head_dim;
+    s.conv = c.linear_conv_kernel_dim;
+    if (kind == "natsl") {
+      s.attn_heads = c.nats_attention_heads;
+      s.softmax_fraction = c.nats_max_softmax_fraction;
+    }
+  }
   s.validate();
   return s;
 }
 
 void AttentionShape::validate() const {
   const std::string what = "attention shape (" + kind + ")";
-  if (kind != "dense" && kind != "lrkv" && kind != "mla")
-    throw Error(what + ": no cost model for mixer kind '" + kind + "' (known: dense, lrkv, mla)");
+  if (kind != "dense" && kind != "lrkv" && kind != "mla" && kind != "gdn" && kind != "natsl")
+    throw Error(what + ": no cost model for mixer kind '" + kind + "' (known: dense, lrkv, mla, gdn, natsl)");
   if (heads < 1) throw Error(what + ": H must be positive");
   if (head_dim < 1) throw Error(what + ": d_h must be positive");
   if (hidden < 0) throw Error(what + ": d must not be negative");
@@ -89,6 +115,15 @@ void AttentionShape::validate() const {
                 "]; a residual rank above the head width adds cache without adding rank");
   if (kind == "mla" && (latent < 1 || rope_dim < 0))
     throw Error(what + ": needs d_c >= 1 and d_R >= 0");
+  if ((kind == "gdn" || kind == "natsl") && (value_dim < 1 || conv < 1))
+    throw Error(what + ": needs d_v >= 1 and conv >= 1");
+  if (kind == "natsl") {
+    if (attn_heads < 1 || attn_heads % heads != 0 || head_dim % (attn_heads / heads) != 0 ||
+        value_dim % (attn_heads / heads) != 0)
+      throw Error(what + ": HA (" + std::to_string(attn_heads) + ") must be a multiple of H (" + std::to_string(heads) +
+                  ") that splits d_h and d_v evenly");
+    if (!(softmax_fraction > 0 && softmax_fraction <= 1)) throw Error(what + ": the budget f must be in (0, 1]");
+  }
 }
 
 std::string AttentionShape::describe() const {
@@ -97,6 +132,12 @@ std::string AttentionShape::describe() const {
   s += " d_h=" + std::to_string(head_dim);
   if (kind == "lrkv") s += " r=" + std::to_string(rank) + " (" + rope + ")";
   if (kind == "mla") s += " d_c=" + std::to_string(latent) + " d_R=" + std::to_string(rope_dim);
+  if (kind == "gdn" || kind == "natsl") s += " d_v=" + std::to_string(value_dim);
+  if (kind == "natsl") {
+    char f[32];
+    std::snprintf(f, sizeof f, "%g", softmax_fraction);
+    s += " HA=" + std::to_string(attn_heads) + " f<=" + f;
+  }
   if (hidden > 0) s += " d=" + std::to_string(hidden);
   return s;
 }
@@ -108,19 +149,55 @@ std::vector<std::pair<int, int>> AttentionShape::cache_rows() const {
     if (rank > 0) rows.push_back({2 * heads, rank});
     return rows;
   }
+  if (kind == "gdn") return {};
+  if (kind == "natsl") {  // per softmax head: a key row of K/GA and a value row of V/GA
+    const int groups = attn_heads / heads;
+    return {{attn_heads, head_dim / groups}, {attn_heads, value_dim / groups}};
+  }
   return {{1, latent + rope_dim}};  // mla: one row [c | k_R] per token
 }
 
 double AttentionShape::cache_elements() const {
   double n = 0;
   for (auto [count, width] : cache_rows()) n += static_cast<double>(count) * width;
-  return n;
+  return kind == "natsl" ? softmax_fraction * n : n;
+}
+
+double AttentionShape::mha_cache_elements() const {
+  if (kind == "gdn" || kind == "natsl") return static_cast<double>(heads) * (head_dim + value_dim);
+  return 2.0 * heads * head_dim;
 }
 
 double AttentionShape::cache_bytes(kernels::KVType type) const {
   double n = 0;
   for (auto [count, width] : cache_rows()) n += static_cast<double>(count) * kernels::row_bytes(type, width);
-  return n;
+  return kind == "natsl" ? softmax_fraction * n : n;
+}
+
+double AttentionShape::state_elements() const {
+  if (kind != "gdn" && kind != "natsl") return 0;
+  const double H = heads, K = head_dim, V = value_dim;
+  return H * K * V + (conv - 1.0) * H * (2 * K + V);
+}
+
+double AttentionShape::mha_kv_params() const {
+  if (kind == "gdn" || kind == "natsl") return static_cast<double>(hidden) * heads * (head_dim + value_dim);
+  return 2.0 * heads * hidden * head_dim;
+}
+
+double AttentionShape::mixer_params() const {
+  const double d = hidden, H = heads, dh = head_dim;
+  if (kind == "gdn" || kind == "natsl") {
+    const double K = head_dim, V = value_dim;
+    // q, k, v, a, b, gate (g_proj), o projections; q/k/v convolutions; A_log, dt_bias; output norm(s)
+    double p = d * H * (2 * K + V) + 2 * d * H + d * H * V + H * V * d + conv * H * (2 * K + V) + 2 * H;
+    if (kind == "gdn") return p + V;
+    const double groups = attn_heads / heads;
+    // o_w (H K -> 2 HA), router (d -> 2 H), q/k RMSNorm (K/GA), the two branch RMSNorms (V/GA)
+    return p + H * K * 2 * attn_heads + d * 2 * H + 2 * K / groups + 2 * V / groups;
+  }
+  const double q_width = kind == "mla" ? H * (dh + rope_dim) : H * dh;
+  return d * q_width + kv_params() + H * dh * d;
 }
 
 double AttentionShape::kv_params() const {
@@ -131,6 +208,7 @@ double AttentionShape::kv_params() const {
     if (rope == "pair_aligned") p -= H * rank * dh;  // B_h^K is a fixed plane selection
     return p;
   }
+  if (kind == "gdn" || kind == "natsl") return d * H * (dh + value_dim);
   return d * (latent + rope_dim) + 2.0 * H * latent * dh;
 }
 

@@ -1,7 +1,9 @@
 #include "attention/gdn.h"
 
+#include <cmath>
 #include <string>
 
+#include "kernels/gdn_decode.h"
 #include "util/error.h"
 
 namespace kvx::attention {
@@ -77,6 +79,138 @@ std::pair<torch::Tensor, torch::Tensor> gdn_chunked(const torch::Tensor& q, cons
     S = last.exp().unsqueeze(-1).unsqueeze(-1) * S + torch::matmul(K.transpose(-1, -2), tail * U);
   }
   return {torch::cat(outs, 2), S};
+}
+
+}  // namespace kvx::attention
+
+namespace kvx::attention {
+
+GdnCache::GdnCache(int64_t batch, const AttentionShape& shape, bool fused_steps, int thread_count)
+    : fused(fused_steps), threads(thread_count), batch_(batch), shape_(shape) {
+  state = torch::zeros({batch, shape.heads, shape.head_dim, shape.value_dim});
+}
+
+int64_t GdnCache::bytes() const { return static_cast<int64_t>(batch_ * shape_.state_bytes()); }
+
+void GdnCache::clear() {
+  state.zero_();
+  q_tail = k_tail = v_tail = torch::Tensor();
+  length_ = 0;
+}
+
+void GdnCache::append_random_history(int64_t tokens, uint32_t seed) {
+  torch::manual_seed(seed);
+  state = torch::randn_like(state) * (1.0 / std::sqrt(static_cast<double>(shape_.head_dim)));
+  const int64_t tail = shape_.conv - 1, hk = static_cast<int64_t>(shape_.heads) * shape_.head_dim;
+  q_tail = torch::randn({batch_, tail, hk});
+  k_tail = torch::randn({batch_, tail, hk});
+  v_tail = torch::randn({batch_, tail, static_cast<int64_t>(shape_.heads) * shape_.value_dim});
+  length_ += tokens;
+}
+
+GdnLayerBase::GdnLayerBase(const model::ModelConfig& c, const std::string& kind)
+    : heads_(c.linear_num_heads), key_dim_(c.linear_key_head_dim), value_dim_(c.linear_value_head_dim),
+      shape_(AttentionShape::of_layer(c, kind)) {
+  const int64_t d = c.hidden_size, hk = heads_ * key_dim_, hv = heads_ * value_dim_, conv = c.linear_conv_kernel_dim;
+  q_proj = register_module("q_proj", nn::linear_no_bias(d, hk));
+  k_proj = register_module("k_proj", nn::linear_no_bias(d, hk));
+  v_proj = register_module("v_proj", nn::linear_no_bias(d, hv));
+  a_proj = register_module("a_proj", nn::linear_no_bias(d, heads_));
+  b_proj = register_module("b_proj", nn::linear_no_bias(d, heads_));
+  g_proj = register_module("g_proj", nn::linear_no_bias(d, hv));
+  o_proj = register_module("o_proj", nn::linear_no_bias(hv, d));
+  q_conv1d = register_module("q_conv1d", nn::CausalConv1d(hk, conv));
+  k_conv1d = register_module("k_conv1d", nn::CausalConv1d(hk, conv));
+  v_conv1d = register_module("v_conv1d", nn::CausalConv1d(hv, conv));
+  A_log = register_parameter("A_log", torch::zeros({heads_}));
+  dt_bias = register_parameter("dt_bias", torch::zeros({heads_}));
+  initialize();
+}
+
+void GdnLayerBase::initialize() {
+  torch::NoGradGuard ng;
+  A_log.copy_(torch::empty({heads_}).uniform_(0, 16).clamp_min(1e-6).log());
+  const double lo = std::log(1e-3), hi = std::log(0.1);
+  auto dt = (torch::rand({heads_}) * (hi - lo) + lo).exp().clamp_min(1e-4);
+  dt_bias.copy_(dt + torch::log(-torch::expm1(-dt)));  // softplus^-1(dt)
+}
+
+torch::Tensor GdnLayerBase::heads_first(const torch::Tensor& x, int64_t width) const {
+  return x.view({x.size(0), x.size(1), heads_, width}).transpose(1, 2);
+}
+
+GdnInputs GdnLayerBase::project(const torch::Tensor& x, GdnCache* cache) {
+  GdnInputs in;
+  in.q = torch::silu(q_conv1d(q_proj(x), cache ? &cache->q_tail : nullptr));
+  in.k = torch::silu(k_conv1d(k_proj(x), cache ? &cache->k_tail : nullptr));
+  in.v = torch::silu(v_conv1d(v_proj(x), cache ? &cache->v_tail : nullptr));
+  in.beta = torch::sigmoid(b_proj(x));
+  in.g = -A_log.exp() * torch::nn::functional::softplus(a_proj(x) + dt_bias);
+  return in;
+}
+
+GdnAttention::GdnAttention(const model::ModelConfig& c, int layer) : GdnLayerBase(c, "gdn") {
+  (void)layer;
+  o_norm = register_module("o_norm", nn::RMSNorm(value_dim_, c.rms_norm_eps));
+}
+
+torch::Tensor GdnAttention::finish(const torch::Tensor& o, const torch::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1);
+  auto gate = torch::silu(g_proj(x)).view({B, T, heads_, value_dim_});
+  return o_proj((o_norm(o.transpose(1, 2)) * gate).reshape({B, T, heads_ * value_dim_}));
+}
+
+torch::Tensor GdnAttention::forward(const torch::Tensor& x) {
+  const auto in = project(x, nullptr);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(key_dim_));
+  auto o = gdn_chunked(l2_normalize(heads_first(in.q, key_dim_)), l2_normalize(heads_first(in.k, key_dim_)),
+                       heads_first(in.v, value_dim_), in.g.transpose(1, 2), in.beta.transpose(1, 2), scale)
+               .first;
+  return finish(o, x);
+}
+
+std::unique_ptr<MixerCache> GdnAttention::new_cache(int64_t batch, const CacheOptions& options) const {
+  if (options.evict.enabled())
+    throw Error("a GDN layer has no KV to evict (its state is constant in the context length); drop --evict");
+  return std::make_unique<GdnCache>(batch, shape_, !options.reference,
+                                    options.threads > 0 ? options.threads : torch::get_num_threads());
+}
+
+torch::Tensor GdnAttention::step(const torch::Tensor& x, MixerCache& cache_base) {
+  auto* cache = dynamic_cast<GdnCache*>(&cache_base);
+  if (!cache) throw Error("GdnAttention::step: the cache was not made by a GDN layer (layer/cache mismatch)");
+  const auto in = project(x, cache);
+  const int64_t B = x.size(0), T = x.size(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(key_dim_));
+  auto q = l2_normalize(heads_first(in.q, key_dim_)), k = l2_normalize(heads_first(in.k, key_dim_));
+  auto v = heads_first(in.v, value_dim_);
+  auto g = in.g.transpose(1, 2), beta = in.beta.transpose(1, 2);
+  torch::Tensor o;
+  if (cache->fused) {
+    // Token by token through the torch-free kernel, on f32 copies laid out [B, T, H, w].
+    auto f32 = [](const torch::Tensor& t) { return t.transpose(1, 2).to(torch::kFloat32).contiguous(); };
+    const auto qf = f32(q), kf = f32(k), vf = f32(v), gf = f32(g), bf = f32(beta);
+    auto out = torch::empty({B, T, heads_, value_dim_}, torch::kFloat32);
+    const int64_t H = heads_, K = key_dim_, V = value_dim_;
+    for (int64_t b = 0; b < B; ++b) {
+      float* S = cache->state.data_ptr<float>() + b * H * K * V;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t i = b * T + t;
+        kernels::gdn_decode_step(S, qf.data_ptr<float>() + i * H * K, kf.data_ptr<float>() + i * H * K,
+                                 vf.data_ptr<float>() + i * H * V, gf.data_ptr<float>() + i * H, bf.data_ptr<float>() + i * H,
+                                 static_cast<int>(H), static_cast<int>(K), static_cast<int>(V), static_cast<float>(scale),
+                                 out.data_ptr<float>() + i * H * V, cache->threads);
+      }
+    }
+    o = out.to(x.scalar_type()).transpose(1, 2);
+  } else {
+    auto state = cache->state.to(x.scalar_type());
+    auto r = T >= 64 ? gdn_chunked(q, k, v, g, beta, scale, state) : gdn_recurrent(q, k, v, g, beta, scale, state);
+    o = r.first;
+    cache->state = r.second.detach();  // kept in the model's dtype (fp64 in the tests)
+  }
+  cache->length_ += T;
+  return finish(o, x);
 }
 
 }  // namespace kvx::attention

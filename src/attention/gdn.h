@@ -10,10 +10,18 @@
 //   O = scale (diag(G) Q S_0 + (M o Q K^T) U),                M_ti = exp(gamma_t - gamma_i) (i <= t)
 //   S_C = G_C S_0 + K^T diag(exp(gamma_C - gamma)) U
 // Both differentiate through libtorch autograd (the triangular solve included).
+//
+// GdnLayerBase holds what GDN and NAtS-L layers share (SPEC 1.2; flash-linear-attention names):
+// q/k/v projections, each followed by a short causal depthwise convolution and SiLU; beta =
+// sigmoid(b_proj x); g = -exp(A_log) softplus(a_proj x + dt_bias); the output gate g_proj and
+// o_proj. GdnAttention is the plain GDN layer: o = o_proj(RMSNorm_V(gdn(q, k, v)) * silu(g_proj x)).
 #pragma once
 #include <torch/torch.h>
 
 #include <utility>
+
+#include "attention/cost.h"
+#include "attention/mixer.h"
 
 namespace kvx::attention {
 
@@ -28,5 +36,68 @@ std::pair<torch::Tensor, torch::Tensor> gdn_recurrent(const torch::Tensor& q, co
 std::pair<torch::Tensor, torch::Tensor> gdn_chunked(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                                     const torch::Tensor& g, const torch::Tensor& beta, double scale,
                                                     torch::Tensor state = {}, int64_t chunk = 64);
+
+// The GDN decode state: S [B, H, K, V] (f32) and the convolution tails of q, k, v, constant in the
+// context length. fused: steps run kernels::gdn_decode_step (else the libtorch recurrence).
+class GdnCache : public MixerCache {
+ public:
+  GdnCache(int64_t batch, const AttentionShape& shape, bool fused, int threads);
+  int64_t length() const override { return length_; }
+  int64_t bytes() const override;  // the state and the tails
+  double bytes_per_token() const override { return 0; }
+  void clear() override;
+  // A random state (a sum of `tokens` decayed unit writes' worth of scale) and the length advanced.
+  void append_random_history(int64_t tokens, uint32_t seed) override;
+
+  torch::Tensor state;                   // [B, H, K, V]
+  torch::Tensor q_tail, k_tail, v_tail;  // [B, conv-1, channels]; undefined until the first token
+  int64_t length_ = 0;
+  bool fused;
+  int threads;
+
+ private:
+  int64_t batch_;
+  AttentionShape shape_;
+};
+
+// The per-token inputs of the GDN recurrence, [B, T, ...] as projected (q, k not yet normalised).
+struct GdnInputs {
+  torch::Tensor q, k, v;  // after convolution and SiLU: [B, T, H K], [B, T, H K], [B, T, H V]
+  torch::Tensor g, beta;  // [B, T, H]
+};
+
+class GdnLayerBase : public Mixer {
+ public:
+  GdnLayerBase(const model::ModelConfig& config, const std::string& kind);
+  void initialize() override;  // A ~ U(0, 16), A_log = log A; dt log-uniform in [1e-3, 0.1], dt_bias = softplus^-1(dt)
+  double cache_bytes_per_token(kernels::KVType type) const override { return shape_.cache_bytes(type); }
+  double state_bytes() const override { return shape_.state_bytes(); }
+
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, a_proj{nullptr}, b_proj{nullptr}, g_proj{nullptr},
+      o_proj{nullptr};
+  nn::CausalConv1d q_conv1d{nullptr}, k_conv1d{nullptr}, v_conv1d{nullptr};
+  torch::Tensor A_log, dt_bias;  // [H]
+
+ protected:
+  // With a cache the convolutions continue from (and update) its tails.
+  GdnInputs project(const torch::Tensor& x, GdnCache* cache);
+  // [B, T, H*w] -> [B, H, T, w]
+  torch::Tensor heads_first(const torch::Tensor& x, int64_t width) const;
+  int64_t heads_, key_dim_, value_dim_;
+  AttentionShape shape_;
+};
+
+class GdnAttention : public GdnLayerBase {
+ public:
+  GdnAttention(const model::ModelConfig& config, int layer);
+  torch::Tensor forward(const torch::Tensor& x) override;  // chunked form (chunk 64)
+  std::unique_ptr<MixerCache> new_cache(int64_t batch, const CacheOptions& options) const override;
+  torch::Tensor step(const torch::Tensor& x, MixerCache& cache) override;
+
+  nn::RMSNorm o_norm{nullptr};  // over V, per head
+
+ private:
+  torch::Tensor finish(const torch::Tensor& o, const torch::Tensor& x);  // o [B, H, T, V] -> the layer output
+};
 
 }  // namespace kvx::attention

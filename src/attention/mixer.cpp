@@ -1,6 +1,7 @@
 #include "attention/mixer.h"
 
 #include "attention/dense.h"
+#include "attention/gdn.h"
 #include "attention/lrkv.h"
 #include "attention/mla.h"
 #include <sstream>
@@ -85,12 +86,13 @@ torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start) {
   return torch::softmax(scores, -1);
 }
 
-std::vector<std::string> mixer_kinds() { return {"dense", "lrkv", "mla"}; }
+std::vector<std::string> mixer_kinds() { return {"dense", "lrkv", "mla", "gdn", "natsl"}; }
 
 std::shared_ptr<Mixer> make_mixer(const std::string& kind, const model::ModelConfig& config, int layer) {
   if (kind == "dense") return std::make_shared<DenseAttention>(config, layer);
   if (kind == "lrkv") return std::make_shared<LrkvAttention>(config, layer);
   if (kind == "mla") return std::make_shared<MlaAttention>(config, layer);
+  if (kind == "gdn") return std::make_shared<GdnAttention>(config, layer);
   std::string valid;
   for (const auto& k : mixer_kinds()) valid += (valid.empty() ? "" : ", ") + k;
   throw Error("unknown mixer kind '" + kind + "' in layout (valid: " + valid + ")");

@@ -67,6 +67,8 @@ class Mixer : public torch::nn::Module {
   virtual torch::Tensor step(const torch::Tensor& x, MixerCache& cache) = 0;
   // Cache bytes per token per batch row at the given element type.
   virtual double cache_bytes_per_token(kernels::KVType type = kernels::KVType::F32) const = 0;
+  // Bytes per batch row the cache holds whatever the context length (GDN's recurrent state).
+  virtual double state_bytes() const { return 0; }
   // Per-head query and key projections as [H, d, d_h] (keys expanded per query head: GQA heads
   // share, LRKV heads are W_s + U_h B_h^T) for head-diversity analysis (SPEC 1.1); false for
   // families without per-head softmax keys.

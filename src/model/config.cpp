@@ -27,6 +27,15 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   c.lrkv_rope = r.get<std::string>("lrkv_rope", c.lrkv_rope);
   c.kv_lora_rank = r.get<int>("kv_lora_rank", c.kv_lora_rank);
   c.qk_rope_head_dim = r.get<int>("qk_rope_head_dim", c.qk_rope_head_dim);
+  c.linear_num_heads = r.get<int>("linear_num_heads", c.linear_num_heads);
+  c.linear_key_head_dim = r.get<int>("linear_key_head_dim", c.linear_key_head_dim);
+  c.linear_value_head_dim = r.get<int>("linear_value_head_dim", c.linear_value_head_dim);
+  c.linear_conv_kernel_dim = r.get<int>("linear_conv_kernel_dim", c.linear_conv_kernel_dim);
+  c.nats_attention_heads = r.get<int>("nats_attention_heads", c.nats_attention_heads);
+  c.nats_block_size = r.get<int>("nats_block_size", c.nats_block_size);
+  c.nats_rope = r.get<bool>("nats_rope", c.nats_rope);
+  c.nats_router_grad = r.get<std::string>("nats_router_grad", c.nats_router_grad);
+  c.nats_max_softmax_fraction = r.get<double>("nats_max_softmax_fraction", c.nats_max_softmax_fraction);
   std::string arch = r.get<std::string>("model_type", "kvx");
   if (arch != "kvx") throw Error("model config: model_type '" + arch + "' is not a kvx model (expected \"kvx\")");
   r.finish();
@@ -56,6 +65,19 @@ nlohmann::json ModelConfig::to_json() const {
   if (uses("mla")) {
     j["kv_lora_rank"] = kv_lora_rank;
     j["qk_rope_head_dim"] = qk_rope_head_dim;
+  }
+  if (uses("gdn") || uses("natsl")) {
+    j["linear_num_heads"] = linear_num_heads;
+    j["linear_key_head_dim"] = linear_key_head_dim;
+    j["linear_value_head_dim"] = linear_value_head_dim;
+    j["linear_conv_kernel_dim"] = linear_conv_kernel_dim;
+  }
+  if (uses("natsl")) {
+    j["nats_attention_heads"] = nats_attention_heads;
+    j["nats_block_size"] = nats_block_size;
+    j["nats_rope"] = nats_rope;
+    j["nats_router_grad"] = nats_router_grad;
+    j["nats_max_softmax_fraction"] = nats_max_softmax_fraction;
   }
   return j;
 }
@@ -104,6 +126,34 @@ void ModelConfig::validate() const {
     if (qk_rope_head_dim < 2 || qk_rope_head_dim % 2 != 0)
       throw Error("model config: qk_rope_head_dim (MLA decoupled RoPE key width d_R) must be even and >= 2, got " +
                   std::to_string(qk_rope_head_dim));
+  }
+  if (uses("gdn") || uses("natsl")) {
+    positive(linear_num_heads, "linear_num_heads");
+    positive(linear_key_head_dim, "linear_key_head_dim");
+    positive(linear_value_head_dim, "linear_value_head_dim");
+    positive(linear_conv_kernel_dim, "linear_conv_kernel_dim");
+  }
+  if (uses("natsl")) {
+    positive(nats_attention_heads, "nats_attention_heads");
+    positive(nats_block_size, "nats_block_size");
+    const int H = linear_num_heads, HA = nats_attention_heads;
+    if (HA % H != 0)
+      throw Error("model config: nats_attention_heads (" + std::to_string(HA) + ") must be a multiple of linear_num_heads (" +
+                  std::to_string(H) + "): each GDN head's channels are split among HA/H softmax heads that share its route");
+    const int GA = HA / H;
+    if (linear_key_head_dim % GA != 0 || linear_value_head_dim % GA != 0)
+      throw Error("model config: linear_key_head_dim (" + std::to_string(linear_key_head_dim) + ") and linear_value_head_dim (" +
+                  std::to_string(linear_value_head_dim) + ") must be divisible by nats_attention_heads / linear_num_heads = " +
+                  std::to_string(GA) + " (the softmax heads per routing group)");
+    if (nats_rope && (linear_key_head_dim / GA) % 2 != 0)
+      throw Error("model config: the NAtS-L softmax head width linear_key_head_dim / (nats_attention_heads / linear_num_heads) = " +
+                  std::to_string(linear_key_head_dim / GA) + " must be even for RoPE; change the widths or set nats_rope false");
+    if (nats_router_grad != "sparse" && nats_router_grad != "dense")
+      throw Error("model config: nats_router_grad '" + nats_router_grad +
+                  "' is not one of sparse (the paper's rule), dense (straight-through)");
+    if (!(nats_max_softmax_fraction > 0 && nats_max_softmax_fraction <= 1))
+      throw Error("model config: nats_max_softmax_fraction must be in (0, 1] (1 = no KV budget), got " +
+                  std::to_string(nats_max_softmax_fraction));
   }
 }
 

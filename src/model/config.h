@@ -26,6 +26,21 @@ struct ModelConfig {
   // MLA layers (SPEC 2, DeepSeek-V2 key names): latent width d_c, decoupled RoPE key width d_R.
   int kv_lora_rank = 64;
   int qk_rope_head_dim = 16;
+  // GDN and NAtS-L layers (SPEC 1.2; Qwen3-Next style names): H GDN heads of key width K and value
+  // width V, short causal convolution of this kernel size.
+  int linear_num_heads = 4;
+  int linear_key_head_dim = 64;
+  int linear_value_head_dim = 64;
+  int linear_conv_kernel_dim = 4;
+  // NAtS-L layers: HA softmax heads (a multiple of linear_num_heads; head group j = GDN head j's
+  // channels split HA/H ways), the routing block size, RoPE (or none) in the softmax branch, the
+  // router's gradient rule (sparse: the paper's; dense: straight-through), and the KV budget: at
+  // most this fraction of each head group's completed blocks is routed to softmax (1 = no cap).
+  int nats_attention_heads = 8;
+  int nats_block_size = 64;
+  bool nats_rope = true;
+  std::string nats_router_grad = "sparse";
+  double nats_max_softmax_fraction = 1.0;
 
   static ModelConfig from_json(const nlohmann::json& j);  // strict: unknown keys are errors
   nlohmann::json to_json() const;

@@ -25,6 +25,9 @@ std::string gib(double bytes) {
 double qkv_width(const ModelConfig& c, const std::string& kind) {
   const double q = static_cast<double>(c.num_attention_heads) * c.head_dim;
   if (kind == "dense") return q + 2.0 * c.num_key_value_heads * c.head_dim;
+  if (kind == "gdn" || kind == "natsl")  // q, k, v before and after the convolution, the gate
+    return 2.0 * c.linear_num_heads * (2.0 * c.linear_key_head_dim + c.linear_value_head_dim) +
+           static_cast<double>(c.linear_num_heads) * c.linear_value_head_dim;
   return 3.0 * q;  // lrkv / mla: per-head K and V are materialised in training
 }
 
@@ -47,12 +50,9 @@ std::string MemoryEstimate::describe() const {
 
 double parameter_count(const ModelConfig& c) {
   const double d = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
-  const double hq = static_cast<double>(c.num_attention_heads) * c.head_dim;
   double p = V * d * (c.tie_word_embeddings ? 1 : 2) + d;  // embeddings, head, final norm
-  for (const auto& kind : c.layer_kinds()) {
-    const double q_width = kind == "mla" ? hq + static_cast<double>(c.num_attention_heads) * c.qk_rope_head_dim : hq;
-    p += d * q_width + attention::AttentionShape::of_layer(c, kind).kv_params() + hq * d + 3 * d * I + 2 * d;
-  }
+  for (const auto& kind : c.layer_kinds())
+    p += attention::AttentionShape::of_layer(c, kind).mixer_params() + 3 * d * I + 2 * d;
   return p;
 }
 

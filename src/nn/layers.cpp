@@ -11,7 +11,7 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps_) : eps(eps_) {
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  auto x32 = x.to(torch::kFloat32);
+  auto x32 = x.scalar_type() == torch::kFloat64 ? x : x.to(torch::kFloat32);  // at least f32
   auto y = x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + eps);
   return y.to(x.scalar_type()) * weight;
 }

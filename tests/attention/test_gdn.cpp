@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "attention/gdn.h"
+#include "support/fixtures.h"
 #include "util/error.h"
 
 using namespace kvx;
@@ -88,4 +89,168 @@ TEST(Gdn, BadShapesNameTheExpectedLayout) {
     EXPECT_NE(std::string(e.what()).find("expected q, k [B, H, T, K]"), std::string::npos) << e.what();
   }
   EXPECT_THROW(attention::gdn_chunked(x, x, x, torch::zeros({1, 2, 3}), torch::zeros({1, 2, 3}), 1.0, {}, 0), Error);
+}
+
+// ---- The GDN layer (GdnAttention) ----
+
+namespace {
+
+model::ModelConfig gdn_config(int heads, int key_dim, int value_dim) {
+  auto c = kvx::testing::mixer_config(2, 2, 4, 12);
+  c.layout = "gdn";
+  c.linear_num_heads = heads;
+  c.linear_key_head_dim = key_dim;
+  c.linear_value_head_dim = value_dim;
+  c.max_position_embeddings = 512;
+  c.validate();
+  return c;
+}
+
+std::shared_ptr<attention::GdnAttention> make_gdn(const model::ModelConfig& c, int seed) {
+  torch::manual_seed(seed);
+  auto m = std::make_shared<attention::GdnAttention>(c, 0);
+  m->to(torch::kFloat64);
+  torch::NoGradGuard ng;
+  for (auto& p : m->named_parameters()) {
+    if (p.key().find("conv") != std::string::npos || p.key().find("proj") != std::string::npos) p.value().normal_(0, 0.3);
+    if (p.key().find("norm") != std::string::npos) p.value().uniform_(0.5, 1.5);
+  }
+  return m;
+}
+
+// The layer written out token by token from its weights: explicit convolution taps, the
+// recurrence of SPEC 1.2 per head, RMSNorm, SiLU gate.
+torch::Tensor naive_gdn_layer(attention::GdnAttention& m, const torch::Tensor& x, const model::ModelConfig& c) {
+  const int64_t B = x.size(0), T = x.size(1), H = c.linear_num_heads, K = c.linear_key_head_dim, V = c.linear_value_head_dim;
+  const int64_t W = c.linear_conv_kernel_dim;
+  auto conv = [&](const torch::Tensor& w_proj, const torch::Tensor& w_conv) {  // [B, T, C]
+    auto p = torch::matmul(x, w_proj.t());
+    auto out = torch::zeros_like(p);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < W; ++j) {
+        const int64_t s = t - (W - 1) + j;
+        if (s >= 0) out.select(1, t) += p.select(1, s) * w_conv.select(1, 0).select(1, j);
+      }
+    return torch::silu(out);
+  };
+  auto q = conv(m.q_proj->weight, m.q_conv1d->weight), k = conv(m.k_proj->weight, m.k_conv1d->weight);
+  auto v = conv(m.v_proj->weight, m.v_conv1d->weight);
+  auto beta = torch::sigmoid(torch::matmul(x, m.b_proj->weight.t()));
+  auto g = -m.A_log.exp() * torch::log1p(torch::exp(torch::matmul(x, m.a_proj->weight.t()) + m.dt_bias));
+  auto y = torch::zeros({B, T, H, V}, x.options());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      auto S = torch::zeros({K, V}, x.options());
+      for (int64_t t = 0; t < T; ++t) {
+        auto qt = q[b][t].narrow(0, h * K, K), kt = k[b][t].narrow(0, h * K, K), vt = v[b][t].narrow(0, h * V, V);
+        qt = qt / torch::sqrt((qt * qt).sum() + 1e-6);
+        kt = kt / torch::sqrt((kt * kt).sum() + 1e-6);
+        S = S * torch::exp(g[b][t][h]);
+        auto u = beta[b][t][h] * (vt - torch::matmul(S.t(), kt));
+        S = S + torch::outer(kt, u);
+        auto o = torch::matmul(S.t(), qt / std::sqrt(static_cast<double>(K)));
+        o = o / torch::sqrt((o * o).mean() + c.rms_norm_eps) * m.o_norm->weight;
+        y[b][t][h] = o * torch::silu(torch::matmul(x[b][t], m.g_proj->weight.t()).narrow(0, h * V, V));
+      }
+    }
+  return torch::matmul(y.reshape({B, T, H * V}), m.o_proj->weight.t());
+}
+
+attention::CacheOptions reference_cache() {
+  attention::CacheOptions o;
+  o.reference = true;
+  return o;
+}
+
+}  // namespace
+
+TEST(GdnLayer, ForwardMatchesTheLayerWrittenOutTokenByToken) {
+  const auto c = gdn_config(3, 5, 7);
+  auto m = make_gdn(c, 1);
+  torch::NoGradGuard ng;
+  auto x = torch::randn({2, 70, c.hidden_size}, torch::kFloat64);  // crosses a chunk boundary
+  auto full = m->forward(x), naive = naive_gdn_layer(*m, x, c);
+  EXPECT_LT((full - naive).abs().max().item<double>(), 1e-10);
+}
+
+TEST(GdnLayer, DecodeEqualsForwardWithGradientsAndConstantState) {
+  const auto c = gdn_config(2, 6, 5);
+  auto m = make_gdn(c, 2);
+  auto x = torch::randn({2, 83, c.hidden_size}, torch::kFloat64);
+  {
+    torch::NoGradGuard ng;
+    auto full = m->forward(x);
+    auto cache = m->new_cache(2, reference_cache());
+    const int64_t state_bytes = cache->bytes();
+    EXPECT_EQ(state_bytes, 2 * 4 * (2 * 6 * 5 + 3 * 2 * (2 * 6 + 5)));  // S and 3 conv taps of q, k, v (f32)
+    std::vector<torch::Tensor> parts;
+    int64_t pos = 0;
+    for (int64_t chunk : {2, 1, 1, 66, 5, 1, 6, 1}) {  // 66: the chunked form inside a step
+      parts.push_back(m->step(x.narrow(1, pos, chunk), *cache));
+      pos += chunk;
+      EXPECT_EQ(cache->bytes(), state_bytes) << "the state must not grow with the context";
+    }
+    EXPECT_EQ(cache->length(), 83);
+    auto stepped = torch::cat(parts, 1);
+    EXPECT_LT((stepped - full).abs().max().item<double>(), 1e-10);
+    EXPECT_EQ(m->cache_bytes_per_token(kernels::KVType::F32), 0.0);
+    EXPECT_EQ(m->state_bytes(), state_bytes / 2);
+  }
+  // Gradients through a decode step equal the training path's.
+  auto xg = x.narrow(1, 0, 9).clone().requires_grad_(true);
+  auto w = torch::randn({2, 9, c.hidden_size}, torch::kFloat64);
+  auto params = m->parameters();
+  params.push_back(xg);
+  auto g_full = torch::autograd::grad({(m->forward(xg) * w).sum()}, params);
+  auto cache = m->new_cache(2, reference_cache());
+  auto g_step = torch::autograd::grad({(m->step(xg, *cache) * w).sum()}, params);
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(torch::allclose(g_step[i], g_full[i], 1e-9, 1e-11)) << "gradient " << i;
+}
+
+TEST(GdnLayer, FusedKernelDecodeMatchesForward) {
+  for (auto [K, V] : std::vector<std::pair<int, int>>{{5, 7}, {32, 64}}) {
+    const auto c = gdn_config(3, K, V);
+    auto m = make_gdn(c, 3);
+    torch::NoGradGuard ng;
+    auto x = torch::randn({2, 21, c.hidden_size}, torch::kFloat64);
+    auto full = m->forward(x);
+    for (int threads : {1, 2}) {
+      attention::CacheOptions o;
+      o.threads = threads;
+      auto cache = m->new_cache(2, o);
+      ASSERT_TRUE(dynamic_cast<attention::GdnCache&>(*cache).fused);
+      std::vector<torch::Tensor> parts{m->step(x.narrow(1, 0, 6), *cache)};
+      for (int t = 6; t < 21; ++t) parts.push_back(m->step(x.narrow(1, t, 1), *cache));
+      auto stepped = torch::cat(parts, 1);
+      EXPECT_LT(((stepped - full).abs().max() / full.abs().max()).item<double>(), 1e-5) << K << "x" << V;
+    }
+  }
+}
+
+TEST(GdnLayer, InitialisationFollowsTheSpec) {
+  const auto c = gdn_config(64, 4, 4);
+  torch::manual_seed(5);
+  attention::GdnAttention m(c, 0);
+  const auto A = m.A_log.exp();
+  EXPECT_GE(A.min().item<double>(), 0.0);
+  EXPECT_LE(A.max().item<double>(), 16.0);
+  const auto dt = torch::nn::functional::softplus(m.dt_bias);  // softplus(softplus^-1(dt)) = dt
+  EXPECT_GE(dt.min().item<double>(), 1e-3 * 0.999);
+  EXPECT_LE(dt.max().item<double>(), 0.1 * 1.001);
+  int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  EXPECT_EQ(n, static_cast<int64_t>(attention::AttentionShape::of_layer(c, "gdn").mixer_params()));
+}
+
+TEST(GdnLayer, EvictionIsRefused) {
+  const auto c = gdn_config(2, 4, 4);
+  attention::GdnAttention m(c, 0);
+  auto o = attention::CacheOptions::parse("f32", "sink=4,window=16", false);
+  try {
+    m.new_cache(1, o);
+    FAIL() << "eviction on a GDN layer was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no KV to evict"), std::string::npos) << e.what();
+  }
 }
