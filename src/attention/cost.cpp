@@ -24,7 +24,7 @@ int parse_int(const std::string& spec, const std::string& key, const std::string
 AttentionShape AttentionShape::parse(const std::string& spec) {
   const std::string usage =
       "; write kind:key=value,... with kind mha|gqa|mqa|lrkv|mla|gdn|natsl and keys H, Hkv, d_h, d, r, rope, d_c, d_R, "
-      "d_v, conv, HA, f (e.g. lrkv:H=18,r=55,d_h=128 or natsl:H=6,HA=18,d_h=128,d_v=128,f=0.25)";
+      "d_v, conv, HA, f, C (e.g. lrkv:H=18,r=55,d_h=128 or natsl:H=6,HA=18,d_h=128,d_v=128,f=0.25)";
   AttentionShape s;
   const auto colon = spec.find(':');
   const std::string kind = spec.substr(0, colon);
@@ -53,6 +53,7 @@ AttentionShape AttentionShape::parse(const std::string& spec) {
       else if (key == "d_v") s.value_dim = parse_int(spec, key, value);
       else if (key == "conv") s.conv = parse_int(spec, key, value);
       else if (key == "HA") s.attn_heads = parse_int(spec, key, value);
+      else if (key == "C") s.block = parse_int(spec, key, value);
       else if (key == "f") {
         try {
           size_t used = 0;
@@ -95,6 +96,7 @@ AttentionShape AttentionShape::of_layer(const model::ModelConfig& c, const std::
     if (kind == "natsl") {
       s.attn_heads = c.nats_attention_heads;
       s.softmax_fraction = c.nats_max_softmax_fraction;
+      s.block = c.nats_block_size;
     }
   }
   s.validate();
@@ -123,6 +125,7 @@ void AttentionShape::validate() const {
       throw Error(what + ": HA (" + std::to_string(attn_heads) + ") must be a multiple of H (" + std::to_string(heads) +
                   ") that splits d_h and d_v evenly");
     if (!(softmax_fraction > 0 && softmax_fraction <= 1)) throw Error(what + ": the budget f must be in (0, 1]");
+    if (block < 1) throw Error(what + ": the routing block C must be >= 1");
   }
 }
 
@@ -176,8 +179,9 @@ double AttentionShape::cache_bytes(kernels::KVType type) const {
 
 double AttentionShape::state_elements() const {
   if (kind != "gdn" && kind != "natsl") return 0;
-  const double H = heads, K = head_dim, V = value_dim;
-  return H * K * V + (conv - 1.0) * H * (2 * K + V);
+  const double H = heads, K = head_dim, V = value_dim, tails = (conv - 1.0) * H * (2 * K + V);
+  if (kind == "gdn") return H * K * V + tails;
+  return 2 * H * K * V + H + tails + static_cast<double>(block) * hidden;  // natsl
 }
 
 double AttentionShape::mha_kv_params() const {

@@ -7,7 +7,8 @@
 //   mla   (SPEC 2)       cache d_c + d_R              K/V params d (d_c + d_R) + 2 H d_c d_h
 //   gdn   (SPEC 1.2)     cache 0; state H K V + (conv-1) H (2K + V) per sequence   K/V params d H (K + V)
 //   natsl (SPEC 1.2)     cache f H (K + V) (the KV of softmax-routed blocks; f <= the budget
-//                        fraction, data-dependent) plus the GDN state                K/V params d H (K + V)
+//                        fraction, data-dependent); state: committed and running GDN states,
+//                        the sum of g, the tails and the current block's inputs   K/V params d H (K + V)
 // (gdn/natsl: H GDN heads, K = d_h the key width, V the value width.)
 // Ratios are to MHA with the same H and d_h: cache 2 H d_h, K/V params 2 H d d_h
 // (LRKV: 1/H + r/d_h, seed 000 Eq. 9).
@@ -34,8 +35,9 @@ struct AttentionShape {
   int conv = 4;                // gdn/natsl: short convolution kernel
   int attn_heads = 0;          // natsl: HA softmax heads (a multiple of H)
   double softmax_fraction = 1;  // natsl: the KV budget (at most this fraction of blocks kept)
+  int block = 64;               // natsl: routing block
 
-  // "kind:key=value,...": keys H, Hkv, d_h, d, r, rope, d_c, d_R, d_v, conv, HA, f; e.g.
+  // "kind:key=value,...": keys H, Hkv, d_h, d, r, rope, d_c, d_R, d_v, conv, HA, f, C; e.g.
   // "lrkv:H=18,r=55,d_h=128,d=2304", "mla:H=6,d_h=128,d_c=384,d_R=0", "gqa:H=32,Hkv=8,d_h=128"
   // (mha / gqa / mqa are dense), "gdn:H=6,d_h=128,d_v=256", "natsl:H=6,HA=18,d_h=128,d_v=128,f=0.25".
   static AttentionShape parse(const std::string& spec);

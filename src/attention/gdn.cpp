@@ -81,9 +81,30 @@ std::pair<torch::Tensor, torch::Tensor> gdn_chunked(const torch::Tensor& q, cons
   return {torch::cat(outs, 2), S};
 }
 
-}  // namespace kvx::attention
 
-namespace kvx::attention {
+torch::Tensor gdn_recurrent_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const torch::Tensor& g, const torch::Tensor& beta, double scale, torch::Tensor& state,
+                                  int threads) {
+  check_shapes(q, k, v, g, beta, state);
+  if (state.scalar_type() != torch::kFloat32 || !state.is_contiguous())
+    throw Error("gdn_recurrent_fused: the state must be a contiguous f32 tensor");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), K = q.size(3), V = v.size(3);
+  // [B, T, H, w] f32 copies: one token's heads are contiguous.
+  auto f32 = [](const torch::Tensor& t) { return t.transpose(1, 2).to(torch::kFloat32).contiguous(); };
+  const auto qf = f32(q), kf = f32(k), vf = f32(v), gf = f32(g), bf = f32(beta);
+  auto out = torch::empty({B, T, H, V}, torch::kFloat32);
+  for (int64_t b = 0; b < B; ++b) {
+    float* S = state.data_ptr<float>() + b * H * K * V;
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t i = b * T + t;
+      kernels::gdn_decode_step(S, qf.data_ptr<float>() + i * H * K, kf.data_ptr<float>() + i * H * K,
+                               vf.data_ptr<float>() + i * H * V, gf.data_ptr<float>() + i * H, bf.data_ptr<float>() + i * H,
+                               static_cast<int>(H), static_cast<int>(K), static_cast<int>(V), static_cast<float>(scale),
+                               out.data_ptr<float>() + i * H * V, threads);
+    }
+  }
+  return out.to(q.scalar_type()).transpose(1, 2);
+}
 
 GdnCache::GdnCache(int64_t batch, const AttentionShape& shape, bool fused_steps, int thread_count)
     : fused(fused_steps), threads(thread_count), batch_(batch), shape_(shape) {
@@ -94,7 +115,7 @@ int64_t GdnCache::bytes() const { return static_cast<int64_t>(batch_ * shape_.st
 
 void GdnCache::clear() {
   state.zero_();
-  q_tail = k_tail = v_tail = torch::Tensor();
+  tails.clear();
   length_ = 0;
 }
 
@@ -102,9 +123,9 @@ void GdnCache::append_random_history(int64_t tokens, uint32_t seed) {
   torch::manual_seed(seed);
   state = torch::randn_like(state) * (1.0 / std::sqrt(static_cast<double>(shape_.head_dim)));
   const int64_t tail = shape_.conv - 1, hk = static_cast<int64_t>(shape_.heads) * shape_.head_dim;
-  q_tail = torch::randn({batch_, tail, hk});
-  k_tail = torch::randn({batch_, tail, hk});
-  v_tail = torch::randn({batch_, tail, static_cast<int64_t>(shape_.heads) * shape_.value_dim});
+  tails.q = torch::randn({batch_, tail, hk});
+  tails.k = torch::randn({batch_, tail, hk});
+  tails.v = torch::randn({batch_, tail, static_cast<int64_t>(shape_.heads) * shape_.value_dim});
   length_ += tokens;
 }
 
@@ -139,11 +160,11 @@ torch::Tensor GdnLayerBase::heads_first(const torch::Tensor& x, int64_t width) c
   return x.view({x.size(0), x.size(1), heads_, width}).transpose(1, 2);
 }
 
-GdnInputs GdnLayerBase::project(const torch::Tensor& x, GdnCache* cache) {
+GdnInputs GdnLayerBase::project(const torch::Tensor& x, ConvTails* tails) {
   GdnInputs in;
-  in.q = torch::silu(q_conv1d(q_proj(x), cache ? &cache->q_tail : nullptr));
-  in.k = torch::silu(k_conv1d(k_proj(x), cache ? &cache->k_tail : nullptr));
-  in.v = torch::silu(v_conv1d(v_proj(x), cache ? &cache->v_tail : nullptr));
+  in.q = torch::silu(q_conv1d(q_proj(x), tails ? &tails->q : nullptr));
+  in.k = torch::silu(k_conv1d(k_proj(x), tails ? &tails->k : nullptr));
+  in.v = torch::silu(v_conv1d(v_proj(x), tails ? &tails->v : nullptr));
   in.beta = torch::sigmoid(b_proj(x));
   in.g = -A_log.exp() * torch::nn::functional::softplus(a_proj(x) + dt_bias);
   return in;
@@ -179,30 +200,15 @@ std::unique_ptr<MixerCache> GdnAttention::new_cache(int64_t batch, const CacheOp
 torch::Tensor GdnAttention::step(const torch::Tensor& x, MixerCache& cache_base) {
   auto* cache = dynamic_cast<GdnCache*>(&cache_base);
   if (!cache) throw Error("GdnAttention::step: the cache was not made by a GDN layer (layer/cache mismatch)");
-  const auto in = project(x, cache);
-  const int64_t B = x.size(0), T = x.size(1);
+  const auto in = project(x, &cache->tails);
+  const int64_t T = x.size(1);
   const double scale = 1.0 / std::sqrt(static_cast<double>(key_dim_));
   auto q = l2_normalize(heads_first(in.q, key_dim_)), k = l2_normalize(heads_first(in.k, key_dim_));
   auto v = heads_first(in.v, value_dim_);
   auto g = in.g.transpose(1, 2), beta = in.beta.transpose(1, 2);
   torch::Tensor o;
   if (cache->fused) {
-    // Token by token through the torch-free kernel, on f32 copies laid out [B, T, H, w].
-    auto f32 = [](const torch::Tensor& t) { return t.transpose(1, 2).to(torch::kFloat32).contiguous(); };
-    const auto qf = f32(q), kf = f32(k), vf = f32(v), gf = f32(g), bf = f32(beta);
-    auto out = torch::empty({B, T, heads_, value_dim_}, torch::kFloat32);
-    const int64_t H = heads_, K = key_dim_, V = value_dim_;
-    for (int64_t b = 0; b < B; ++b) {
-      float* S = cache->state.data_ptr<float>() + b * H * K * V;
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t i = b * T + t;
-        kernels::gdn_decode_step(S, qf.data_ptr<float>() + i * H * K, kf.data_ptr<float>() + i * H * K,
-                                 vf.data_ptr<float>() + i * H * V, gf.data_ptr<float>() + i * H, bf.data_ptr<float>() + i * H,
-                                 static_cast<int>(H), static_cast<int>(K), static_cast<int>(V), static_cast<float>(scale),
-                                 out.data_ptr<float>() + i * H * V, cache->threads);
-      }
-    }
-    o = out.to(x.scalar_type()).transpose(1, 2);
+    o = gdn_recurrent_fused(q, k, v, g, beta, scale, cache->state, cache->threads);
   } else {
     auto state = cache->state.to(x.scalar_type());
     auto r = T >= 64 ? gdn_chunked(q, k, v, g, beta, scale, state) : gdn_recurrent(q, k, v, g, beta, scale, state);

@@ -37,6 +37,19 @@ std::pair<torch::Tensor, torch::Tensor> gdn_chunked(const torch::Tensor& q, cons
                                                     const torch::Tensor& g, const torch::Tensor& beta, double scale,
                                                     torch::Tensor state = {}, int64_t chunk = 64);
 
+// The recurrence token by token through the torch-free kernel (kernels::gdn_decode_step) on the
+// f32 state [B, H, K, V], updated in place; inputs as gdn_recurrent (q, k normalised). Returns o
+// [B, H, T, V] in q's dtype.
+torch::Tensor gdn_recurrent_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const torch::Tensor& g, const torch::Tensor& beta, double scale, torch::Tensor& state,
+                                  int threads);
+
+// The last conv-1 inputs of the q, k, v convolutions, [B, conv-1, channels] (undefined: zeros).
+struct ConvTails {
+  torch::Tensor q, k, v;
+  void clear() { q = k = v = torch::Tensor(); }
+};
+
 // The GDN decode state: S [B, H, K, V] (f32) and the convolution tails of q, k, v, constant in the
 // context length. fused: steps run kernels::gdn_decode_step (else the libtorch recurrence).
 class GdnCache : public MixerCache {
@@ -49,8 +62,8 @@ class GdnCache : public MixerCache {
   // A random state (a sum of `tokens` decayed unit writes' worth of scale) and the length advanced.
   void append_random_history(int64_t tokens, uint32_t seed) override;
 
-  torch::Tensor state;                   // [B, H, K, V]
-  torch::Tensor q_tail, k_tail, v_tail;  // [B, conv-1, channels]; undefined until the first token
+  torch::Tensor state;  // [B, H, K, V]
+  ConvTails tails;
   int64_t length_ = 0;
   bool fused;
   int threads;
@@ -79,8 +92,8 @@ class GdnLayerBase : public Mixer {
   torch::Tensor A_log, dt_bias;  // [H]
 
  protected:
-  // With a cache the convolutions continue from (and update) its tails.
-  GdnInputs project(const torch::Tensor& x, GdnCache* cache);
+  // With tails the convolutions continue from (and update) them (decode).
+  GdnInputs project(const torch::Tensor& x, ConvTails* tails);
   // [B, T, H*w] -> [B, H, T, w]
   torch::Tensor heads_first(const torch::Tensor& x, int64_t width) const;
   int64_t heads_, key_dim_, value_dim_;

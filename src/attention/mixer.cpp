@@ -4,6 +4,7 @@
 #include "attention/gdn.h"
 #include "attention/lrkv.h"
 #include "attention/mla.h"
+#include "attention/natsl.h"
 #include <sstream>
 
 #include "util/error.h"
@@ -74,6 +75,12 @@ void SequenceBuffer::append(const torch::Tensor& x) {
   length_ += t;
 }
 
+void SequenceBuffer::truncate(int64_t length) {
+  if (length < 0 || length > length_)
+    throw Error("SequenceBuffer::truncate: length " + std::to_string(length) + " is outside [0, " + std::to_string(length_) + "]");
+  length_ = length;
+}
+
 torch::Tensor SequenceBuffer::view() const { return data_.defined() ? data_.narrow(2, 0, length_) : data_; }
 
 torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start) {
@@ -93,6 +100,7 @@ std::shared_ptr<Mixer> make_mixer(const std::string& kind, const model::ModelCon
   if (kind == "lrkv") return std::make_shared<LrkvAttention>(config, layer);
   if (kind == "mla") return std::make_shared<MlaAttention>(config, layer);
   if (kind == "gdn") return std::make_shared<GdnAttention>(config, layer);
+  if (kind == "natsl") return std::make_shared<NatslAttention>(config, layer);
   std::string valid;
   for (const auto& k : mixer_kinds()) valid += (valid.empty() ? "" : ", ") + k;
   throw Error("unknown mixer kind '" + kind + "' in layout (valid: " + valid + ")");

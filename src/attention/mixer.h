@@ -36,6 +36,7 @@ class SequenceBuffer {
   torch::Tensor view() const;           // [B, X, length, w]; undefined while empty
   int64_t length() const { return length_; }
   void clear() { length_ = 0; }
+  void truncate(int64_t length);  // drop the entries past `length` (the storage is kept)
 
  private:
   torch::Tensor data_;
