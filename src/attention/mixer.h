@@ -53,6 +53,9 @@ struct CacheOptions {
   kernels::Eviction evict;                      // sink + window (StreamingLLM); off by default
   bool reference = false;  // the plain libtorch path (f32, no eviction), which the fused kernels are tested against
   int threads = 0;         // fused-kernel threads; 0 = all hardware threads
+  // Decode benchmarks with random history: the fraction of blocks a NAtS-L layer keeps as softmax
+  // KV (< 0: its budget, nats_max_softmax_fraction).
+  double history_softmax_fraction = -1;
 
   // From CLI strings: type "f32|bf16|q8|q4", evict "" or "sink=S,window=W".
   static CacheOptions parse(const std::string& type, const std::string& evict, bool reference);

@@ -4,6 +4,7 @@
 #include <limits>
 #include <string>
 
+#include "kernels/decode_attention.h"
 #include "util/error.h"
 
 namespace kvx::attention {
@@ -144,13 +145,65 @@ std::pair<torch::Tensor, torch::Tensor> gdn_routed_recurrent(const torch::Tensor
 
 // ---- decode cache ----
 
-NatslCache::NatslCache(int64_t batch, const AttentionShape& shape, int64_t hidden, bool fused_steps, int thread_count)
-    : fused(fused_steps), threads(thread_count), batch_(batch), hidden_(hidden), shape_(shape) {
+NatslCache::NatslCache(int64_t batch, const AttentionShape& shape, int64_t hidden, const CacheOptions& options)
+    : fused(!options.reference),
+      fused_kv(!options.reference && shape.head_dim == shape.value_dim),
+      threads(options.threads > 0 ? options.threads : torch::get_num_threads()),
+      batch_(batch), hidden_(hidden), shape_(shape), options_(options) {
   clear();
+}
+
+int64_t NatslCache::kv_tokens(int64_t b, int64_t group) const {
+  return fused_kv ? stores[b][group].length() : keys[b][group].length();
+}
+
+void NatslCache::drop_newest(int64_t b, int64_t group, int64_t tokens) {
+  if (fused_kv) {
+    stores[b][group].truncate(stores[b][group].length() - tokens);
+  } else {
+    keys[b][group].truncate(keys[b][group].length() - tokens);
+    values[b][group].truncate(values[b][group].length() - tokens);
+  }
+}
+
+void NatslCache::append_random_history(int64_t tokens, uint32_t seed) {
+  if (length_ != 0) throw Error("NatslCache::append_random_history: the cache must be empty");
+  torch::manual_seed(seed);
+  const int64_t H = shape_.heads, GA = shape_.attn_heads / H, KA = shape_.head_dim / GA, VA = shape_.value_dim / GA;
+  const int64_t C = shape_.block, complete = tokens / C, partial = tokens % C;
+  const double f = options_.history_softmax_fraction >= 0 ? options_.history_softmax_fraction : shape_.softmax_fraction;
+  committed = torch::randn_like(committed) * (1.0 / std::sqrt(static_cast<double>(shape_.head_dim)));
+  running = committed.clone();
+  for (int64_t nb = 0; nb < complete; ++nb) {
+    // Block nb is kept iff it raises floor(f (nb + 1)): round(f complete) blocks, evenly spread.
+    const bool keep = std::floor(f * (nb + 1) + 1e-9) > std::floor(f * nb + 1e-9);
+    routes.push_back(torch::full({batch_, H}, keep ? 0 : 1, torch::kLong));
+    if (keep) softmax_counts += 1;
+  }
+  const int64_t kept = static_cast<int64_t>(std::floor(f * complete + 1e-9)) * C + partial;
+  for (int64_t b = 0; b < batch_; ++b)
+    for (int64_t j = 0; j < H; ++j) {
+      if (fused_kv) {
+        kernels::append_random_rows(stores[b][j], kept, seed + static_cast<uint32_t>(b * H + j));
+      } else {
+        keys[b][j].append(torch::randn({1, GA, kept, KA}));
+        values[b][j].append(torch::randn({1, GA, kept, VA}));
+      }
+    }
+  if (partial > 0) block_inputs.push_back(torch::randn({batch_, partial, hidden_}));
+  block_filled = partial;
+  length_ = tokens;
 }
 
 void NatslCache::clear() {
   tails.clear();
+  if (fused_kv) {
+    const int GA = shape_.attn_heads / shape_.heads;
+    stores.clear();
+    stores.resize(batch_);
+    for (auto& row : stores)
+      for (int64_t j = 0; j < shape_.heads; ++j) row.emplace_back(options_.type, GA, shape_.head_dim / GA);
+  }
   committed = torch::zeros({batch_, shape_.heads, shape_.head_dim, shape_.value_dim});
   running = committed.clone();
   g_sum = torch::zeros({batch_, shape_.heads});
@@ -164,6 +217,12 @@ void NatslCache::clear() {
 }
 
 int64_t NatslCache::kv_bytes() const {
+  if (fused_kv) {
+    int64_t n = 0;
+    for (const auto& row : stores)
+      for (const auto& s : row) n += s.bytes();
+    return n;
+  }
   const int64_t groups = shape_.attn_heads / shape_.heads;
   const int64_t per_token = 4 * groups * (shape_.head_dim / groups + shape_.value_dim / groups);
   int64_t tokens = 0;
@@ -173,6 +232,7 @@ int64_t NatslCache::kv_bytes() const {
 }
 
 double NatslCache::bytes_per_token() const {
+  if (fused_kv) return shape_.heads * stores[0][0].bytes_per_token();
   return 4.0 * shape_.attn_heads * (shape_.head_dim + shape_.value_dim) / (shape_.attn_heads / shape_.heads);
 }
 
@@ -247,10 +307,10 @@ std::unique_ptr<MixerCache> NatslAttention::new_cache(int64_t batch, const Cache
   if (options.evict.enabled())
     throw Error("NAtS-L layers choose which KV to keep by routing; --evict does not apply (use nats_max_softmax_fraction "
                 "for a KV budget)");
-  if (options.type != kernels::KVType::F32)
-    throw Error("NAtS-L layers keep their routed KV in f32 (quantised NAtS-L caches are not implemented); use --kv-cache f32");
-  return std::make_unique<NatslCache>(batch, shape_, router->weight.size(1), !options.reference,
-                                      options.threads > 0 ? options.threads : torch::get_num_threads());
+  if (options.type != kernels::KVType::F32 && key_dim_ != value_dim_)
+    throw Error("this NAtS-L layer's softmax keys and values differ in width (linear_key_head_dim != linear_value_head_dim), "
+                "so its KV stays in f32 torch buffers; use --kv-cache f32");
+  return std::make_unique<NatslCache>(batch, shape_, router->weight.size(1), options);
 }
 
 torch::Tensor NatslAttention::step(const torch::Tensor& x, MixerCache& cache_base) {
@@ -286,25 +346,50 @@ torch::Tensor NatslAttention::step_within_block(const torch::Tensor& x, NatslCac
   torch::Tensor qa, ka, va;
   softmax_inputs(in, start, qa, ka, va);
   const double attn_scale = 1.0 / std::sqrt(static_cast<double>(key_dim_ / groups_));
-  std::vector<torch::Tensor> rows;
-  for (int64_t b = 0; b < B; ++b) {
-    std::vector<torch::Tensor> group_out;
-    for (int64_t j = 0; j < heads_; ++j) {
-      auto& K = cache.keys[b][j];
-      auto& V = cache.values[b][j];
-      K.append(ka.narrow(0, b, 1).narrow(1, j * groups_, groups_).detach().contiguous());
-      V.append(va.narrow(0, b, 1).narrow(1, j * groups_, groups_).detach().contiguous());
-      const auto scores = torch::matmul(qa.narrow(0, b, 1).narrow(1, j * groups_, groups_), K.view().transpose(-1, -2));
-      group_out.push_back(torch::matmul(causal_softmax(scores * attn_scale, K.length() - n), V.view()));
+  torch::Tensor o_attn;
+  if (cache.fused_kv) {
+    o_attn = softmax_branch_fused(qa, ka, va, cache, attn_scale).to(x.scalar_type());
+  } else {
+    std::vector<torch::Tensor> rows;
+    for (int64_t b = 0; b < B; ++b) {
+      std::vector<torch::Tensor> group_out;
+      for (int64_t j = 0; j < heads_; ++j) {
+        auto& K = cache.keys[b][j];
+        auto& V = cache.values[b][j];
+        K.append(ka.narrow(0, b, 1).narrow(1, j * groups_, groups_).detach().contiguous());
+        V.append(va.narrow(0, b, 1).narrow(1, j * groups_, groups_).detach().contiguous());
+        const auto scores = torch::matmul(qa.narrow(0, b, 1).narrow(1, j * groups_, groups_), K.view().transpose(-1, -2));
+        group_out.push_back(torch::matmul(causal_softmax(scores * attn_scale, K.length() - n), V.view()));
+      }
+      rows.push_back(torch::cat(group_out, 1));
     }
-    rows.push_back(torch::cat(group_out, 1));
+    o_attn = torch::cat(rows, 0);
   }
-  const auto out = combine(o_gdn, torch::cat(rows, 0), in, x);
+  const auto out = combine(o_gdn, o_attn, in, x);
   cache.block_inputs.push_back(x.detach());
   cache.block_filled += n;
   cache.length_ += n;
   if (cache.block_filled == block_) commit_block(cache);
   return out;
+}
+
+torch::Tensor NatslAttention::softmax_branch_fused(const torch::Tensor& qa, const torch::Tensor& ka, const torch::Tensor& va,
+                                                   NatslCache& cache, double scale) {
+  // [B, n, HA, w] f32: one token's heads contiguous, head group j = heads GA j .. GA j + GA - 1.
+  auto f32 = [](const torch::Tensor& t) { return t.detach().transpose(1, 2).to(torch::kFloat32).contiguous(); };
+  const auto q = f32(qa), k = f32(ka), v = f32(va);
+  const int64_t B = q.size(0), n = q.size(1), HA = q.size(2), W = q.size(3);
+  auto out = torch::empty({B, n, HA, W}, torch::kFloat32);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < heads_; ++j) {
+        const int64_t at = ((b * n + t) * HA + j * groups_) * W;
+        auto& store = cache.stores[b][j];
+        store.append(k.data_ptr<float>() + at, v.data_ptr<float>() + at);
+        kernels::decode_attention(q.data_ptr<float>() + at, static_cast<int>(groups_), store, static_cast<float>(scale),
+                                  out.data_ptr<float>() + at, cache.threads);
+      }
+  return out.transpose(1, 2);
 }
 
 void NatslAttention::commit_block(NatslCache& cache) {
@@ -316,10 +401,7 @@ void NatslAttention::commit_block(NatslCache& cache) {
   const auto r = route.accessor<int64_t, 2>();
   for (int64_t b = 0; b < route.size(0); ++b)
     for (int64_t j = 0; j < heads_; ++j)
-      if (r[b][j] == 1) {  // the state keeps the block; its KV goes
-        cache.keys[b][j].truncate(cache.keys[b][j].length() - block_);
-        cache.values[b][j].truncate(cache.values[b][j].length() - block_);
-      }
+      if (r[b][j] == 1) cache.drop_newest(b, j, block_);  // the state keeps the block; its KV goes
   const auto dtype = cache.running.scalar_type();
   const auto D = cache.g_sum.to(dtype).exp().unsqueeze(-1).unsqueeze(-1) * cache.committed.to(dtype);
   const auto m = route.to(dtype).unsqueeze(-1).unsqueeze(-1);

@@ -66,16 +66,22 @@ std::pair<torch::Tensor, torch::Tensor> gdn_routed_recurrent(const torch::Tensor
 
 // The decode cache. Constant part: conv tails, committed and running GDN states, running sum of g,
 // the current block's inputs. Growing part: per batch row and head group, the keys/values of the
-// blocks routed to softmax plus the current block's.
+// blocks routed to softmax plus the current block's: torch buffers (reference path, f32) or, on
+// the fused path when KA == VA, one kernels::KVStore per (row, group) with GA KV heads in the
+// cache element type, read by kernels::decode_attention.
 class NatslCache : public MixerCache {
  public:
-  NatslCache(int64_t batch, const AttentionShape& shape, int64_t hidden, bool fused, int threads);
+  NatslCache(int64_t batch, const AttentionShape& shape, int64_t hidden, const CacheOptions& options);
   int64_t length() const override { return length_; }
   int64_t bytes() const override;  // kv_bytes() + the constant part
   double bytes_per_token() const override;  // KV bytes of one token kept in every head group
   void clear() override;
-  int64_t kv_bytes() const;                 // the keys and values held (f32)
-  int64_t kv_tokens(int64_t b, int64_t group) const { return keys[b][group].length(); }
+  // Random history for decode benchmarks: complete blocks kept in each head group at the fraction
+  // options.history_softmax_fraction (< 0: the layer's budget), evenly spread.
+  void append_random_history(int64_t tokens, uint32_t seed) override;
+  int64_t kv_bytes() const;  // the keys and values held
+  int64_t kv_tokens(int64_t b, int64_t group) const;
+  void drop_newest(int64_t b, int64_t group, int64_t tokens);
 
   ConvTails tails;
   torch::Tensor committed, running;  // GDN states [B, H, K, V]
@@ -84,15 +90,18 @@ class NatslCache : public MixerCache {
   int64_t block_filled = 0;
   // [b][group]: [1, GA, tokens, KA] post-RoPE keys and [1, GA, tokens, VA] values.
   std::vector<std::vector<SequenceBuffer>> keys, values;
+  std::vector<std::vector<kernels::KVStore>> stores;  // fused: [b][group]
   torch::Tensor softmax_counts;           // [B, H] int64, blocks routed to softmax
   std::vector<torch::Tensor> routes;      // per completed block, [B, H] int64 (0 softmax, 1 GDN)
   int64_t length_ = 0;
-  bool fused;
+  bool fused;     // GDN steps through kernels::gdn_decode_step
+  bool fused_kv;  // softmax branch through kernels::decode_attention over `stores`
   int threads;
 
  private:
   int64_t batch_, hidden_;
   AttentionShape shape_;
+  CacheOptions options_;
 };
 
 class NatslAttention : public GdnLayerBase {
@@ -118,6 +127,9 @@ class NatslAttention : public GdnLayerBase {
   // A piece of the input that lies inside one block (decode).
   torch::Tensor step_within_block(const torch::Tensor& x, NatslCache& cache);
   void commit_block(NatslCache& cache);
+  // The softmax branch on the fused path: per token, append to the group's store, then attend.
+  torch::Tensor softmax_branch_fused(const torch::Tensor& qa, const torch::Tensor& ka, const torch::Tensor& va,
+                                     NatslCache& cache, double scale);
   int64_t attn_heads_, groups_, block_;
   bool rope_enabled_, sparse_router_grad_;
   double max_softmax_fraction_;

@@ -54,6 +54,13 @@ double KVStore::bytes_per_token() const { return (values_are_keys_ ? 1.0 : 2.0) 
 
 void KVStore::clear() { length_ = 0; }
 
+void KVStore::truncate(int64_t length) {
+  if (evict_.enabled()) throw Error("KVStore::truncate: a store with sink + window eviction cannot drop its newest tokens");
+  if (length < 0 || length > length_)
+    throw Error("KVStore::truncate: length " + std::to_string(length) + " is outside [0, " + std::to_string(length_) + "]");
+  length_ = length;
+}
+
 int64_t KVStore::slot_of(int64_t position) const {
   if (position < 0 || position >= length_)
     throw Error("KVStore::slot_of: position " + std::to_string(position) + " is outside [0, " +

@@ -48,6 +48,7 @@ class KVStore {
   double bytes_per_token() const;             // 2 (1 if values_are_keys) * kv_heads * row_bytes(type, head_dim)
   bool values_are_keys() const { return values_are_keys_; }
   void clear();                               // length 0; pages are kept for reuse
+  void truncate(int64_t length);              // drop the newest tokens past `length` (no eviction only)
 
   KVType type() const { return type_; }
   int kv_heads() const { return kv_heads_; }

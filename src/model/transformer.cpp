@@ -100,6 +100,12 @@ double TransformerImpl::kv_bytes_per_token(kernels::KVType type) const {
   return b;
 }
 
+double TransformerImpl::state_bytes() const {
+  double b = 0;
+  for (const auto& layer : *layers) b += layer->as<BlockImpl>()->self_attn->state_bytes();
+  return b;
+}
+
 int64_t TransformerImpl::num_parameters(bool include_embedding) const {
   int64_t n = 0;
   for (const auto& p : named_parameters()) {

@@ -43,6 +43,7 @@ class TransformerImpl : public torch::nn::Module {
   // Appends ids [B, T] to the state and returns their logits [B, T, V]. Errors past the context limit.
   torch::Tensor step(const torch::Tensor& ids, DecodeState& state);
   double kv_bytes_per_token(kernels::KVType type = kernels::KVType::F32) const;  // all layers, per batch row
+  double state_bytes() const;  // constant-size decode state of all layers (GDN, NAtS-L), per batch row
   int64_t num_parameters(bool include_embedding = true) const;
 
   nn::TensorMap state_dict_hf() const;            // HF names -> tensors

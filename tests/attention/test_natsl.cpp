@@ -292,9 +292,11 @@ TEST(NatslLayer, DecodeCommitsAfterTheBlockAndEqualsTheFullForward) {
   for (const auto& cs : std::vector<Case>{{63, 8, {5, 1, 1, 20, 3, 1, 32}},  // prefill and steps across block edges
                                           {193, 64, {70, 1, 1, 57, 64}},
                                           {500, 16, {100, 1, 1, 1, 13, 384}}}) {
-    for (bool reference : {true, false}) {
-      SCOPED_TRACE("T " + std::to_string(cs.T) + " block " + std::to_string(cs.block) + (reference ? " reference" : " fused"));
-      const auto c = natsl_config(2, 4, 8, 4, cs.block);
+    for (int path = 0; path < 3; ++path) {  // reference; fused GDN (K != V); fused GDN and softmax KV stores (K == V)
+      const bool reference = path == 0;
+      const int V = path == 2 ? 8 : 4;
+      SCOPED_TRACE("T " + std::to_string(cs.T) + " block " + std::to_string(cs.block) + " path " + std::to_string(path));
+      const auto c = natsl_config(2, 4, 8, V, cs.block);
       auto m = make_natsl(c, static_cast<int>(cs.T));
       torch::NoGradGuard ng;
       auto x = torch::randn({2, cs.T, c.hidden_size}, kF64);
@@ -302,6 +304,7 @@ TEST(NatslLayer, DecodeCommitsAfterTheBlockAndEqualsTheFullForward) {
       const auto routes = m->last_routes();
       auto cache_base = m->new_cache(2, cache_options(reference));
       auto& cache = dynamic_cast<attention::NatslCache&>(*cache_base);
+      EXPECT_EQ(cache.fused_kv, path == 2);
       std::vector<torch::Tensor> parts;
       int64_t pos = 0;
       for (int64_t n : cs.pieces) {
@@ -334,7 +337,7 @@ TEST(NatslLayer, DecodeCommitsAfterTheBlockAndEqualsTheFullForward) {
       int64_t held = 0;
       for (int64_t b = 0; b < 2; ++b)
         for (int64_t j = 0; j < 2; ++j) held += cache.kv_tokens(b, j);
-      EXPECT_EQ(cache.kv_bytes(), held * 4 * 2 * (8 / 2 + 4 / 2));  // per group: GA heads of KA + VA floats
+      EXPECT_EQ(cache.kv_bytes(), held * 4 * 2 * (8 / 2 + V / 2));  // per group: GA heads of KA + VA floats
     }
   }
 }
@@ -358,6 +361,31 @@ TEST(NatslLayer, AllSoftmaxBudgetAndNoPositionEncodingVariantsDecodeExactly) {
       for (int64_t j = 0; j < 2; ++j)
         EXPECT_LE(nc.softmax_counts[0][j].item<int64_t>(), static_cast<int64_t>(std::floor(budget * 5 + 1e-9))) << j;
     }
+}
+
+TEST(NatslLayer, QuantisedKeptBlocksAndRandomHistoryForBenchmarks) {
+  const auto c = natsl_config(2, 4, 64, 64, 16);  // KA = VA = 32: one q8 block per row
+  auto m = make_natsl(c, 41);
+  torch::NoGradGuard ng;
+  auto x = torch::randn({1, 70, c.hidden_size}, kF64);
+  auto full = m->forward(x);
+  auto cache = m->new_cache(1, attention::CacheOptions::parse("q8", "", false));
+  auto y = m->step(x, *cache);
+  EXPECT_LT(((y - full).abs().max() / full.abs().max()).item<double>(), 0.05);
+  auto& nc = dynamic_cast<attention::NatslCache&>(*cache);
+  int64_t held = 0;
+  for (int64_t j = 0; j < 2; ++j) held += nc.kv_tokens(0, j);
+  EXPECT_EQ(nc.kv_bytes(), held * 2 * 2 * 34);  // K and V, GA = 2 heads, 32 values = one 34-byte q8 block
+  // Random history keeps the asked fraction of complete blocks, and decoding continues from it.
+  attention::CacheOptions o;
+  o.history_softmax_fraction = 0.25;
+  auto bench = m->new_cache(1, o);
+  bench->append_random_history(16 * 40 + 5, 3);
+  auto& bc = dynamic_cast<attention::NatslCache&>(*bench);
+  EXPECT_EQ(bc.kv_tokens(0, 1), 10 * 16 + 5);
+  EXPECT_EQ(bc.length(), 16 * 40 + 5);
+  auto next = m->step(x.narrow(1, 0, 1).to(torch::kFloat64), *bench);
+  EXPECT_TRUE(torch::isfinite(next).all().item<bool>());
 }
 
 TEST(NatslLayer, TrainingGradientsReachTheRouterOnlyThroughTheChosenOps) {

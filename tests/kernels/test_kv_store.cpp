@@ -97,6 +97,22 @@ TEST(KVStore, ClearKeepsPagesForReuse) {
   for (int i = 0; i < 13; ++i) expect_row(s, tk2, i, i);
 }
 
+TEST(KVStore, TruncateDropsTheNewestTokensAndAppendsOverThem) {
+  const int H = 2, d = 32;
+  KVStore s(KVType::Q4, H, d, {}, 8);
+  const Tokens tk = make_tokens(30, H, d, 8);
+  for (int i = 0; i < 20; ++i) s.append(tk.k[i].data(), tk.v[i].data());
+  s.truncate(12);  // NAtS-L drops a block routed to the GDN state
+  EXPECT_EQ(s.length(), 12);
+  EXPECT_EQ(s.bytes(), 12 * 2 * H * static_cast<int64_t>(s.row_bytes()));
+  for (int i = 20; i < 30; ++i) s.append(tk.k[i].data(), tk.v[i].data());
+  for (int i = 0; i < 12; ++i) expect_row(s, tk, i, i);
+  for (int i = 12; i < 22; ++i) expect_row(s, tk, i, i + 8);
+  EXPECT_THROW(s.truncate(23), kvx::Error);
+  KVStore evicting(KVType::F32, 1, 4, {2, 4});
+  EXPECT_THROW(evicting.truncate(0), kvx::Error);
+}
+
 TEST(KVStore, LargeStoresCarvePagesFromChunks) {
   // 128 KiB pages: the first 16 (2 MiB) one by one, then 16-page chunks.
   const int H = 8, d = 128, P = 16;

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "attention/cost.h"
+#include "model/memory.h"
 #include "model/sampling.h"
 #include "model/transformer.h"
 #include "util/error.h"
@@ -228,4 +230,41 @@ TEST(Transformer, HybridLrkvDenseModelDecodesLikeItsForward) {
     EXPECT_TRUE(m->state_dict_hf().count("model.layers.0.self_attn.k_shared_proj.weight"));
     EXPECT_EQ(m->state_dict_hf().count("model.layers.0.self_attn.k_up"), std::string(rope) == "pair_aligned" ? 0u : 1u);
   }
+}
+
+TEST(Transformer, GdnNatslDenseHybridDecodesLikeItsForward) {
+  auto c = tiny(4, 2);
+  c.layout = "gdn,natsl,dense";
+  c.linear_num_heads = 2;
+  c.linear_key_head_dim = 8;
+  c.linear_value_head_dim = 6;
+  c.nats_attention_heads = 4;
+  c.nats_block_size = 4;
+  c.validate();
+  torch::manual_seed(14);
+  model::Transformer m(c);
+  m->to(torch::kFloat64);
+  EXPECT_EQ(m->num_parameters(), static_cast<int64_t>(model::parameter_count(c)));
+  torch::NoGradGuard ng;
+  auto ids = torch::randint(37, {2, 23}, torch::kLong);
+  auto full = m->forward(ids);
+  for (bool reference : {false, true}) {
+    attention::CacheOptions o;
+    o.reference = reference;
+    auto state = m->new_state(2, o);
+    std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, 6), state)};
+    for (int t = 6; t < 23; ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
+    auto inc = torch::cat(parts, 1);
+    EXPECT_TRUE(torch::allclose(inc, full, 1e-5, 1e-5)) << reference << ": " << (inc - full).abs().max().item<double>();
+  }
+  // The GDN layer holds no per-token cache; the NAtS-L layer at most its full KV; both a constant state.
+  EXPECT_EQ(m->kv_bytes_per_token(), 4.0 * (2 * (8 + 6) + 2 * 2 * 8));
+  EXPECT_EQ(m->state_bytes(), attention::AttentionShape::of_layer(c, "gdn").state_bytes() +
+                                  attention::AttentionShape::of_layer(c, "natsl").state_bytes());
+  model::Transformer m2(c);
+  m2->to(torch::kFloat64);
+  m2->load_state_dict_hf(m->state_dict_hf(), "test");
+  EXPECT_TRUE(torch::allclose(m2->forward(ids), full, 1e-12, 1e-12));
+  EXPECT_TRUE(m->state_dict_hf().count("model.layers.0.self_attn.A_log"));
+  EXPECT_TRUE(m->state_dict_hf().count("model.layers.1.self_attn.router.weight"));
 }
