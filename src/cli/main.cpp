@@ -274,7 +274,7 @@ void print_decode_table(const nlohmann::json& rows) {
   }
   bool lrkv_header = false;
   for (const auto& r : rows) {
-    if (!r.contains("family")) continue;
+    if (!r.contains("family") || r["family"] != "lrkv") continue;
     if (!lrkv_header)
       std::printf("\nLRKV factored decode, H=16, d_h=128 (K_s, V_s and per-head latents); vs MHA: the dense kernel, same type\n"
                   "%-6s %-5s %4s %8s %9s %11s %8s %7s %8s %9s %8s %8s\n", "isa", "cache", "r", "context", "cache/MHA", "us/step", "GB/s",
@@ -285,6 +285,28 @@ void print_decode_table(const nlohmann::json& rows) {
                 100 * r["cache_vs_mha"].get<double>(), r["us_per_step"].get<double>(), r["gbps"].get<double>(),
                 100 * r["bw_ratio"].get<double>(), r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(),
                 r.value("speedup_vs_mha", 0.0), r.value("target_speedup_vs_mha", 0.0));
+  }
+  bool gdn_header = false;
+  for (const auto& r : rows) {
+    if (!r.contains("family") || r["family"] != "gdn") continue;
+    if (!gdn_header)
+      std::printf("\nGDN layer decode step (d=%d, %d heads, K=%d, V=%d: projections, convolutions, state update)\n%8s %11s %12s %12s\n",
+                  r["hidden"].get<int>(), r["heads"].get<int>(), r["key_dim"].get<int>(), r["value_dim"].get<int>(), "context",
+                  "us/step", "vs first", "state bytes");
+    gdn_header = true;
+    std::printf("%8lld %11.1f %11.2fx %12lld\n", static_cast<long long>(r["context"].get<int64_t>()), r["us_per_step"].get<double>(),
+                r["vs_first_context"].get<double>(), static_cast<long long>(r["state_bytes"].get<int64_t>()));
+  }
+  bool natsl_header = false;
+  for (const auto& r : rows) {
+    if (!r.contains("family") || r["family"] != "natsl") continue;
+    if (!natsl_header)
+      std::printf("\nNAtS-L attention core, H=16 softmax heads of d_h=128 in 8 groups (GDN state step + kept blocks) vs dense MHA\n"
+                  "%-5s %6s %8s %11s %11s %8s %8s\n", "cache", "kept", "context", "us/step", "dense us", "vs dense", "target");
+    natsl_header = true;
+    std::printf("%-5s %6.3f %8lld %11.1f %11.1f %7.2fx %7.2fx\n", r["cache"].get<std::string>().c_str(),
+                r["kept_fraction"].get<double>(), static_cast<long long>(r["context"].get<int64_t>()), r["us_per_step"].get<double>(),
+                r.value("dense_us_per_step", 0.0), r.value("speedup_vs_dense", 0.0), r.value("target_speedup_vs_dense", 0.0));
   }
   bool header = false;
   for (const auto& r : rows) {
@@ -549,13 +571,16 @@ int main(int argc, char** argv) {
   bench_tok->add_flag("--json", bench_json, "print JSON");
 
   eval::DecodeBenchOptions decode_opts;
-  std::string decode_contexts, decode_types, decode_hkv, decode_isas, decode_lrkv;
+  std::string decode_contexts, decode_types, decode_hkv, decode_isas, decode_lrkv, decode_natsl;
+  bool decode_no_gdn = false;
   bool decode_no_model = false;
   auto* bench_decode = bench->add_subcommand("decode", "decode attention per cache type and context vs this machine's read bandwidth");
   bench_decode->add_option("--contexts", decode_contexts, "comma-separated contexts (default 1024,4096,16384,65536)");
   bench_decode->add_option("--types", decode_types, "comma-separated cache types (default f32,bf16,q8,q4)");
   bench_decode->add_option("--hkv", decode_hkv, "comma-separated KV head counts at H=16, d_h=128 (default 16,4)");
   bench_decode->add_option("--lrkv", decode_lrkv, "comma-separated LRKV ranks for factored-decode rows at H=16, d_h=128, or none (default 32)");
+  bench_decode->add_option("--natsl", decode_natsl, "comma-separated kept-KV fractions for NAtS-L rows, or none (default 0.25,0.5)");
+  bench_decode->add_flag("--no-gdn", decode_no_gdn, "skip the GDN layer rows");
   bench_decode->add_option("--isa", decode_isas, "comma-separated decode back ends: auto, avx2, avx512 (default auto)");
   bench_decode->add_option("--seconds", decode_opts.seconds_per_point, "seconds per measurement (default 0.4)");
   bench_decode->add_flag("--no-model", decode_no_model, "skip the whole-model (tiny) decode rows");
@@ -691,6 +716,16 @@ int main(int argc, char** argv) {
         decode_opts.kv_heads.clear();
         for (const auto& h : split_list(decode_hkv)) decode_opts.kv_heads.push_back(std::stoi(h));
       }
+      if (!decode_natsl.empty()) {
+        decode_opts.natsl_kept.clear();
+        if (decode_natsl != "none")
+          for (const auto& f : split_list(decode_natsl)) {
+            const double v = std::stod(f);
+            if (!(v > 0 && v <= 1)) throw Error("--natsl: kept fractions must be in (0, 1], got " + f);
+            decode_opts.natsl_kept.push_back(v);
+          }
+      }
+      decode_opts.gdn_rows = !decode_no_gdn;
       decode_opts.whole_model = !decode_no_model;
       auto rows = eval::bench_decode(decode_opts, true);
       if (bench_json) {

@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include "attention/dense.h"
+#include "attention/gdn.h"
+#include "kernels/gdn_decode.h"
 #include "kernels/decode_attention.h"
 #include "kernels/lrkv_decode.h"
 #include "kernels/compute_peak.h"
@@ -335,6 +337,82 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   }
   const double stream = *std::max_element(probes.begin(), probes.end());
   rows.push_back({{"stream_gbps", stream}, {"stream_probes_gbps", probes}, {"threads", threads}});
+
+  // GDN: a whole layer's decode step (projections, convolutions, state update) at each context.
+  if (o.gdn_rows) {
+    model::ModelConfig lc = train::preset("tiny").model;
+    lc.hidden_size = 1024;
+    lc.num_hidden_layers = 1;
+    lc.layout = "gdn";
+    lc.linear_num_heads = o.heads / 2;
+    lc.linear_key_head_dim = lc.linear_value_head_dim = 2 * o.head_dim;
+    lc.validate();
+    torch::manual_seed(0);
+    attention::GdnAttention layer(lc, 0);
+    const auto x = torch::randn({1, 1, lc.hidden_size});
+    double first = 0;
+    for (int64_t ctx : o.contexts) {
+      auto cache = layer.new_cache(1, attention::CacheOptions{});
+      cache->append_random_history(ctx, static_cast<uint32_t>(rng()));
+      double best = 1e30;
+      for (int round = 0; round < kRounds; ++round)
+        best = std::min(best, time_per_call([&] { layer.step(x, *cache); }, o.seconds_per_point / kRounds));
+      if (first == 0) first = best;
+      rows.push_back({{"family", "gdn"}, {"context", ctx}, {"heads", lc.linear_num_heads},
+                      {"key_dim", lc.linear_key_head_dim}, {"value_dim", lc.linear_value_head_dim},
+                      {"hidden", lc.hidden_size}, {"us_per_step", best * 1e6}, {"vs_first_context", best / first},
+                      {"state_bytes", cache->bytes()}});
+      if (verbose)
+        std::fprintf(stderr, "  gdn layer (d %d, %d heads of %dx%d) context %6lld: %9.1f us/step\n", lc.hidden_size,
+                     lc.linear_num_heads, lc.linear_key_head_dim, lc.linear_value_head_dim, static_cast<long long>(ctx),
+                     best * 1e6);
+    }
+  }
+
+  // NAtS-L: the GDN state step plus attention over the kept blocks, per head group.
+  if (!o.natsl_kept.empty()) {
+    const int groups = o.heads / 2, GA = 2, K = GA * o.head_dim, block = 64;
+    std::vector<float> state(static_cast<size_t>(groups) * K * K), qk(static_cast<size_t>(groups) * K),
+        vk(qk.size()), g(groups, -0.01f), beta(groups, 0.5f), gdn_out(qk.size()), attn_out(q.size());
+    for (auto* buf : {&state, &qk, &vk}) for (auto& x : *buf) x = std::normal_distribution<float>(0.0f, 0.05f)(rng);
+    for (double f : o.natsl_kept)
+      for (size_t type = 0; type < o.types.size(); ++type)
+        for (int64_t ctx : o.contexts) {
+          const int64_t kept = static_cast<int64_t>(std::floor(f * static_cast<double>(ctx / block) + 1e-9)) * block;
+          if (kept < 1) continue;
+          std::vector<kernels::KVStore> stores;
+          for (int j = 0; j < groups; ++j) {
+            stores.emplace_back(kernels::parse_kv_type(o.types[type]), GA, o.head_dim);
+            kernels::append_random_rows(stores.back(), kept, static_cast<uint32_t>(rng()));
+          }
+          double best = 1e30;
+          for (int round = 0; round < kRounds; ++round)
+            best = std::min(best, time_per_call([&] {
+                              kernels::gdn_decode_step(state.data(), qk.data(), qk.data(), vk.data(), g.data(), beta.data(),
+                                                       groups, K, K, scale, gdn_out.data(), threads);
+                              for (int j = 0; j < groups; ++j)
+                                kernels::decode_attention(q.data() + static_cast<size_t>(j) * GA * o.head_dim, GA, stores[j],
+                                                          scale, attn_out.data() + static_cast<size_t>(j) * GA * o.head_dim,
+                                                          threads);
+                            }, o.seconds_per_point / kRounds));
+          double dense = 0;  // the dense MHA kernel, same context and type, first back end
+          for (const Timing& t : timings)
+            if (t.rank < 0 && t.hkv == o.heads && t.type == type && t.ctx == ctx && t.isa == isas.front()) dense = t.seconds;
+          const double fraction = static_cast<double>(kept) / static_cast<double>(ctx);
+          nlohmann::json row = {{"family", "natsl"}, {"cache", o.types[type]}, {"context", ctx}, {"heads", o.heads},
+                                {"head_dim", o.head_dim}, {"kept_fraction", fraction}, {"us_per_step", best * 1e6}};
+          if (dense > 0) {
+            row["dense_us_per_step"] = dense * 1e6;
+            row["speedup_vs_dense"] = dense / best;
+            row["target_speedup_vs_dense"] = 0.8 / fraction;
+          }
+          rows.push_back(row);
+          if (verbose)
+            std::fprintf(stderr, "  natsl %-4s kept %.2f context %6lld: %9.1f us/step%s\n", o.types[type].c_str(), fraction,
+                         static_cast<long long>(ctx), best * 1e6,
+                         dense > 0 ? (" (" + std::to_string(dense / best).substr(0, 4) + "x dense)").c_str() : "");
+        }
+  }
 
   for (const Timing& t : timings) {
     double f32_s = 0.0, mha_s = 0.0;

@@ -40,6 +40,8 @@ struct DecodeBenchOptions {
   std::vector<int> kv_heads{16, 4};
   std::vector<std::string> isas{"auto"};  // decode back ends: auto, avx2, avx512
   std::vector<int> lrkv_ranks{32};         // LRKV factored-decode rows at H, d_h (none: empty)
+  bool gdn_rows = true;                    // a GDN layer's decode step per context (flat in context)
+  std::vector<double> natsl_kept{0.25, 0.5};  // NAtS-L attention core at these kept-KV fractions (none: empty)
   int heads = 16, head_dim = 128;
   double seconds_per_point = 0.4;
   bool whole_model = true;  // also tiny-model decode tokens/s at each context
@@ -47,7 +49,12 @@ struct DecodeBenchOptions {
 // Rows: one {"stream_gbps"}; per (cache, context, hkv) the fused kernel's time per step, bytes
 // read, GB/s, its ratio to the stream figure and its speed-up over f32 at the same shape and
 // back end ("isa"; f32 rows also time the libtorch reference); per (cache, context)
-// whole-model decode tokens/s.
+// whole-model decode tokens/s. GDN rows ("family": "gdn"): a whole GDN layer's decode step (d =
+// 1024, H/2 heads of K = V = 2 d_h) per context and its ratio to the first context. NAtS-L rows
+// ("family": "natsl"): one token's attention core of a NAtS-L layer with the softmax width of the
+// dense rows (H softmax heads of d_h in H/2 head groups, so K = V = 2 d_h): the GDN state step plus
+// attention over the kept fraction of the context, and its speed-up over the dense MHA kernel at
+// the same context and type (target: 0.8 / kept fraction).
 nlohmann::json bench_decode(const DecodeBenchOptions& options, bool verbose);
 
 nlohmann::json bench_tokenizer(const std::string& data_dir, int vocab_size, bool verbose);

@@ -29,4 +29,43 @@ TEST(DecodeSpeed, EveryFamilyCanBeFilledAndTimed) {
       EXPECT_TRUE(std::isfinite(tps) && tps > 0) << rope << " " << type;
     }
   }
+  c.layout = "gdn,natsl,dense";
+  c.linear_num_heads = 2;
+  c.nats_attention_heads = 4;
+  c.linear_key_head_dim = c.linear_value_head_dim = 64;
+  c.nats_block_size = 16;
+  for (const char* type : {"f32", "q8"}) {
+    const double tps = eval::decode_tokens_per_second(c, attention::CacheOptions::parse(type, "", false), 200, 0.01);
+    EXPECT_TRUE(std::isfinite(tps) && tps > 0) << "gdn/natsl " << type;
+  }
+}
+
+TEST(DecodeBench, GdnAndNatslRowsAreMeasuredBesideTheDenseKernel) {
+  eval::DecodeBenchOptions o;
+  o.contexts = {256, 512};
+  o.types = {"f32"};
+  o.kv_heads = {4};
+  o.heads = 4;
+  o.head_dim = 32;
+  o.lrkv_ranks = {};
+  o.natsl_kept = {0.5};
+  o.seconds_per_point = 0.01;
+  o.whole_model = false;
+  const auto rows = eval::bench_decode(o, false);
+  int gdn = 0, natsl = 0;
+  for (const auto& r : rows) {
+    if (r.value("family", "") == "gdn") {
+      ++gdn;
+      EXPECT_GT(r["us_per_step"].get<double>(), 0);
+      EXPECT_EQ(r["state_bytes"].get<int64_t>(), 4 * (2 * 64 * 64 + 3 * 2 * (3 * 64)));  // H = 2 heads of 64 x 64
+    }
+    if (r.value("family", "") == "natsl") {
+      ++natsl;
+      EXPECT_DOUBLE_EQ(r["kept_fraction"].get<double>(), 0.5);
+      EXPECT_GT(r["speedup_vs_dense"].get<double>(), 0);  // the dense MHA kernel at the same shape was timed
+      EXPECT_DOUBLE_EQ(r["target_speedup_vs_dense"].get<double>(), 1.6);
+    }
+  }
+  EXPECT_EQ(gdn, 2);
+  EXPECT_EQ(natsl, 2);
 }
