@@ -381,14 +381,20 @@ torch::Tensor NatslAttention::softmax_branch_fused(const torch::Tensor& qa, cons
   const int64_t B = q.size(0), n = q.size(1), HA = q.size(2), W = q.size(3);
   auto out = torch::empty({B, n, HA, W}, torch::kFloat32);
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t j = 0; j < heads_; ++j) {
-        const int64_t at = ((b * n + t) * HA + j * groups_) * W;
-        auto& store = cache.stores[b][j];
-        store.append(k.data_ptr<float>() + at, v.data_ptr<float>() + at);
-        kernels::decode_attention(q.data_ptr<float>() + at, static_cast<int>(groups_), store, static_cast<float>(scale),
-                                  out.data_ptr<float>() + at, cache.threads);
-      }
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t token = (b * n + t) * HA * W;
+      for (int64_t j = 0; j < heads_; ++j)
+        cache.stores[b][j].append(k.data_ptr<float>() + token + j * groups_ * W, v.data_ptr<float>() + token + j * groups_ * W);
+      // Head groups in parallel, one thread each (their stores differ in length; one parallel
+      // region per token instead of one per group).
+      at::parallel_for(0, heads_, 1, [&](int64_t j0, int64_t j1) {
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t at = token + j * groups_ * W;
+          kernels::decode_attention(q.data_ptr<float>() + at, static_cast<int>(groups_), cache.stores[b][j],
+                                    static_cast<float>(scale), out.data_ptr<float>() + at, 1);
+        }
+      });
+    }
   return out.transpose(1, 2);
 }
 

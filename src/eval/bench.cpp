@@ -390,10 +390,11 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
             best = std::min(best, time_per_call([&] {
                               kernels::gdn_decode_step(state.data(), qk.data(), qk.data(), vk.data(), g.data(), beta.data(),
                                                        groups, K, K, scale, gdn_out.data(), threads);
-                              for (int j = 0; j < groups; ++j)
-                                kernels::decode_attention(q.data() + static_cast<size_t>(j) * GA * o.head_dim, GA, stores[j],
-                                                          scale, attn_out.data() + static_cast<size_t>(j) * GA * o.head_dim,
-                                                          threads);
+                              at::parallel_for(0, groups, 1, [&](int64_t j0, int64_t j1) {  // as NatslAttention's fused step
+                                for (int64_t j = j0; j < j1; ++j)
+                                  kernels::decode_attention(q.data() + static_cast<size_t>(j) * GA * o.head_dim, GA, stores[j],
+                                                            scale, attn_out.data() + static_cast<size_t>(j) * GA * o.head_dim, 1);
+                              });
                             }, o.seconds_per_point / kRounds));
           double dense = 0;  // the dense MHA kernel, same context and type, first back end
           for (const Timing& t : timings)
