@@ -101,10 +101,26 @@ Experiment builtin_experiment(const std::string& name, const std::string& preset
     return Arm{"lrkv-r" + std::to_string(rank) + "-" + label, "train",
                {{"model", {{"layout", "lrkv"}, {"lrkv_rank", rank}, {"lrkv_rope", rope}}}}};
   };
+  // GDN and NAtS-L at about MHA's mixer parameters: H/2 GDN heads of K = V = 3 d_h / 2 (q, k, v,
+  // gate and output projections of width 3 H d_h / 4 each, vs MHA's four of H d_h); NAtS-L splits
+  // each GDN head into 2 softmax heads (H in all, as the seed's 380M model) and routes blocks of
+  // seq_len / 8 tokens (the seed's 64-token blocks are 1/64 of its 4K context).
+  auto linear = [&](const std::string& arm, const std::string& layout) {
+    return Arm{arm, "train",
+               {{"model", {{"layout", layout}, {"linear_num_heads", H / 2}, {"linear_key_head_dim", 3 * dh / 2},
+                           {"linear_value_head_dim", 3 * dh / 2}, {"nats_attention_heads", H},
+                           {"nats_block_size", std::max(1, e.base.train.seq_len / 8)}}}}};
+  };
+  const int L = e.base.model.num_hidden_layers;
+  const std::string every_fourth = "gdn*" + std::to_string(L - 1) + ",";  // hybrids: the last of 4 layers differs
   if (name == "arch") {
     e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1), mla};
     for (const char* rope : {"expand", "shared_rope", "pair_aligned"})  // ranks d_h/16 .. d_h/2 in each RoPE mode
       for (int div : {16, 8, 4, 2}) e.arms.push_back(lrkv(dh / div, rope));
+    e.arms.push_back(linear("gdn", "gdn"));
+    e.arms.push_back(linear("gdn-hybrid", every_fourth + "dense"));
+    e.arms.push_back(linear("natsl", "natsl"));
+    e.arms.push_back(linear("natsl-hybrid", every_fourth + "natsl"));
   } else if (name == "posthoc") {
     e.arms.push_back(dense("mha", H));
     for (const char* t : {"f32", "bf16", "q8", "q4"})
@@ -119,7 +135,8 @@ Experiment builtin_experiment(const std::string& name, const std::string& preset
     e.arms.push_back({"mha->lrkv-r" + std::to_string(dh / 4), "convert",
                       {{"base", "mha"}, {"rank", dh / 4}, {"rope", "expand"}, {"heal_steps", e.base.train.steps / 4}}});
   } else if (name == "decode") {
-    e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1), mla, lrkv(dh / 4, "pair_aligned")};
+    e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1), mla, lrkv(dh / 4, "pair_aligned"),
+              linear("gdn", "gdn"), linear("natsl", "natsl")};
     for (const char* t : {"bf16", "q8", "q4"})
       e.arms.push_back({std::string("mha+") + t, "posthoc", {{"base", "mha"}, {"kv_cache", t}, {"evict", ""}}});
     e.eval.decode_contexts = {1024, 4096, 16384, 65536};

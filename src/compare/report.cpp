@@ -30,6 +30,8 @@ std::string cell(const nlohmann::json& metrics, const Column& c) {
 std::vector<Column> columns_for(const ExperimentResult& r) {
   std::vector<Column> all = {
       {"kv_bytes_per_token", "KV bytes/token", "int"}, {"kv_pct_of_mha", "% of MHA", "%.1f"},
+      {"softmax_fraction", "softmax blocks", "pct"},
+      {"kv_state_bytes_per_token@4K", "KV+state B/tok @4K", "int"}, {"kv_state_bytes_per_token@16K", "KV+state B/tok @16K", "int"},
       {"params", "params", "int"},                     {"test_ce", "test CE", "%.4f"},
       {"test_bpb", "bits/byte", "%.4f"},               {"kl_vs_reference", "KL vs ref", "%.5f"},
       {"top1_agreement", "top-1 agree", "pct"}};
@@ -99,6 +101,16 @@ std::string write_report(const ExperimentResult& r) {
   plot("mqar.png", "MQAR recall: " + tag, "key-value pairs", "accuracy", mqar);
   plot("loss.png", "training loss: " + tag, "step", "train loss (nats/token, text + MQAR mix)", curves);
   plot("decode.png", "decode speed: " + tag, "context (tokens)", "tokens/s (whole model, one token per step)", decode);
+  for (const auto& a : r.arms) {  // NAtS-L: the share of blocks routed to softmax per layer and head group (seed 001 Fig. 5)
+    if (a.routing.is_null() || a.routing["layers"].empty()) continue;
+    std::vector<std::string> rows;
+    for (int l : a.routing["layers"]) rows.push_back("layer " + std::to_string(l));
+    const auto cells = a.routing["softmax_fraction"].get<std::vector<std::vector<double>>>();
+    const std::string file = "routing-" + a.name + ".png";
+    if (eval::plot_heatmap(r.dir + "/" + file, "blocks routed to softmax: " + a.name + " (" + tag + ")", "head group", "",
+                           rows, cells, 0.0, 1.0))
+      plots.push_back(file);
+  }
 
   const std::string main_table = table(r);
   std::ostringstream md;

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "compress/lrkv_convert.h"
+#include "eval/analyze.h"
 #include "eval/bench.h"
 #include "eval/evaluate.h"
 #include "io/atomic_file.h"
@@ -205,6 +206,7 @@ struct Runner {
       const double held = cache.evict.enabled() ? std::min<double>(context, cache.evict.sink + cache.evict.window) : context;
       r.metrics["kv_bytes_per_token"] = per_token * held / context;  // at the training context
       r.metrics["params"] = shape->num_parameters();
+      if (shape->state_bytes() > 0) r.metrics["state_bytes"] = shape->state_bytes();
     }
     const bool needs_model = wants("quality") || wants("mqar");
     std::optional<train::LoadedModel> loaded;
@@ -219,7 +221,20 @@ struct Runner {
         return quality(model(), cache_ptr);
       });
       r.metrics.update(q);
+      if (cfg.model.uses("natsl")) {  // the routes the router actually takes, and what the kept KV costs
+        auto routing = cached(dir + "/metrics-routing-" + metrics_key(r.key, {what, e.eval.to_json()}) + ".json", [&] {
+          say(label + ": NAtS-L routing");
+          return eval::routing_fractions(model(), windows(1)).to_json();
+        });
+        r.routing = routing;
+        r.metrics["softmax_fraction"] = routing["overall"];
+        r.metrics["kv_bytes_per_token"] = routing["kv_bytes_per_token"];
+      }
     }
+    // KV + constant state per token at long contexts (GDN / NAtS-L state amortised).
+    for (int64_t ctx : {4096, 16384})
+      r.metrics["kv_state_bytes_per_token@" + std::to_string(ctx / 1024) + "K"] =
+          r.metrics["kv_bytes_per_token"].get<double>() + r.metrics.value("state_bytes", 0.0) / static_cast<double>(ctx);
     if (wants("mqar")) {
       auto q = cached(dir + "/metrics-mqar-" + metrics_key(r.key, {what, e.eval.to_json()}) + ".json", [&] {
         say(label + ": MQAR recall");
@@ -267,6 +282,7 @@ nlohmann::json results_json(const ExperimentResult& r) {
     for (const auto& arm : r.experiment.arms)
       if (arm.name == a.name) spec = arm.spec;
     arms.push_back({{"name", a.name}, {"kind", a.kind}, {"model_key", a.key}, {"spec", spec}, {"curve", a.curve}});
+    if (!a.routing.is_null()) arms.back()["routing"] = a.routing;
     for (auto it = a.metrics.begin(); it != a.metrics.end(); ++it)
       rows.push_back({{"arm", a.name}, {"kind", a.kind}, {"metric", it.key()}, {"value", it.value()}});
   }

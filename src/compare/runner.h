@@ -25,6 +25,7 @@ struct ArmResult {
   nlohmann::json metrics;        // metric -> number
   nlohmann::json curve;          // train arms: {"step": [...], "train_loss": [...], "val_ce": [...]}
   std::vector<std::pair<int, double>> mqar;  // (pairs, accuracy)
+  nlohmann::json routing;        // NAtS-L arms: eval::RoutingStats::to_json() on the test windows
 };
 
 struct ExperimentResult {

@@ -1,5 +1,7 @@
 #include "eval/analyze.h"
 
+#include "attention/natsl.h"
+
 #include <cmath>
 
 namespace kvx::eval {
@@ -46,6 +48,58 @@ nlohmann::json to_json(const std::vector<HeadDiversity>& rows) {
                  {"ceiling", r.heads - 1},
                  {"share_of_ceiling", r.share_of_ceiling()}});
   return j;
+}
+
+nlohmann::json RoutingStats::to_json() const {
+  return {{"layers", layers}, {"softmax_fraction", softmax_fraction}, {"overall", overall},
+          {"kv_bytes_per_token", kv_bytes_per_token}};
+}
+
+RoutingStats routing_fractions(model::Transformer& model,
+                               const std::vector<std::pair<torch::Tensor, torch::Tensor>>& windows) {
+  RoutingStats st;
+  std::vector<std::shared_ptr<attention::NatslAttention>> natsl;
+  for (size_t i = 0; i < model->layers->size(); ++i)
+    if (auto m = std::dynamic_pointer_cast<attention::NatslAttention>(model->layers[i]->as<model::BlockImpl>()->self_attn)) {
+      natsl.push_back(m);
+      st.layers.push_back(static_cast<int>(i));
+    }
+  if (natsl.empty() || windows.empty()) return st;
+  std::vector<torch::Tensor> softmax(natsl.size()), total(natsl.size());
+  torch::NoGradGuard ng;
+  for (const auto& w : windows) {
+    model->forward(w.first);
+    for (size_t l = 0; l < natsl.size(); ++l) {
+      const auto& r = natsl[l]->last_routes();  // [B, NB, H]
+      if (r.size(1) < 2) continue;
+      const auto routed = r.narrow(1, 0, r.size(1) - 1);  // the last block is forced to GDN
+      const auto s = (routed == 0).to(torch::kDouble).sum(torch::IntArrayRef{0, 1});
+      const auto n = torch::full_like(s, static_cast<double>(routed.size(0) * routed.size(1)));
+      softmax[l] = softmax[l].defined() ? softmax[l] + s : s;
+      total[l] = total[l].defined() ? total[l] + n : n;
+    }
+  }
+  double all_s = 0, all_n = 0;
+  const auto& cfg = model->config();
+  const double full = attention::AttentionShape::of_layer(cfg, "natsl").cache_bytes(kernels::KVType::F32) /
+                      cfg.nats_max_softmax_fraction;  // every block kept
+  st.kv_bytes_per_token = model->kv_bytes_per_token();
+  for (size_t l = 0; l < natsl.size(); ++l) {
+    std::vector<double> row;
+    double layer_fraction = 0;
+    if (total[l].defined()) {
+      const auto f = (softmax[l] / total[l]).contiguous();
+      row.assign(f.data_ptr<double>(), f.data_ptr<double>() + f.numel());
+      all_s += softmax[l].sum().item<double>();
+      all_n += total[l].sum().item<double>();
+      layer_fraction = (softmax[l].sum() / total[l].sum()).item<double>();
+    }
+    st.softmax_fraction.push_back(row);
+    // The accounting counted the budget fraction for this layer; the measured one replaces it.
+    st.kv_bytes_per_token += full * (layer_fraction - cfg.nats_max_softmax_fraction);
+  }
+  st.overall = all_n > 0 ? all_s / all_n : 0;
+  return st;
 }
 
 }  // namespace kvx::eval

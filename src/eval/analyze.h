@@ -25,4 +25,19 @@ double centred_effective_rank(const torch::Tensor& wq, const torch::Tensor& wk);
 std::vector<HeadDiversity> head_diversity(const model::Transformer& model);
 nlohmann::json to_json(const std::vector<HeadDiversity>& rows);
 
+// NAtS-L routing (seed 001 Fig. 5): per NAtS-L layer and head group, the fraction of blocks the
+// router sent to softmax over the given windows (each window's forced last block excluded), and
+// what the kept KV costs per token at that fraction (all layers, f32, the other layers' caches as
+// they are).
+struct RoutingStats {
+  std::vector<int> layers;                             // indices of the NAtS-L layers
+  std::vector<std::vector<double>> softmax_fraction;   // [layer][head group]
+  double overall = 0;                                  // over all NAtS-L layers and groups
+  double kv_bytes_per_token = 0;
+  nlohmann::json to_json() const;
+};
+// Windows as from train::evaluation_batches (inputs, targets); empty stats if no NAtS-L layer.
+RoutingStats routing_fractions(model::Transformer& model,
+                               const std::vector<std::pair<torch::Tensor, torch::Tensor>>& windows);
+
 }  // namespace kvx::eval

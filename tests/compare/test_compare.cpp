@@ -64,6 +64,8 @@ TEST(Compare, BudgetAccountingMatchesHandComputedBytes) {
   const auto arch = compare::builtin_experiment("arch", "tiny");
   e.arms.push_back(compare::find_arm(arch, "mla"));
   e.arms.push_back(compare::find_arm(arch, "lrkv-r2-pair"));
+  e.arms.push_back(compare::find_arm(arch, "gdn"));
+  e.arms.push_back(compare::find_arm(arch, "natsl-hybrid"));
   compare::CompareOptions o;
   o.out_dir = temp_dir("budget");
   o.verbose = false;
@@ -79,12 +81,21 @@ TEST(Compare, BudgetAccountingMatchesHandComputedBytes) {
       {"gqa-h4", 2 * 4 * 2 * 32 * 4},
       {"mha->lrkv-r8", 4 * 2 * (32 + 8 * 8) * 4},  // layers x 2 (d_h + H r) x 4 bytes: 37.5%
       {"mla", 4 * (112 + 16) * 4},                 // layers x (d_c + d_R) x 4 bytes: 25%
-      {"lrkv-r2-pair", 4 * 2 * (32 + 8 * 2) * 4}};
+      {"lrkv-r2-pair", 4 * 2 * (32 + 8 * 2) * 4},
+      {"gdn", 0},                                   // constant state only
+      {"natsl-hybrid", 8 * (24 + 24) * 4}};         // one NAtS-L layer, every block kept (budget 1): HA (KA + VA) x 4 bytes
   ASSERT_EQ(r.arms.size(), want.size());
   for (const auto& a : r.arms) {
     EXPECT_DOUBLE_EQ(a.metrics["kv_bytes_per_token"].get<double>(), want.at(a.name)) << a.name;
     EXPECT_DOUBLE_EQ(a.metrics["kv_pct_of_mha"].get<double>(), 100 * want.at(a.name) / 8192) << a.name;
   }
+  // GDN's state (H = 4 heads of K = V = 48, plus 3 convolution taps of q, k, v per layer) amortised at 4K.
+  const double gdn_state = 4 * 4.0 * (4 * 48 * 48 + 3 * 4 * (3 * 48));
+  for (const auto& a : r.arms)
+    if (a.name == "gdn") {
+      EXPECT_DOUBLE_EQ(a.metrics["state_bytes"].get<double>(), gdn_state);
+      EXPECT_DOUBLE_EQ(a.metrics["kv_state_bytes_per_token@4K"].get<double>(), gdn_state / 4096);
+    }
   fs::remove_all(o.out_dir);
 }
 
@@ -184,5 +195,39 @@ TEST(Compare, ResumesWithoutRedoingFinishedArmsAndReportsEveryArm) {
   }
   auto results = nlohmann::json::parse(io::read_file(second.dir + "/results.json"));
   EXPECT_EQ(results["arms"].size(), second.arms.size());
+  fs::remove_all(o.out_dir);
+}
+
+TEST(Compare, NatslArmReportsTheRoutesItTookAndTheirHeatMap) {
+  SyntheticData d;
+  auto e = micro();
+  e.arms = {{"natsl", "train",
+             {{"model", {{"layout", "natsl"}, {"linear_num_heads", 2}, {"linear_key_head_dim", 16},
+                         {"linear_value_head_dim", 16}, {"nats_attention_heads", 4}, {"nats_block_size", 8}}}}}};
+  e.groups = {"quality"};
+  compare::CompareOptions o;
+  o.out_dir = temp_dir("natsl_arm");
+  o.verbose = false;
+  o.data = &d.data;
+  o.test = &d.test;
+  auto r = compare::run_experiment(e, o);
+  ASSERT_EQ(r.arms.size(), 1u);
+  const auto& a = r.arms[0];
+  ASSERT_FALSE(a.routing.is_null());
+  EXPECT_EQ(a.routing["layers"].size(), 2u);
+  EXPECT_EQ(a.routing["softmax_fraction"][0].size(), 2u);  // two head groups
+  const double f = a.metrics["softmax_fraction"].get<double>();
+  EXPECT_GE(f, 0.0);
+  EXPECT_LE(f, 1.0);
+  // Kept KV per token at the measured fractions: per layer HA (KA + VA) x 4 bytes x its fraction.
+  double want = 0;
+  for (const auto& layer : a.routing["softmax_fraction"]) {
+    double mean = 0;
+    for (double x : layer) mean += x / layer.size();
+    want += 4 * (8 + 8) * 4 * mean;
+  }
+  EXPECT_NEAR(a.metrics["kv_bytes_per_token"].get<double>(), want, 1e-9);
+  compare::write_report(r);
+  if (std::system("command -v gnuplot >/dev/null 2>&1") == 0) EXPECT_TRUE(fs::exists(r.dir + "/routing-natsl.png"));
   fs::remove_all(o.out_dir);
 }
