@@ -380,6 +380,7 @@ nlohmann::json cost_row(const attention::AttentionShape& a, const std::string& l
     } catch (const Error&) {  // q8/q4 need widths that are multiples of 32
     }
   }
+  if (a.state_elements() > 0) row["state_bytes_per_sequence_layer"] = a.state_bytes();
   if (a.hidden > 0) {
     row["kv_params"] = a.kv_params();
     row["kv_params_vs_mha"] = a.kv_params() / a.mha_kv_params();
@@ -436,8 +437,14 @@ void cmd_cost(const std::string& config_path, const std::vector<std::string>& sh
                 num("kv_params", "%.0f").c_str(),
                 r.contains("kv_params_vs_mha") ? (num("kv_params_vs_mha", "%.3f") + "x").c_str() : "-");
   }
+  for (const auto& r : rows)
+    if (r.contains("state_bytes_per_sequence_layer"))
+      std::printf("%-44s constant state %.0f bytes per sequence and layer (f32)\n", r["shape"].get<std::string>().c_str(),
+                  r["state_bytes_per_sequence_layer"].get<double>());
   std::printf("\nvs MHA: the same H and d_h with full per-head K/V (cache 2 H d_h). LRKV cache 2 (d_h + H r) = 1/H + r/d_h of MHA;\n"
-              "MLA d_c + d_R (the seed's MLA rows count d_c only: d_R=0). q8 bytes need widths that are multiples of 32.\n");
+              "MLA d_c + d_R (the seed's MLA rows count d_c only: d_R=0). GDN/NAtS-L: vs H (K + V); NAtS-L's cache is at\n"
+              "its budget f (the blocks routed to softmax; the fraction actually kept is measured by kvx compare).\n"
+              "q8 bytes need widths that are multiples of 32.\n");
 }
 
 // arms: run only these (and what they derive from); demo: each experiment's demo subset.

@@ -88,6 +88,7 @@ Experiment builtin_experiment(const std::string& name, const std::string& preset
     e.eval.mqar_pairs = {1, 2, 4, 8, 16, 32, 48};
   }
   e.groups = {"quality", "mqar", "decode"};
+  if (name == "arch") e.eval.prefill_contexts = {1024, 4096, 16384};
   const int H = e.base.model.num_attention_heads;
   auto dense = [&](const std::string& arm, int kv_heads) {
     return Arm{arm, "train", {{"model", {{"num_key_value_heads", kv_heads}}}}};
@@ -136,7 +137,11 @@ Experiment builtin_experiment(const std::string& name, const std::string& preset
                       {{"base", "mha"}, {"rank", dh / 4}, {"rope", "expand"}, {"heal_steps", e.base.train.steps / 4}}});
   } else if (name == "decode") {
     e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1), mla, lrkv(dh / 4, "pair_aligned"),
-              linear("gdn", "gdn"), linear("natsl", "natsl")};
+              linear("gdn", "gdn")};
+    // NAtS-L with random weights keeps what its budget allows: a 25% KV budget.
+    Arm natsl = linear("natsl-kv25", "natsl");
+    natsl.spec["model"]["nats_max_softmax_fraction"] = 0.25;
+    e.arms.push_back(natsl);
     for (const char* t : {"bf16", "q8", "q4"})
       e.arms.push_back({std::string("mha+") + t, "posthoc", {{"base", "mha"}, {"kv_cache", t}, {"evict", ""}}});
     e.eval.decode_contexts = {1024, 4096, 16384, 65536};

@@ -33,6 +33,8 @@ struct EvalSettings {
   int mqar_sequences = 64;
   std::vector<int64_t> decode_contexts{4096, 16384};
   double decode_seconds = 0.3;
+  // Prefill seconds at these contexts (decode group; part of that group's key only, not to_json's).
+  std::vector<int64_t> prefill_contexts;
   nlohmann::json to_json() const;
 };
 

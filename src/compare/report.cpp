@@ -40,6 +40,8 @@ std::vector<Column> columns_for(const ExperimentResult& r) {
     all.push_back({"ppl@" + std::to_string(m) + "x", "PPL " + std::to_string(m) + "x", "%.1f"});
   for (int64_t c : r.experiment.eval.decode_contexts)
     all.push_back({"decode_tok_s@" + std::to_string(c / 1024) + "K", "tok/s @" + std::to_string(c / 1024) + "K", "%.1f"});
+  for (int64_t c : r.experiment.eval.prefill_contexts)
+    all.push_back({"prefill_s@" + std::to_string(c / 1024) + "K", "prefill s @" + std::to_string(c / 1024) + "K", "%.2f"});
   std::vector<Column> used;
   for (const auto& c : all) {
     bool any = false;

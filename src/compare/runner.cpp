@@ -131,6 +131,8 @@ struct Runner {
       const double tps = eval::decode_tokens_per_second(cfg, cache, ctx, e.eval.decode_seconds);
       out["decode_tok_s@" + std::to_string(ctx / 1024) + "K"] = tps;
     }
+    for (int64_t ctx : e.eval.prefill_contexts)
+      out["prefill_s@" + std::to_string(ctx / 1024) + "K"] = eval::prefill_seconds(cfg, ctx);
     return out;
   }
 
@@ -244,9 +246,15 @@ struct Runner {
       for (int p : e.eval.mqar_pairs) r.mqar.emplace_back(p, q.value("mqar@" + std::to_string(p), 0.0));
     }
     if (wants("decode")) {
-      auto q = cached(dir + "/metrics-decode-" + metrics_key(r.key, {what, e.eval.to_json(), "decode"}) + ".json", [&] {
+      // NAtS-L random history keeps the fraction of blocks the trained router kept (measured with
+      // the quality group), else the layer's budget.
+      attention::CacheOptions decode_cache = cache;
+      decode_cache.history_softmax_fraction = r.metrics.value("softmax_fraction", -1.0);
+      nlohmann::json key_parts = {what, e.eval.to_json(), "decode", e.eval.prefill_contexts};
+      if (cfg.model.uses("natsl")) key_parts.push_back(decode_cache.history_softmax_fraction);
+      auto q = cached(dir + "/metrics-decode-" + metrics_key(r.key, key_parts) + ".json", [&] {
         say(label + ": decode speed");
-        return decode(cfg.model, cache);
+        return decode(cfg.model, decode_cache);
       });
       r.metrics.update(q);
     }

@@ -232,6 +232,21 @@ double decode_tokens_per_second(model::ModelConfig config, const attention::Cach
   return 1.0 / time_per_call([&] { m->step(tok, state); }, seconds);
 }
 
+double prefill_seconds(model::ModelConfig config, int64_t context, int64_t chunk) {
+  torch::NoGradGuard ng;
+  config.max_position_embeddings = static_cast<int>(std::max<int64_t>(config.max_position_embeddings, context));
+  torch::manual_seed(0);
+  model::Transformer m(config);
+  m->eval();
+  attention::CacheOptions reference;
+  reference.reference = true;
+  auto state = m->new_state(1, reference);
+  const auto ids = torch::randint(config.vocab_size, {1, context}, torch::kLong);
+  const auto t0 = Clock::now();
+  for (int64_t at = 0; at < context; at += chunk) m->step(ids.narrow(1, at, std::min(chunk, context - at)), state);
+  return since(t0);
+}
+
 nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   torch::NoGradGuard ng;
   const int threads = torch::get_num_threads();

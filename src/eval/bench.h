@@ -34,6 +34,11 @@ nlohmann::json bench_train_data_parallel(const train::RunConfig& config, int ste
 double decode_tokens_per_second(model::ModelConfig config, const attention::CacheOptions& cache, int64_t context,
                                 double seconds);
 
+// Seconds to prefill `context` random tokens into an empty decode state of a model of this config
+// (random weights), in chunks of `chunk` tokens through Transformer::step on the libtorch
+// reference caches (batched matrix products; the fused caches take one token at a time).
+double prefill_seconds(model::ModelConfig config, int64_t context, int64_t chunk = 512);
+
 struct DecodeBenchOptions {
   std::vector<int64_t> contexts{1024, 4096, 16384, 65536};
   std::vector<std::string> types{"f32", "bf16", "q8", "q4"};
