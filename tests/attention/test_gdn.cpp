@@ -5,7 +5,7 @@
 #include <torch/torch.h>
 
 #include "attention/gdn.h"
-#include "support/fixtures.h"
+#include "support/mixer_checks.h"
 #include "util/error.h"
 
 using namespace kvx;
@@ -93,29 +93,18 @@ TEST(Gdn, BadShapesNameTheExpectedLayout) {
 
 // ---- The GDN layer (GdnAttention) ----
 
+using kvx::testing::reference_cache;
+
 namespace {
 
 model::ModelConfig gdn_config(int heads, int key_dim, int value_dim) {
-  auto c = kvx::testing::mixer_config(2, 2, 4, 12);
-  c.layout = "gdn";
-  c.linear_num_heads = heads;
-  c.linear_key_head_dim = key_dim;
-  c.linear_value_head_dim = value_dim;
-  c.max_position_embeddings = 512;
+  auto c = kvx::testing::linear_mixer_config("gdn", heads, key_dim, value_dim);
   c.validate();
   return c;
 }
 
 std::shared_ptr<attention::GdnAttention> make_gdn(const model::ModelConfig& c, int seed) {
-  torch::manual_seed(seed);
-  auto m = std::make_shared<attention::GdnAttention>(c, 0);
-  m->to(torch::kFloat64);
-  torch::NoGradGuard ng;
-  for (auto& p : m->named_parameters()) {
-    if (p.key().find("conv") != std::string::npos || p.key().find("proj") != std::string::npos) p.value().normal_(0, 0.3);
-    if (p.key().find("norm") != std::string::npos) p.value().uniform_(0.5, 1.5);
-  }
-  return m;
+  return kvx::testing::make_fp64_layer<attention::GdnAttention>(c, seed);
 }
 
 // The layer written out token by token from its weights: explicit convolution taps, the
@@ -156,12 +145,6 @@ torch::Tensor naive_gdn_layer(attention::GdnAttention& m, const torch::Tensor& x
   return torch::matmul(y.reshape({B, T, H * V}), m.o_proj->weight.t());
 }
 
-attention::CacheOptions reference_cache() {
-  attention::CacheOptions o;
-  o.reference = true;
-  return o;
-}
-
 }  // namespace
 
 TEST(GdnLayer, ForwardMatchesTheLayerWrittenOutTokenByToken) {
@@ -196,16 +179,7 @@ TEST(GdnLayer, DecodeEqualsForwardWithGradientsAndConstantState) {
     EXPECT_EQ(m->cache_bytes_per_token(kernels::KVType::F32), 0.0);
     EXPECT_EQ(m->state_bytes(), state_bytes / 2);
   }
-  // Gradients through a decode step equal the training path's.
-  auto xg = x.narrow(1, 0, 9).clone().requires_grad_(true);
-  auto w = torch::randn({2, 9, c.hidden_size}, torch::kFloat64);
-  auto params = m->parameters();
-  params.push_back(xg);
-  auto g_full = torch::autograd::grad({(m->forward(xg) * w).sum()}, params);
-  auto cache = m->new_cache(2, reference_cache());
-  auto g_step = torch::autograd::grad({(m->step(xg, *cache) * w).sum()}, params);
-  for (size_t i = 0; i < params.size(); ++i)
-    EXPECT_TRUE(torch::allclose(g_step[i], g_full[i], 1e-9, 1e-11)) << "gradient " << i;
+  kvx::testing::expect_step_gradients_equal_forward(*m, x.narrow(1, 0, 9));
 }
 
 TEST(GdnLayer, FusedKernelDecodeMatchesForward) {

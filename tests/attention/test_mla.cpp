@@ -8,12 +8,14 @@
 
 #include "attention/mla.h"
 #include "support/fixtures.h"
+#include "support/mixer_checks.h"
 #include "support/naive.h"
 
 using namespace kvx;
 using attention::MlaAttention;
 using kvx::testing::naive_head;
 using kvx::testing::naive_rope;
+using kvx::testing::reference_cache;
 
 namespace {
 
@@ -57,12 +59,6 @@ torch::Tensor naive_mla(MlaAttention& m, const torch::Tensor& x, const model::Mo
   return torch::matmul(torch::stack(batch_out), m.o_proj->weight.t());
 }
 
-attention::CacheOptions reference_cache() {
-  attention::CacheOptions o;
-  o.reference = true;
-  return o;
-}
-
 }  // namespace
 
 TEST(Mla, ForwardMatchesNaivePerHeadReference) {
@@ -92,15 +88,7 @@ TEST(Mla, AbsorbedDecodeEqualsForwardWithGradients) {
     EXPECT_TRUE(torch::allclose(stepped, full, 1e-10, 1e-12)) << (stepped - full).abs().max().item<double>();
     EXPECT_EQ(cache->bytes(), 13 * 2 * 4 * (5 + 4));  // f32, d_c + d_R per token
   }
-  auto xg = x.narrow(1, 0, 9).clone().requires_grad_(true);
-  auto w = torch::randn({2, 9, c.hidden_size}, torch::kFloat64);
-  auto params = m->parameters();
-  params.push_back(xg);
-  auto g_full = torch::autograd::grad({(m->forward(xg) * w).sum()}, params);
-  auto cache = m->new_cache(2, reference_cache());
-  auto g_abs = torch::autograd::grad({(m->step(xg, *cache) * w).sum()}, params);
-  for (size_t i = 0; i < params.size(); ++i)
-    EXPECT_TRUE(torch::allclose(g_abs[i], g_full[i], 1e-9, 1e-11)) << "gradient " << i;
+  kvx::testing::expect_step_gradients_equal_forward(*m, x.narrow(1, 0, 9));
 }
 
 TEST(Mla, FusedDecodeOverOneLatentRowPerToken) {

@@ -8,10 +8,11 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
 
 #include "attention/dense.h"
 #include "attention/natsl.h"
-#include "support/fixtures.h"
+#include "support/mixer_checks.h"
 #include "util/error.h"
 
 using namespace kvx;
@@ -251,36 +252,21 @@ TEST(Routing, SparseRuleKeepsOnlyTheChosenOpsGradient) {
 namespace {
 
 model::ModelConfig natsl_config(int heads, int attn_heads, int key_dim, int value_dim, int block) {
-  auto c = kvx::testing::mixer_config(2, 2, 4, 12);
-  c.layout = "natsl";
-  c.linear_num_heads = heads;
+  auto c = kvx::testing::linear_mixer_config("natsl", heads, key_dim, value_dim);
   c.nats_attention_heads = attn_heads;
-  c.linear_key_head_dim = key_dim;
-  c.linear_value_head_dim = value_dim;
   c.nats_block_size = block;
-  c.max_position_embeddings = 1024;
   c.validate();
   return c;
 }
 
 std::shared_ptr<NatslAttention> make_natsl(const model::ModelConfig& c, int seed) {
-  torch::manual_seed(seed);
-  auto m = std::make_shared<NatslAttention>(c, 0);
-  m->to(torch::kFloat64);
+  auto m = kvx::testing::make_fp64_layer<NatslAttention>(c, seed);
   torch::NoGradGuard ng;
-  for (auto& p : m->named_parameters()) {
-    if (p.key().find("conv") != std::string::npos || p.key().find("proj") != std::string::npos) p.value().normal_(0, 0.3);
-    if (p.key().find("norm") != std::string::npos) p.value().uniform_(0.5, 1.5);
-  }
   m->router->weight.normal_(0, 3.0);  // decisive routes that vary from block to block
   return m;
 }
 
-attention::CacheOptions cache_options(bool reference) {
-  attention::CacheOptions o;
-  o.reference = reference;
-  return o;
-}
+attention::CacheOptions cache_options(bool reference) { return reference ? kvx::testing::reference_cache() : attention::CacheOptions{}; }
 
 }  // namespace
 
@@ -411,25 +397,19 @@ TEST(NatslLayer, BadConfigurationsAreRefusedWithTheFix) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
-  auto c = natsl_config(2, 4, 8, 4, 8);
-  auto bad = c;
-  bad.nats_attention_heads = 3;
-  expect_error(bad, "must be a multiple of linear_num_heads");
-  bad = c;
-  bad.nats_attention_heads = 6;  // GA = 3 does not split K = 8
-  expect_error(bad, "must be divisible by");
-  bad = c;
-  bad.nats_max_softmax_fraction = 0;
-  expect_error(bad, "nats_max_softmax_fraction must be in (0, 1]");
-  bad = c;
-  bad.nats_router_grad = "straight";
-  expect_error(bad, "is not one of sparse");
-  bad = c;
-  bad.nats_block_size = 0;
-  expect_error(bad, "nats_block_size must be positive");
-  bad = c;
-  bad.layout = "gdn*1,natsl";
-  expect_error(bad, "describes more than num_hidden_layers");
+  const auto c = natsl_config(2, 4, 8, 4, 8);
+  const std::vector<std::pair<std::function<void(model::ModelConfig&)>, std::string>> cases = {
+      {[](auto& b) { b.nats_attention_heads = 3; }, "must be a multiple of linear_num_heads"},
+      {[](auto& b) { b.nats_attention_heads = 6; }, "must be divisible by"},  // GA = 3 does not split K = 8
+      {[](auto& b) { b.nats_max_softmax_fraction = 0; }, "nats_max_softmax_fraction must be in (0, 1]"},
+      {[](auto& b) { b.nats_router_grad = "straight"; }, "is not one of sparse"},
+      {[](auto& b) { b.nats_block_size = 0; }, "nats_block_size must be positive"},
+      {[](auto& b) { b.layout = "gdn*1,natsl"; }, "describes more than num_hidden_layers"}};
+  for (const auto& [mutate, needle] : cases) {
+    auto bad = c;
+    mutate(bad);
+    expect_error(bad, needle);
+  }
   // Caches the layer cannot honour.
   NatslAttention m(c, 0);
   try {

@@ -22,6 +22,15 @@ using kvx::testing::temp_dir;
 struct SyntheticData {
   train::TokenizedText test;
   train::TrainingData data = kvx::testing::synthetic_data(9000, 1500, 12000, &test);
+  // Quiet options writing under a fresh temp dir, reading this data.
+  compare::CompareOptions options(const std::string& dir_name) const {
+    compare::CompareOptions o;
+    o.out_dir = temp_dir(dir_name);
+    o.verbose = false;
+    o.data = &data;
+    o.test = &test;
+    return o;
+  }
 };
 
 compare::Experiment micro() {
@@ -129,11 +138,7 @@ TEST(Compare, ConvertArmConvertsHealsAndIsReused) {
   compare::select_arms(e, {"mha+f32"});  // keeps its base
   ASSERT_EQ(e.arms.size(), 2u);
   e.arms.push_back({"mha->lrkv-r8", "convert", {{"base", "mha"}, {"rank", 8}, {"rope", "expand"}, {"heal_steps", 2}}});
-  compare::CompareOptions o;
-  o.out_dir = temp_dir("convert");
-  o.verbose = false;
-  o.data = &d.data;
-  o.test = &d.test;
+  auto o = d.options("convert");
   auto first = compare::run_experiment(e, o);
   ASSERT_EQ(first.arms.size(), 3u);
   const auto& conv = first.arms[2];
@@ -154,11 +159,7 @@ TEST(Compare, ConvertArmConvertsHealsAndIsReused) {
 TEST(Compare, ResumesWithoutRedoingFinishedArmsAndReportsEveryArm) {
   SyntheticData d;
   auto e = micro();
-  compare::CompareOptions o;
-  o.out_dir = temp_dir("resume");
-  o.verbose = false;
-  o.data = &d.data;
-  o.test = &d.test;
+  auto o = d.options("resume");
   auto first = compare::run_experiment(e, o);
   ASSERT_EQ(first.arms.size(), 6u);
   for (const auto& a : first.arms) {
@@ -205,11 +206,7 @@ TEST(Compare, NatslArmReportsTheRoutesItTookAndTheirHeatMap) {
              {{"model", {{"layout", "natsl"}, {"linear_num_heads", 2}, {"linear_key_head_dim", 16},
                          {"linear_value_head_dim", 16}, {"nats_attention_heads", 4}, {"nats_block_size", 8}}}}}};
   e.groups = {"quality"};
-  compare::CompareOptions o;
-  o.out_dir = temp_dir("natsl_arm");
-  o.verbose = false;
-  o.data = &d.data;
-  o.test = &d.test;
+  auto o = d.options("natsl_arm");
   auto r = compare::run_experiment(e, o);
   ASSERT_EQ(r.arms.size(), 1u);
   const auto& a = r.arms[0];
