@@ -27,6 +27,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   c.lrkv_rope = r.get<std::string>("lrkv_rope", c.lrkv_rope);
   c.kv_lora_rank = r.get<int>("kv_lora_rank", c.kv_lora_rank);
   c.qk_rope_head_dim = r.get<int>("qk_rope_head_dim", c.qk_rope_head_dim);
+  c.loops = r.get<int>("loops", c.loops);
+  c.sandwich_norm = r.get<bool>("sandwich_norm", c.sandwich_norm);
   c.linear_num_heads = r.get<int>("linear_num_heads", c.linear_num_heads);
   c.linear_key_head_dim = r.get<int>("linear_key_head_dim", c.linear_key_head_dim);
   c.linear_value_head_dim = r.get<int>("linear_value_head_dim", c.linear_value_head_dim);
@@ -57,6 +59,8 @@ nlohmann::json ModelConfig::to_json() const {
           {"rms_norm_eps", rms_norm_eps},
           {"tie_word_embeddings", tie_word_embeddings},
           {"layout", layout}};
+  if (loops != 1) j["loops"] = loops;
+  if (sandwich_norm) j["sandwich_norm"] = true;
   // Family settings only where a layer uses the family (dense configs stay plain Llama ones).
   if (uses("lrkv")) {
     j["lrkv_rank"] = lrkv_rank;
@@ -110,6 +114,8 @@ void ModelConfig::validate() const {
   if (rope_theta <= 0) throw Error("model config: rope_theta must be positive");
   if (rms_norm_eps <= 0) throw Error("model config: rms_norm_eps must be positive");
   layer_kinds();  // validates the layout
+  if (loops < 1 || loops > 64)
+    throw Error("model config: loops (times the layer stack runs) must be in [1, 64], got " + std::to_string(loops));
   if (uses("lrkv")) {
     if (lrkv_rank < 0 || lrkv_rank > head_dim)
       throw Error("model config: lrkv_rank (" + std::to_string(lrkv_rank) + ") must be in [0, head_dim = " +

@@ -36,6 +36,11 @@ struct ModelConfig {
   // channels split HA/H ways), the routing block size, RoPE (or none) in the softmax branch, the
   // router's gradient rule (sparse: the paper's; dense: straight-through), and the KV budget: at
   // most this fraction of each head group's completed blocks is routed to softmax (1 = no cap).
+  // Looped (Ouro-style, SPEC 1.3): the stack of num_hidden_layers runs `loops` times, the final
+  // RMSNorm after each loop feeding the next; every (loop, layer) has its own cache. Sandwich
+  // norms (Ouro) also normalise each sub-layer's output before its residual add.
+  int loops = 1;
+  bool sandwich_norm = false;
   int nats_attention_heads = 8;
   int nats_block_size = 64;
   bool nats_rope = true;

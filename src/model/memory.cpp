@@ -52,7 +52,7 @@ double parameter_count(const ModelConfig& c) {
   const double d = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
   double p = V * d * (c.tie_word_embeddings ? 1 : 2) + d;  // embeddings, head, final norm
   for (const auto& kind : c.layer_kinds())
-    p += attention::AttentionShape::of_layer(c, kind).mixer_params() + 3 * d * I + 2 * d;
+    p += attention::AttentionShape::of_layer(c, kind).mixer_params() + 3 * d * I + (c.sandwich_norm ? 4 : 2) * d;
   return p;
 }
 
@@ -65,7 +65,8 @@ MemoryEstimate training_memory(const ModelConfig& c, int batch, int seq_len) {
   const double d = c.hidden_size, I = c.intermediate_size, T = seq_len;
   const double H = c.num_attention_heads, hq = H * c.head_dim;
   double per_token = 3.0 * c.vocab_size;  // logits, their log-softmax, its gradient
-  for (const auto& kind : c.layer_kinds()) per_token += 8 * d + qkv_width(c, kind) + hq + 4 * I + 2 * H * T;
+  for (const auto& kind : c.layer_kinds())  // every loop keeps its own activations for backward
+    per_token += c.loops * (8 * d + qkv_width(c, kind) + hq + 4 * I + 2 * H * T);
   m.activations = kFloat * batch * T * per_token;
   return m;
 }

@@ -11,16 +11,22 @@ BlockImpl::BlockImpl(const ModelConfig& c, int layer) {
   self_attn = register_module("self_attn", attention::make_mixer(c.layer_kinds()[layer], c, layer));
   post_attention_layernorm = register_module("post_attention_layernorm", nn::RMSNorm(c.hidden_size, c.rms_norm_eps));
   mlp = register_module("mlp", nn::SwiGLU(c.hidden_size, c.intermediate_size));
+  if (c.sandwich_norm) {
+    input_layernorm_2 = register_module("input_layernorm_2", nn::RMSNorm(c.hidden_size, c.rms_norm_eps));
+    post_attention_layernorm_2 = register_module("post_attention_layernorm_2", nn::RMSNorm(c.hidden_size, c.rms_norm_eps));
+  }
 }
 
-torch::Tensor BlockImpl::forward(const torch::Tensor& h) {
-  auto x = h + self_attn->forward(input_layernorm(h));
-  return x + mlp(post_attention_layernorm(x));
+torch::Tensor BlockImpl::finish(const torch::Tensor& h, const torch::Tensor& attn_out) {
+  auto x = h + (input_layernorm_2 ? input_layernorm_2(attn_out) : attn_out);
+  auto m = mlp(post_attention_layernorm(x));
+  return x + (post_attention_layernorm_2 ? post_attention_layernorm_2(m) : m);
 }
+
+torch::Tensor BlockImpl::forward(const torch::Tensor& h) { return finish(h, self_attn->forward(input_layernorm(h))); }
 
 torch::Tensor BlockImpl::step(const torch::Tensor& h, attention::MixerCache& cache) {
-  auto x = h + self_attn->step(input_layernorm(h), cache);
-  return x + mlp(post_attention_layernorm(x));
+  return finish(h, self_attn->step(input_layernorm(h), cache));
 }
 
 int64_t DecodeState::bytes() const {
@@ -49,7 +55,7 @@ TransformerImpl::TransformerImpl(const ModelConfig& c) : config_(c) {
 
 void TransformerImpl::init_weights() {
   torch::NoGradGuard ng;
-  const double out_std = 0.02 / std::sqrt(2.0 * config_.num_hidden_layers);
+  const double out_std = 0.02 / std::sqrt(2.0 * config_.num_hidden_layers * config_.loops);  // residual adds in all loops
   for (auto& p : named_parameters()) {
     const std::string& n = p.key();
     if (p.value().dim() < 2) continue;  // norms keep their ones
@@ -72,13 +78,17 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& ids) {
     throw Error("sequence of " + std::to_string(ids.size(1)) + " tokens exceeds the model's context limit of " +
                 std::to_string(config_.max_position_embeddings) + " (max_position_embeddings); use a shorter input");
   auto h = embed_tokens(ids);
-  for (auto& layer : *layers) h = layer->as<BlockImpl>()->forward(h);
+  for (int t = 0; t < config_.loops; ++t) {
+    if (t > 0) h = norm(h);  // the normed state of loop t-1 feeds loop t
+    for (auto& layer : *layers) h = layer->as<BlockImpl>()->forward(h);
+  }
   return logits(h);
 }
 
 DecodeState TransformerImpl::new_state(int64_t batch, const attention::CacheOptions& options) const {
   DecodeState s;
-  for (const auto& layer : *layers) s.layers.push_back(layer->as<BlockImpl>()->self_attn->new_cache(batch, options));
+  for (int t = 0; t < config_.loops; ++t)
+    for (const auto& layer : *layers) s.layers.push_back(layer->as<BlockImpl>()->self_attn->new_cache(batch, options));
   return s;
 }
 
@@ -88,22 +98,28 @@ torch::Tensor TransformerImpl::step(const torch::Tensor& ids, DecodeState& state
     throw Error("context of " + std::to_string(end) + " tokens exceeds the model's limit of " +
                 std::to_string(config_.max_position_embeddings) +
                 " (max_position_embeddings); shorten the prompt or lower --max-new");
-  if (state.layers.size() != layers->size()) throw Error("decode state has the wrong number of layers for this model");
+  const size_t D = layers->size();
+  if (state.layers.size() != D * config_.loops)
+    throw Error("decode state has " + std::to_string(state.layers.size()) + " caches but this model needs " +
+                std::to_string(D * config_.loops) + " (layers x loops); make it with this model's new_state");
   auto h = embed_tokens(ids);
-  for (size_t i = 0; i < layers->size(); ++i) h = layers[i]->as<BlockImpl>()->step(h, *state.layers[i]);
+  for (int t = 0; t < config_.loops; ++t) {
+    if (t > 0) h = norm(h);
+    for (size_t i = 0; i < D; ++i) h = layers[i]->as<BlockImpl>()->step(h, *state.layers[t * D + i]);
+  }
   return logits(h);
 }
 
 double TransformerImpl::kv_bytes_per_token(kernels::KVType type) const {
   double b = 0;
   for (const auto& layer : *layers) b += layer->as<BlockImpl>()->self_attn->cache_bytes_per_token(type);
-  return b;
+  return b * config_.loops;
 }
 
 double TransformerImpl::state_bytes() const {
   double b = 0;
   for (const auto& layer : *layers) b += layer->as<BlockImpl>()->self_attn->state_bytes();
-  return b;
+  return b * config_.loops;
 }
 
 int64_t TransformerImpl::num_parameters(bool include_embedding) const {

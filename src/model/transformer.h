@@ -1,6 +1,11 @@
 // Decoder-only transformer: embedding, pre-RMSNorm blocks (mixer from the layout + SwiGLU MLP),
 // final norm, tied or untied LM head. Parameter names follow Hugging Face Llama
 // ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight").
+// Looped (config.loops = T > 1, Ouro-style, SPEC 1.3): the block stack runs T times with shared
+// weights and RoPE; after each loop but the last the final norm is applied and the normed state
+// feeds the next loop. The decode state holds one cache per (loop, layer), loop-major. Sandwich
+// norms (Ouro names input_layernorm_2, post_attention_layernorm_2) normalise each sub-layer's
+// output before the residual add.
 #pragma once
 #include <torch/torch.h>
 
@@ -20,12 +25,16 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& h);
   torch::Tensor step(const torch::Tensor& h, attention::MixerCache& cache);
   nn::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  nn::RMSNorm input_layernorm_2{nullptr}, post_attention_layernorm_2{nullptr};  // sandwich norms (optional)
   std::shared_ptr<attention::Mixer> self_attn;
   nn::SwiGLU mlp{nullptr};
+
+ private:
+  torch::Tensor finish(const torch::Tensor& h, const torch::Tensor& attn_out);  // residuals and the MLP
 };
 TORCH_MODULE(Block);
 
-// One cache per layer; the decode state of a whole model.
+// One cache per (loop, layer); the decode state of a whole model.
 struct DecodeState {
   std::vector<std::unique_ptr<attention::MixerCache>> layers;
   int64_t length() const { return layers.empty() ? 0 : layers[0]->length(); }
@@ -42,8 +51,8 @@ class TransformerImpl : public torch::nn::Module {
   DecodeState new_state(int64_t batch, const attention::CacheOptions& options = {}) const;
   // Appends ids [B, T] to the state and returns their logits [B, T, V]. Errors past the context limit.
   torch::Tensor step(const torch::Tensor& ids, DecodeState& state);
-  double kv_bytes_per_token(kernels::KVType type = kernels::KVType::F32) const;  // all layers, per batch row
-  double state_bytes() const;  // constant-size decode state of all layers (GDN, NAtS-L), per batch row
+  double kv_bytes_per_token(kernels::KVType type = kernels::KVType::F32) const;  // all layers and loops, per batch row
+  double state_bytes() const;  // constant-size decode state of all layers and loops (GDN, NAtS-L), per batch row
   int64_t num_parameters(bool include_embedding = true) const;
 
   nn::TensorMap state_dict_hf() const;            // HF names -> tensors

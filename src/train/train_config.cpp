@@ -97,9 +97,19 @@ RunConfig load_run_config(const std::string& path) {
   }
 }
 
-std::vector<std::string> preset_names() { return {"tiny"}; }
+std::vector<std::string> preset_names() { return {"tiny", "tiny-looped"}; }
 
 RunConfig preset(const std::string& name) {
+  if (name == "tiny-looped") {
+    // The tiny model's width as an Ouro-style looped model: 2 shared layers run 4 times with
+    // sandwich norms (the compute of 8 layers, the weights of 2, a cache per loop and layer).
+    RunConfig c = preset("tiny");
+    c.name = "tiny-looped";
+    c.model.num_hidden_layers = 2;
+    c.model.loops = 4;
+    c.model.sandwich_norm = true;
+    return c;
+  }
   if (name == "tiny") {
     // Trains in a few minutes on 2 cores (see README for the measured figures).
     RunConfig c;

@@ -268,3 +268,57 @@ TEST(Transformer, GdnNatslDenseHybridDecodesLikeItsForward) {
   EXPECT_TRUE(m->state_dict_hf().count("model.layers.0.self_attn.A_log"));
   EXPECT_TRUE(m->state_dict_hf().count("model.layers.1.self_attn.router.weight"));
 }
+
+TEST(Transformer, LoopedModelRunsItsStackTTimesAndDecodesWithACachePerLoopAndLayer) {
+  auto c = tiny(4, 2);
+  c.num_hidden_layers = 2;
+  c.layout = "dense,gdn";
+  c.linear_num_heads = 2;
+  c.linear_key_head_dim = c.linear_value_head_dim = 8;
+  c.loops = 3;
+  c.sandwich_norm = true;
+  c.validate();
+  torch::manual_seed(15);
+  model::Transformer m(c);
+  m->to(torch::kFloat64);
+  EXPECT_EQ(m->num_parameters(), static_cast<int64_t>(model::parameter_count(c)));  // shared weights, sandwich norms
+  torch::NoGradGuard ng;
+  {  // random norm weights so the sandwich norms matter
+    for (auto& p : m->named_parameters())
+      if (p.key().find("norm") != std::string::npos) p.value().uniform_(0.5, 1.5);
+  }
+  auto ids = torch::randint(37, {2, 13}, torch::kLong);
+  // The forward written out: T passes over the stack, the final norm between loops and at the end.
+  auto h = m->embed_tokens(ids);
+  for (int t = 0; t < 3; ++t) {
+    if (t > 0) h = m->norm(h);
+    for (auto& layer : *m->layers) {
+      auto* b = layer->as<model::BlockImpl>();
+      auto x = h + b->input_layernorm_2(b->self_attn->forward(b->input_layernorm(h)));
+      h = x + b->post_attention_layernorm_2(b->mlp(b->post_attention_layernorm(x)));
+    }
+  }
+  auto full = m->forward(ids);
+  EXPECT_TRUE(torch::allclose(torch::matmul(m->norm(h), m->embed_tokens->weight.t()), full, 1e-12, 1e-12));
+  for (bool reference : {false, true}) {
+    attention::CacheOptions o;
+    o.reference = reference;
+    auto state = m->new_state(2, o);
+    EXPECT_EQ(state.layers.size(), 6u);  // loops x layers
+    std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, 5), state)};
+    for (int t = 5; t < 13; ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
+    auto inc = torch::cat(parts, 1);
+    EXPECT_TRUE(torch::allclose(inc, full, 1e-5, 1e-5)) << reference << ": " << (inc - full).abs().max().item<double>();
+  }
+  EXPECT_EQ(m->kv_bytes_per_token(), 3 * 4.0 * 2 * 2 * 8);  // T x the dense layer's 2 Hkv d_h floats
+  EXPECT_TRUE(m->state_dict_hf().count("model.layers.1.post_attention_layernorm_2.weight"));
+  // One loop without sandwich norms is the plain stack.
+  auto plain = c;
+  plain.loops = 1;
+  plain.sandwich_norm = false;
+  EXPECT_EQ(plain.to_json().count("loops"), 0u);
+  EXPECT_EQ(c.to_json()["loops"], 3);
+  auto bad = c;
+  bad.loops = 0;
+  EXPECT_THROW(bad.validate(), Error);
+}
