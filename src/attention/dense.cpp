@@ -64,11 +64,16 @@ DenseAttention::DenseAttention(const model::ModelConfig& c, int layer)
   o_proj = register_module("o_proj", nn::linear_no_bias(heads_ * head_dim_, c.hidden_size));
 }
 
+std::pair<torch::Tensor, torch::Tensor> DenseAttention::keys_values_pre_rope(const torch::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1);
+  return {k_proj(x).view({B, T, kv_heads_, head_dim_}).transpose(1, 2), v_proj(x).view({B, T, kv_heads_, head_dim_}).transpose(1, 2)};
+}
+
 void DenseAttention::project(const torch::Tensor& x, int64_t start, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v) {
   const int64_t B = x.size(0), T = x.size(1);
   q = rope_.apply(q_proj(x).view({B, T, heads_, head_dim_}).transpose(1, 2), start);
-  k = rope_.apply(k_proj(x).view({B, T, kv_heads_, head_dim_}).transpose(1, 2), start);
-  v = v_proj(x).view({B, T, kv_heads_, head_dim_}).transpose(1, 2);
+  std::tie(k, v) = keys_values_pre_rope(x);
+  k = rope_.apply(k, start);
 }
 
 torch::Tensor DenseAttention::merge_heads(const torch::Tensor& o) {

@@ -58,6 +58,8 @@ class DenseAttention : public Mixer {
   torch::Tensor step(const torch::Tensor& x, MixerCache& cache) override;
   double cache_bytes_per_token(kernels::KVType type) const override;
   bool head_projections(torch::Tensor& wq, torch::Tensor& wk) const override;
+  // Keys before RoPE and values, [B, Hkv, T, d_h] (what a latent KV codec compresses).
+  std::pair<torch::Tensor, torch::Tensor> keys_values_pre_rope(const torch::Tensor& x);
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 

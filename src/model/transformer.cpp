@@ -73,14 +73,20 @@ torch::Tensor TransformerImpl::logits(const torch::Tensor& h) {
   return config_.tie_word_embeddings ? torch::matmul(x, embed_tokens->weight.t()) : lm_head(x);
 }
 
-torch::Tensor TransformerImpl::forward(const torch::Tensor& ids) {
+torch::Tensor TransformerImpl::forward(const torch::Tensor& ids) { return forward(ids, nullptr); }
+
+torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const LayerObserver& observe) {
   if (ids.size(1) > config_.max_position_embeddings)
     throw Error("sequence of " + std::to_string(ids.size(1)) + " tokens exceeds the model's context limit of " +
                 std::to_string(config_.max_position_embeddings) + " (max_position_embeddings); use a shorter input");
   auto h = embed_tokens(ids);
   for (int t = 0; t < config_.loops; ++t) {
     if (t > 0) h = norm(h);  // the normed state of loop t-1 feeds loop t
-    for (auto& layer : *layers) h = layer->as<BlockImpl>()->forward(h);
+    for (size_t i = 0; i < layers->size(); ++i) {
+      auto* block = layers[i]->as<BlockImpl>();
+      if (observe) observe(t, static_cast<int>(i), block->input_layernorm(h));
+      h = block->forward(h);
+    }
   }
   return logits(h);
 }

@@ -9,6 +9,7 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -48,6 +49,10 @@ class TransformerImpl : public torch::nn::Module {
   explicit TransformerImpl(const ModelConfig& c);
   // ids: [B, T] int64 -> logits [B, T, V] (float32).
   torch::Tensor forward(const torch::Tensor& ids);
+  // The same, calling observe(loop, layer, the layer's normed mixer input [B, T, d]) on the way
+  // (activation capture, e.g. for a latent KV codec).
+  using LayerObserver = std::function<void(int, int, const torch::Tensor&)>;
+  torch::Tensor forward(const torch::Tensor& ids, const LayerObserver& observe);
   DecodeState new_state(int64_t batch, const attention::CacheOptions& options = {}) const;
   // Appends ids [B, T] to the state and returns their logits [B, T, V]. Errors past the context limit.
   torch::Tensor step(const torch::Tensor& ids, DecodeState& state);

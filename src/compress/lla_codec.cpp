@@ -1,0 +1,217 @@
+#include "compress/lla_codec.h"
+
+#include <cmath>
+#include <filesystem>
+
+#include "attention/dense.h"
+#include "io/atomic_file.h"
+#include "io/json_config.h"
+#include "nn/tensor_io.h"
+#include "util/error.h"
+
+namespace kvx::compress {
+
+namespace {
+
+std::string str(int v) { return std::to_string(v); }
+
+}  // namespace
+
+void LlaShape::validate() const {
+  if (variant != "head" && variant != "2d")
+    throw Error("LLA codec: variant '" + variant + "' is not one of head (a code per KV head), 2d (one code across a layer's heads)");
+  if (loops < 1 || layers < 1 || kv_heads < 1 || head_dim < 1)
+    throw Error("LLA codec: the teacher's loops, layers, KV heads and head width must be positive");
+  for (auto [name, r] : {std::pair<const char*, int>{"r_k", rank_k}, {"r_v", rank_v}})
+    if (r < 1 || r > width())
+      throw Error(std::string("LLA codec: ") + name + " = " + str(r) + " must be in [1, " + str(width()) + "] (the stacked width " +
+                  (variant == "2d" ? "T Hkv d_h" : "T d_h") + " = " + str(width()) + "; a larger rank cannot add information)");
+}
+
+nlohmann::json LlaShape::to_json() const {
+  return {{"variant", variant}, {"loops", loops},   {"layers", layers},
+          {"kv_heads", kv_heads}, {"head_dim", head_dim}, {"rank_k", rank_k}, {"rank_v", rank_v}};
+}
+
+LlaShape LlaShape::from_json(const nlohmann::json& j) {
+  io::JsonReader r(j, "LLA codec config");
+  LlaShape s;
+  s.variant = r.require<std::string>("variant");
+  s.loops = r.require<int>("loops");
+  s.layers = r.require<int>("layers");
+  s.kv_heads = r.require<int>("kv_heads");
+  s.head_dim = r.require<int>("head_dim");
+  s.rank_k = r.require<int>("rank_k");
+  s.rank_v = r.require<int>("rank_v");
+  r.finish();
+  s.validate();
+  return s;
+}
+
+LlaShape LlaShape::of_teacher(const model::ModelConfig& t, const std::string& variant, int rank_k, int rank_v) {
+  for (const auto& kind : t.layer_kinds())
+    if (kind != "dense")
+      throw Error("LLA codec: the teacher has a '" + kind + "' layer; the codec compresses dense (MHA/GQA/MQA) K/V only");
+  if (t.loops < 2)
+    throw Error("LLA codec: the teacher is not looped (loops = " + str(t.loops) +
+                "); the codec shares a code across loops, train a looped model (e.g. --preset tiny-looped)");
+  LlaShape s;
+  s.variant = variant;
+  s.loops = t.loops;
+  s.layers = t.num_hidden_layers;
+  s.kv_heads = t.num_key_value_heads;
+  s.head_dim = t.head_dim;
+  s.rank_k = rank_k;
+  s.rank_v = rank_v;
+  s.validate();
+  return s;
+}
+
+std::pair<int, int> ranks_for_budget(const std::string& budget, const std::string& variant, const model::ModelConfig& teacher) {
+  std::string b = budget;
+  if (!b.empty() && (b.back() == 'x' || b.back() == 'X')) b.pop_back();
+  double rho = 0;
+  try {
+    size_t used = 0;
+    rho = std::stod(b, &used);
+    if (used != b.size()) rho = 0;
+  } catch (...) {
+  }
+  if (!(rho >= 1)) throw Error("--budget '" + budget + "' is not a compression factor >= 1 (write e.g. 4x)");
+  const LlaShape full = LlaShape::of_teacher(teacher, variant, 1, 1);
+  const int total = static_cast<int>(std::lround(2.0 * full.width() / rho));
+  if (total < 2) throw Error("--budget " + budget + " leaves fewer than one dimension each for keys and values");
+  const int rank_v = std::min(full.width(), std::max(1, static_cast<int>(std::lround(total * 5.0 / 8.0))));
+  const int rank_k = std::min(full.width(), std::max(1, total - rank_v));
+  return {rank_k, rank_v};
+}
+
+torch::Tensor LlaCodecPart::encode(const torch::Tensor& x) const {
+  // c[..., g, :] = (x[..., g, :] - mu[g]) down[g]
+  return torch::einsum("...gw,gwr->...gr", {x - mu, down});
+}
+
+torch::Tensor LlaCodecPart::decode(const torch::Tensor& c) const { return torch::einsum("...gr,gwr->...gw", {c, up}) + mu; }
+
+namespace {
+
+LlaCodecPart svd_part(const torch::Tensor& x, int rank) {  // x [N, G, W]
+  LlaCodecPart p;
+  const auto xd = x.to(torch::kDouble);
+  p.mu = xd.mean(0);  // [G, W]
+  std::vector<torch::Tensor> bases;
+  for (int64_t g = 0; g < xd.size(1); ++g) {
+    const auto centred = xd.select(1, g) - p.mu[g];
+    const auto svd = torch::linalg_svd(centred, /*full_matrices=*/false);
+    const auto vh = std::get<2>(svd);  // [min(N, W), W]
+    if (vh.size(0) < rank)
+      throw Error("LLA codec: rank " + str(rank) + " needs at least that many captured tokens (got " + str(static_cast<int>(vh.size(0))) +
+                  "); capture more calibration text");
+    bases.push_back(vh.narrow(0, 0, rank).t());  // [W, r]
+  }
+  p.down = torch::stack(bases).to(torch::kFloat32);
+  p.up = p.down.clone();
+  p.mu = p.mu.to(torch::kFloat32);
+  return p;
+}
+
+}  // namespace
+
+LlaCodec LlaCodec::fit_svd(const LlaShape& shape, const std::vector<torch::Tensor>& stacked_keys,
+                           const std::vector<torch::Tensor>& stacked_values) {
+  shape.validate();
+  if (static_cast<int>(stacked_keys.size()) != shape.layers || stacked_values.size() != stacked_keys.size())
+    throw Error("LLA codec: captured K/V for " + str(static_cast<int>(stacked_keys.size())) + " layers, the teacher has " +
+                str(shape.layers));
+  LlaCodec c;
+  c.shape = shape;
+  for (int l = 0; l < shape.layers; ++l) {
+    for (const auto* x : {&stacked_keys[l], &stacked_values[l]})
+      if (x->dim() != 3 || x->size(1) != shape.groups() || x->size(2) != shape.width())
+        throw Error("LLA codec: layer " + str(l) + " captured [N, G, W] must have G = " + str(shape.groups()) + " and W = " +
+                    str(shape.width()));
+    c.keys.push_back(svd_part(stacked_keys[l], shape.rank_k));
+    c.values.push_back(svd_part(stacked_values[l], shape.rank_v));
+  }
+  return c;
+}
+
+void LlaCodec::save(const std::string& dir) const {
+  io::make_dirs(dir);
+  nn::TensorMap t;
+  for (int l = 0; l < shape.layers; ++l)
+    for (auto [name, part] : {std::pair<const char*, const LlaCodecPart*>{"k", &keys[l]}, {"v", &values[l]}}) {
+      const std::string p = "layers." + str(l) + "." + name + ".";
+      t[p + "mu"] = part->mu;
+      t[p + "down"] = part->down;
+      t[p + "up"] = part->up;
+    }
+  nn::save_safetensors(dir + "/lla_codec.safetensors", t, {{"format", "pt"}, {"producer", "kvx"}});
+  io::write_file_atomic(dir + "/lla_codec.json", shape.to_json().dump(2) + "\n");
+}
+
+LlaCodec LlaCodec::load(const std::string& dir, const model::ModelConfig& teacher) {
+  LlaCodec c;
+  c.shape = LlaShape::from_json(io::parse_json_file(dir + "/lla_codec.json"));
+  const auto want = LlaShape::of_teacher(teacher, c.shape.variant, c.shape.rank_k, c.shape.rank_v);
+  if (want.to_json() != c.shape.to_json())
+    throw Error(dir + "/lla_codec.json describes " + c.shape.to_json().dump() + " but the teacher has " + want.to_json().dump() +
+                "; the codec was fitted for another model");
+  const auto t = nn::load_safetensors(dir + "/lla_codec.safetensors");
+  auto get = [&](const std::string& name, std::vector<int64_t> shape) {
+    auto it = t.find(name);
+    if (it == t.end()) throw Error(dir + "/lla_codec.safetensors: missing tensor '" + name + "'; the file does not match lla_codec.json");
+    if (it->second.sizes() != torch::IntArrayRef(shape))
+      throw Error(dir + "/lla_codec.safetensors: tensor '" + name + "' has the wrong shape for lla_codec.json");
+    return it->second.to(torch::kFloat32);
+  };
+  const int64_t G = c.shape.groups(), W = c.shape.width();
+  for (int l = 0; l < c.shape.layers; ++l)
+    for (auto [name, rank, parts] : {std::tuple<const char*, int, std::vector<LlaCodecPart>*>{"k", c.shape.rank_k, &c.keys},
+                                     {"v", c.shape.rank_v, &c.values}}) {
+      const std::string p = "layers." + str(l) + "." + name + ".";
+      parts->push_back({get(p + "mu", {G, W}), get(p + "down", {G, W, rank}), get(p + "up", {G, W, rank})});
+    }
+  return c;
+}
+
+StackedKV capture_stacked_kv(model::Transformer& teacher, const std::vector<torch::Tensor>& windows, const std::string& variant) {
+  const auto& cfg = teacher->config();
+  const auto shape = LlaShape::of_teacher(cfg, variant, 1, 1);
+  const int T = cfg.loops, D = cfg.num_hidden_layers;
+  // per[layer][loop]: pieces of [N, Hkv, d_h]
+  std::vector<std::vector<std::vector<torch::Tensor>>> keys(D, std::vector<std::vector<torch::Tensor>>(T)), values = keys;
+  torch::NoGradGuard ng;
+  for (const auto& ids : windows)
+    teacher->forward(ids, [&](int loop, int layer, const torch::Tensor& x) {
+      auto* dense = dynamic_cast<attention::DenseAttention*>(teacher->layers[layer]->as<model::BlockImpl>()->self_attn.get());
+      auto [k, v] = dense->keys_values_pre_rope(x);  // [B, Hkv, n, d_h]
+      keys[layer][loop].push_back(k.transpose(1, 2).reshape({-1, k.size(1), k.size(3)}));
+      values[layer][loop].push_back(v.transpose(1, 2).reshape({-1, v.size(1), v.size(3)}));
+    });
+  StackedKV out;
+  auto stack = [&](std::vector<std::vector<torch::Tensor>>& per_loop) {
+    std::vector<torch::Tensor> loops;
+    for (auto& pieces : per_loop) loops.push_back(torch::cat(pieces, 0));  // [N, Hkv, d_h]
+    auto x = torch::stack(loops, 2);                                        // [N, Hkv, T, d_h]
+    if (variant == "2d") return x.reshape({x.size(0), 1, shape.width()});  // heads, then loops, then d_h
+    return x.reshape({x.size(0), x.size(1), shape.width()});
+  };
+  for (int l = 0; l < D; ++l) {
+    out.keys.push_back(stack(keys[l]));
+    out.values.push_back(stack(values[l]));
+  }
+  return out;
+}
+
+std::vector<std::pair<double, double>> reconstruction_error(const LlaCodec& codec, const StackedKV& kv) {
+  std::vector<std::pair<double, double>> out;
+  auto rel = [](const LlaCodecPart& p, const torch::Tensor& x) {
+    const auto err = (p.decode(p.encode(x)) - x).pow(2).sum().item<double>();
+    return err / std::max((x - p.mu).pow(2).sum().item<double>(), 1e-30);
+  };
+  for (size_t l = 0; l < codec.keys.size(); ++l) out.emplace_back(rel(codec.keys[l], kv.keys[l]), rel(codec.values[l], kv.values[l]));
+  return out;
+}
+
+}  // namespace kvx::compress

@@ -1,0 +1,79 @@
+// LLA, the cross-loop latent KV codec of a looped transformer (SPEC 1.3; seed 002).
+//
+// Per dense layer, separately for keys (pre-RoPE) and values, the K/V a token produces in each of
+// the T loops are stacked, x = [x_1; ...; x_T], and coded
+//   c = (x - mu) W_down   (r),        x^_t = c W_up,t^T + mu_t   (loop t's reconstruction),
+// with one codec per KV head (variant "head": x has T d_h entries) or one per layer across its KV
+// heads (variant "2d", LLA-2D: T Hkv d_h entries). Ranks r_k for keys and r_v for values;
+// compression rho = 2 T d_h Hkv / (Hkv-codes x (r_k + r_v)), e.g. head variant 2 T d_h / (r_k + r_v).
+//
+// Initialisation (fit_svd): per codec, the top-r right singular vectors of the centred stacked
+// activations captured from the teacher, W_down = W_up = V_r, so x^ is the rank-r projection of
+// x - mu (the best rank-r reconstruction in squared error). Distillation against the teacher
+// refines W_down, W_up and mu afterwards (not here yet).
+//
+// Files: <dir>/lla_codec.safetensors (per layer "layers.<l>.{k,v}.{mu,down,up}") and
+// <dir>/lla_codec.json (variant, ranks, the teacher's shape), checked against the teacher on load.
+#pragma once
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/config.h"
+#include "model/transformer.h"
+
+namespace kvx::compress {
+
+struct LlaShape {
+  std::string variant = "head";  // head | 2d
+  int loops = 1, layers = 0, kv_heads = 0, head_dim = 0;
+  int rank_k = 0, rank_v = 0;
+  int groups() const { return variant == "2d" ? 1 : kv_heads; }                      // codes per token and layer
+  int width() const { return loops * head_dim * (variant == "2d" ? kv_heads : 1); }  // entries of one stacked x
+  double compression() const { return 2.0 * width() / (rank_k + rank_v); }
+  // Persistent bytes per token (f32 codes, all layers) vs the teacher's T layers of full K/V.
+  double bytes_per_token() const { return 4.0 * layers * groups() * (rank_k + rank_v); }
+  double teacher_bytes_per_token() const { return 4.0 * layers * 2.0 * loops * kv_heads * head_dim; }
+  void validate() const;  // ranks in [1, width()], a known variant
+  nlohmann::json to_json() const;
+  static LlaShape from_json(const nlohmann::json& j);
+  // The teacher's shape (every layer dense) with these ranks; errors name what does not fit.
+  static LlaShape of_teacher(const model::ModelConfig& teacher, const std::string& variant, int rank_k, int rank_v);
+};
+
+// Ranks for a compression budget ("4x" or "4"): r_k + r_v = 2 width / budget, split 3:5 so values
+// get more (the seed's Ouro-1.4B example: 96 + 160 at 4x).
+std::pair<int, int> ranks_for_budget(const std::string& budget, const std::string& variant, const model::ModelConfig& teacher);
+
+// One codec (keys or values of one layer): mu [G, W], down [G, W, r], up [G, W, r].
+struct LlaCodecPart {
+  torch::Tensor mu, down, up;
+  torch::Tensor encode(const torch::Tensor& x) const;  // x [..., G, W] -> c [..., G, r]
+  torch::Tensor decode(const torch::Tensor& c) const;  // c [..., G, r] -> x^ [..., G, W]
+};
+
+struct LlaCodec {
+  LlaShape shape;
+  std::vector<LlaCodecPart> keys, values;  // per layer
+
+  // Per layer, stacked K and V [N, G, W] (N tokens) -> the SVD-initialised codec.
+  static LlaCodec fit_svd(const LlaShape& shape, const std::vector<torch::Tensor>& stacked_keys,
+                          const std::vector<torch::Tensor>& stacked_values);
+  void save(const std::string& dir) const;
+  static LlaCodec load(const std::string& dir, const model::ModelConfig& teacher);
+};
+
+// Pre-RoPE keys and values of every (loop, layer) of a looped dense teacher on token windows,
+// stacked across loops for the codec: per layer [N, G, W] with N = batch x tokens.
+struct StackedKV {
+  std::vector<torch::Tensor> keys, values;
+};
+StackedKV capture_stacked_kv(model::Transformer& teacher, const std::vector<torch::Tensor>& windows, const std::string& variant);
+
+// Relative squared reconstruction error ||x - x^||^2 / ||x - mu||^2 per layer, for keys and values.
+std::vector<std::pair<double, double>> reconstruction_error(const LlaCodec& codec, const StackedKV& kv);
+
+}  // namespace kvx::compress
