@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "attention/lla.h"
 #include "kernels/decode_attention.h"
 #include "util/error.h"
 
@@ -93,6 +94,7 @@ std::unique_ptr<MixerCache> DenseAttention::new_cache(int64_t batch, const Cache
 }
 
 torch::Tensor DenseAttention::step(const torch::Tensor& x, MixerCache& cache) {
+  if (auto* lla = dynamic_cast<LlaLoopCache*>(&cache)) return step_lla(x, *lla);
   const int64_t start = cache.length();
   torch::Tensor q, k, v;
   project(x, start, q, k, v);
@@ -101,6 +103,28 @@ torch::Tensor DenseAttention::step(const torch::Tensor& x, MixerCache& cache) {
   if (!kv) throw Error("DenseAttention::step: the cache was not made by a dense layer (layer/cache mismatch)");
   kv->append(k.contiguous(), v.contiguous());
   return merge_heads(causal_attention(q, kv->keys(), kv->values(), start));
+}
+
+torch::Tensor DenseAttention::step_lla(const torch::Tensor& x, LlaLoopCache& cache) {
+  // The chunk's own K/V are exact; the history is loop t's reconstruction, rotated after it.
+  const int64_t start = cache.length(), B = x.size(0), T = x.size(1);
+  auto& store = cache.store();
+  if (store.committed() != start)
+    throw Error("LLA decode: loop " + std::to_string(cache.loop()) + " is at position " + std::to_string(start) + " but " +
+                std::to_string(store.committed()) + " tokens are committed; a chunk must run all loops before the next");
+  auto q = rope_.apply(q_proj(x).view({B, T, heads_, head_dim_}).transpose(1, 2), start);
+  auto [k, v] = keys_values_pre_rope(x);
+  store.set_pending(cache.loop(), k, v);
+  k = rope_.apply(k, start);
+  auto [hk, hv] = store.history(cache.loop());
+  if (hk.defined()) {
+    k = torch::cat({rope_.apply(hk.to(k.scalar_type()), 0), k}, 2);
+    v = torch::cat({hv.to(v.scalar_type()), v}, 2);
+  }
+  auto out = merge_heads(causal_attention(q, k, v, start));
+  cache.advance(T);
+  if (cache.last_loop()) store.commit();
+  return out;
 }
 
 torch::Tensor DenseAttention::step_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

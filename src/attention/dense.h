@@ -5,6 +5,8 @@
 
 namespace kvx::attention {
 
+class LlaLoopCache;
+
 // The libtorch reference cache (f32 tensors, SequenceBuffer storage).
 class DenseKVCache : public MixerCache {
  public:
@@ -69,6 +71,8 @@ class DenseAttention : public Mixer {
   torch::Tensor merge_heads(const torch::Tensor& o);
   // Token by token: append the token's K/V, then attend with the fused kernel (SPEC 3).
   torch::Tensor step_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, FusedKVCache& cache);
+  // History stored as LLA codes (attention/lla.h).
+  torch::Tensor step_lla(const torch::Tensor& x, LlaLoopCache& cache);
   int64_t heads_, kv_heads_, head_dim_;
   AttentionShape shape_;
   nn::Rope rope_;

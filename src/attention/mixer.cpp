@@ -52,6 +52,7 @@ std::string CacheOptions::describe() const {
   std::string s = kernels::kv_type_name(type);
   if (evict.enabled()) s += ", sink=" + std::to_string(evict.sink) + ",window=" + std::to_string(evict.window);
   if (reference) s += ", libtorch reference path";
+  if (lla) s = "LLA codes (history reconstructed per loop)";
   return s;
 }
 

@@ -16,6 +16,8 @@
 
 namespace kvx::attention {
 
+struct LlaCodecSet;
+
 class MixerCache {
  public:
   virtual ~MixerCache() = default;
@@ -56,10 +58,12 @@ struct CacheOptions {
   // Decode benchmarks with random history: the fraction of blocks a NAtS-L layer keeps as softmax
   // KV (< 0: its budget, nats_max_softmax_fraction).
   double history_softmax_fraction = -1;
+  // Looped dense models: store the history as LLA codes (attention/lla.h), libtorch path, f32.
+  std::shared_ptr<const LlaCodecSet> lla;
 
   // From CLI strings: type "f32|bf16|q8|q4", evict "" or "sink=S,window=W".
   static CacheOptions parse(const std::string& type, const std::string& evict, bool reference);
-  std::string describe() const;  // e.g. "q8, sink=4,window=252"
+  std::string describe() const;  // e.g. "q8, sink=4,window=252", "LLA codes"
 };
 
 class Mixer : public torch::nn::Module {

@@ -86,12 +86,15 @@ std::pair<int, int> ranks_for_budget(const std::string& budget, const std::strin
   return {rank_k, rank_v};
 }
 
-torch::Tensor LlaCodecPart::encode(const torch::Tensor& x) const {
-  // c[..., g, :] = (x[..., g, :] - mu[g]) down[g]
-  return torch::einsum("...gw,gwr->...gr", {x - mu, down});
+std::shared_ptr<const attention::LlaCodecSet> LlaCodec::decode_set() const {
+  auto set = std::make_shared<attention::LlaCodecSet>();
+  set->loops = shape.loops;
+  set->kv_heads = shape.kv_heads;
+  set->head_dim = shape.head_dim;
+  set->two_d = shape.variant == "2d";
+  for (size_t l = 0; l < keys.size(); ++l) set->layers.emplace_back(keys[l], values[l]);
+  return set;
 }
-
-torch::Tensor LlaCodecPart::decode(const torch::Tensor& c) const { return torch::einsum("...gr,gwr->...gw", {c, up}) + mu; }
 
 namespace {
 

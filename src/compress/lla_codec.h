@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention/lla.h"
 #include "model/config.h"
 #include "model/transformer.h"
 
@@ -48,16 +49,14 @@ struct LlaShape {
 // get more (the seed's Ouro-1.4B example: 96 + 160 at 4x).
 std::pair<int, int> ranks_for_budget(const std::string& budget, const std::string& variant, const model::ModelConfig& teacher);
 
-// One codec (keys or values of one layer): mu [G, W], down [G, W, r], up [G, W, r].
-struct LlaCodecPart {
-  torch::Tensor mu, down, up;
-  torch::Tensor encode(const torch::Tensor& x) const;  // x [..., G, W] -> c [..., G, r]
-  torch::Tensor decode(const torch::Tensor& c) const;  // c [..., G, r] -> x^ [..., G, W]
-};
+using attention::LlaCodecPart;  // mu [G, W], down [G, W, r], up [G, W, r]
 
 struct LlaCodec {
   LlaShape shape;
   std::vector<LlaCodecPart> keys, values;  // per layer
+
+  // What decode reads (CacheOptions::lla): history stored as codes, reconstructed per loop.
+  std::shared_ptr<const attention::LlaCodecSet> decode_set() const;
 
   // Per layer, stacked K and V [N, G, W] (N tokens) -> the SVD-initialised codec.
   static LlaCodec fit_svd(const LlaShape& shape, const std::vector<torch::Tensor>& stacked_keys,

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "attention/lla.h"
 #include "util/error.h"
 
 namespace kvx::model {
@@ -93,6 +94,17 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const LayerObse
 
 DecodeState TransformerImpl::new_state(int64_t batch, const attention::CacheOptions& options) const {
   DecodeState s;
+  if (options.lla) {  // history as cross-loop codes
+    if (options.lla->loops != config_.loops)
+      throw Error("the LLA codec was fitted for " + std::to_string(options.lla->loops) + " loops but the model runs " +
+                  std::to_string(config_.loops));
+    if (options.type != kernels::KVType::F32 || options.evict.enabled())
+      throw Error("an LLA codec stores codes in f32 and keeps every token; drop --kv-cache and --evict");
+    for (const auto& kind : config_.layer_kinds())
+      if (kind != "dense") throw Error("an LLA codec needs every layer dense, found '" + kind + "'");
+    s.layers = attention::make_lla_caches(*options.lla, static_cast<int>(layers->size()));
+    return s;
+  }
   for (int t = 0; t < config_.loops; ++t)
     for (const auto& layer : *layers) s.layers.push_back(layer->as<BlockImpl>()->self_attn->new_cache(batch, options));
   return s;

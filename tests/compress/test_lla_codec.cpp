@@ -136,3 +136,69 @@ TEST(LlaCodec, RanksAndTeachersThatCannotWorkAreRefused) {
   mixed.layout = "dense,mla";
   expect_error([&] { compress::LlaShape::of_teacher(mixed, "head", 4, 4); }, "compresses dense");
 }
+
+// ---- decode with the history stored as codes (attention/lla.h) ----
+
+TEST(LlaDecode, FullRankCodesDecodeLikeTheTeacherAndCommitOnlyAfterTheLastLoop) {
+  for (const char* variant : {"head", "2d"}) {
+    auto c = looped_config(3, 2);
+    c.max_position_embeddings = 64;
+    torch::manual_seed(7);
+    model::Transformer m(c);
+    m->to(torch::kFloat64);
+    const auto kv = compress::capture_stacked_kv(m, windows(3, 20, 8), variant);
+    const int W = std::string(variant) == "2d" ? 2 * 3 * 8 : 3 * 8;
+    const auto codec = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, variant, W, W), kv.keys, kv.values);
+    torch::NoGradGuard ng;
+    const auto ids = torch::randint(37, {2, 17}, torch::kLong);
+    const auto full = m->forward(ids);
+    attention::CacheOptions o;
+    o.lla = codec.decode_set();
+    auto state = m->new_state(2, o);
+    ASSERT_EQ(state.layers.size(), 6u);
+    std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, 5), state)};
+    for (int t = 5; t < 17; ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
+    const auto inc = torch::cat(parts, 1);
+    EXPECT_LT((inc - full).abs().max().item<double>(), 1e-4) << variant;  // codes are f32
+    // The persistent cache is the codes only: layers x groups x (r_k + r_v) f32 per token.
+    const int groups = std::string(variant) == "2d" ? 1 : 2;
+    EXPECT_EQ(state.bytes(), 17 * 2 * 4 * 2 * groups * (W + W));
+    // A token's code is committed only after its last loop (caches are loop-major: layer 0 of
+    // loops 0, 1, 2 is at 0, 2, 4).
+    auto& store = dynamic_cast<attention::LlaLoopCache&>(*state.layers[0]).store();
+    EXPECT_EQ(store.committed(), 17);
+    auto& attn = *m->layers[0]->as<model::BlockImpl>()->self_attn;
+    const auto x = torch::randn({2, 1, c.hidden_size}, torch::kFloat64);
+    attn.step(x, *state.layers[0]);
+    attn.step(x, *state.layers[2]);
+    EXPECT_EQ(store.committed(), 17);
+    attn.step(x, *state.layers[4]);
+    EXPECT_EQ(store.committed(), 18);
+  }
+}
+
+TEST(LlaDecode, LowRankCodesStayCloseAndTheMismatchesAreRefused) {
+  auto c = looped_config(2, 2);
+  torch::manual_seed(9);
+  model::Transformer m(c);
+  const auto kv = compress::capture_stacked_kv(m, windows(4, 30, 10), "head");
+  const auto codec = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "head", 12, 14), kv.keys, kv.values);
+  torch::NoGradGuard ng;
+  const auto ids = torch::randint(37, {1, 20}, torch::kLong);
+  const auto full = torch::log_softmax(m->forward(ids), -1);
+  attention::CacheOptions o;
+  o.lla = codec.decode_set();
+  auto state = m->new_state(1, o);
+  std::vector<torch::Tensor> parts;
+  for (int t = 0; t < 20; ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
+  const auto student = torch::log_softmax(torch::cat(parts, 1), -1);
+  const double kl = (full.exp() * (full - student)).sum(-1).mean().item<double>();
+  EXPECT_GT(kl, 0.0);
+  EXPECT_LT(kl, 0.05);  // 26 of 32 stacked dimensions kept on a random model
+  auto other = c;
+  other.loops = 3;
+  model::Transformer m3(other);
+  EXPECT_THROW(m3->new_state(1, o), Error);
+  o.type = kernels::KVType::Q8;
+  EXPECT_THROW(m->new_state(1, o), Error);
+}

@@ -1,0 +1,86 @@
+// LLA decode (SPEC 1.3; seed 002): a looped dense model whose history is stored as codes only.
+// Per dense layer, one store shared by the T loops holds each committed token's codes for keys
+// and values (compress/lla_codec.h fits them). A chunk of new tokens runs its T loops with its
+// own K/V exact: loop t's attention reads the history reconstructed for loop t (x^_t = c W_up,t^T
+// + mu_t, RoPE applied after reconstruction) followed by the chunk's exact keys; after the last
+// loop the chunk's K/V of all loops are stacked, encoded and committed. So no code exists for a
+// token before its loop T, and single-token decode is the chunk size 1 case.
+// This is the libtorch reference path (history reconstructed in full each step).
+#pragma once
+#include <torch/torch.h>
+
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "attention/mixer.h"
+
+namespace kvx::attention {
+
+// One codec (keys or values of one layer): mu [G, W], down [G, W, r], up [G, W, r]; G groups
+// (KV heads, or 1 for LLA-2D) of stacked width W (T d_h, or Hkv T d_h: heads, then loops, then d_h).
+struct LlaCodecPart {
+  torch::Tensor mu, down, up;
+  torch::Tensor encode(const torch::Tensor& x) const;  // x [..., G, W] -> c [..., G, r]
+  torch::Tensor decode(const torch::Tensor& c) const;  // c [..., G, r] -> x^ [..., G, W]
+  int64_t rank() const { return down.size(2); }
+};
+
+// What decode needs: every layer's key and value codecs.
+struct LlaCodecSet {
+  int loops = 0, kv_heads = 0, head_dim = 0;
+  bool two_d = false;
+  std::vector<std::pair<LlaCodecPart, LlaCodecPart>> layers;  // (keys, values)
+};
+
+class LlaLayerStore {
+ public:
+  LlaLayerStore(const LlaCodecSet& codec, int layer);
+  int64_t committed() const { return committed_; }
+  int64_t bytes() const;  // the codes held (f32)
+  double bytes_per_token() const;
+  void clear();
+  // Loop `loop`'s exact pre-RoPE K/V of the chunk in flight, [B, Hkv, n, d_h].
+  void set_pending(int loop, const torch::Tensor& k, const torch::Tensor& v);
+  // Loop `loop`'s history reconstructed from the codes, pre-RoPE [B, Hkv, committed, d_h] each
+  // (undefined when nothing is committed).
+  std::pair<torch::Tensor, torch::Tensor> history(int loop) const;
+  void commit();  // after the chunk's last loop: encode its stacked K/V and append the codes
+  void append_random_codes(int64_t batch, int64_t tokens, uint32_t seed);
+
+ private:
+  torch::Tensor stack(const std::vector<torch::Tensor>& per_loop) const;  // -> [B, n, G, W]
+  torch::Tensor unstack(const torch::Tensor& x, int loop) const;          // [B, L, G, W] -> [B, Hkv, L, d_h]
+  LlaCodecPart keys_, values_;
+  int loops_, kv_heads_, head_dim_;
+  bool two_d_;
+  std::vector<torch::Tensor> pending_k_, pending_v_;
+  std::vector<torch::Tensor> codes_k_, codes_v_;  // committed chunks, [B, n, G, r] each
+  mutable torch::Tensor joined_k_, joined_v_;     // their concatenation, rebuilt after a commit
+  int64_t committed_ = 0;
+};
+
+// The cache one (loop, layer) of the model steps with; loop 0's reports the store's bytes.
+class LlaLoopCache : public MixerCache {
+ public:
+  LlaLoopCache(std::shared_ptr<LlaLayerStore> store, int loop, int loops) : store_(std::move(store)), loop_(loop), loops_(loops) {}
+  int64_t length() const override { return length_; }
+  int64_t bytes() const override { return loop_ == 0 ? store_->bytes() : 0; }
+  double bytes_per_token() const override { return loop_ == 0 ? store_->bytes_per_token() : 0.0; }
+  void clear() override;
+  void append_random_history(int64_t tokens, uint32_t seed) override;
+  LlaLayerStore& store() { return *store_; }
+  int loop() const { return loop_; }
+  bool last_loop() const { return loop_ == loops_ - 1; }
+  void advance(int64_t tokens) { length_ += tokens; }
+
+ private:
+  std::shared_ptr<LlaLayerStore> store_;
+  int loop_, loops_;
+  int64_t length_ = 0;
+};
+
+// The decode caches of a looped dense model with an LLA codec, loop-major (loops x layers).
+std::vector<std::unique_ptr<MixerCache>> make_lla_caches(const LlaCodecSet& codec, int layers);
+
+}  // namespace kvx::attention
