@@ -9,6 +9,7 @@
 
 #include "attention/cost.h"
 #include "compare/report.h"
+#include "compress/lla_codec.h"
 #include "compress/lrkv_convert.h"
 #include "compare/runner.h"
 #include "eval/analyze.h"
@@ -617,6 +618,23 @@ int main(int argc, char** argv) {
   convert_lrkv->add_flag("--json", bench_json, "print the report as JSON");
   convert_cmd->require_subcommand(1);
 
+  compress::FitLlaRun lla_run;
+  std::string lla_ranks, lla_sources;
+  auto* fit_cmd = app.add_subcommand("fit", "fit a KV compressor to a frozen trained model");
+  auto* fit_lla = fit_cmd->add_subcommand("lla", "LLA: a cross-loop latent code of a looped model's K/V (SVD init); held-out KL/top-1 decoding through the codes");
+  fit_lla->add_option("--teacher", lla_run.teacher, "model or run directory of a trained looped dense model")->required();
+  fit_lla->add_option("--ranks", lla_ranks, "RK,RV: key and value code ranks (or --budget)");
+  fit_lla->add_option("--budget", lla_run.budget, "compression such as 4x: ranks split 3:5 between keys and values");
+  fit_lla->add_option("--variant", lla_run.variant, "head (a code per KV head, default) | 2d (one code across a layer's heads)");
+  fit_lla->add_option("--out", lla_run.out, "output directory (lla_codec.json/.safetensors, report.json)")->required();
+  fit_lla->add_option("--calibration-tokens", lla_run.calibration_tokens, "training-split tokens captured for the SVD (default 8192)");
+  fit_lla->add_option("--eval-windows", lla_run.eval_windows, "held-out windows decoded through the codes (default 16)");
+  fit_lla->add_option("--seq-len", lla_run.seq_len, "window length (default min(128, context))");
+  fit_lla->add_option("--data-dir", lla_run.data_dir, "data directory");
+  fit_lla->add_option("--sources", lla_sources, "comma-separated corpora (default brown,kjv)");
+  fit_lla->add_flag("--json", bench_json, "print the report as JSON");
+  fit_cmd->require_subcommand(1);
+
   std::string cost_config;
   std::vector<std::string> cost_shapes;
   bool cost_seed = false;
@@ -745,6 +763,35 @@ int main(int argc, char** argv) {
     if (convert_lrkv->parsed()) {
       if (!convert_sources.empty()) convert_run.sources = split_list(convert_sources);
       cmd_convert_lrkv(convert_run, bench_json);
+    }
+    if (fit_lla->parsed()) {
+      if (!lla_sources.empty()) lla_run.sources = split_list(lla_sources);
+      if (lla_ranks.empty() == lla_run.budget.empty()) throw Error("fit lla: give either --ranks RK,RV or --budget Nx");
+      if (!lla_ranks.empty()) {
+        const auto r = split_list(lla_ranks);
+        if (r.size() != 2) throw Error("fit lla: --ranks takes two numbers, RK,RV (e.g. 24,40)");
+        lla_run.rank_k = std::stoi(r[0]);
+        lla_run.rank_v = std::stoi(r[1]);
+      }
+      const auto report = compress::fit_lla_run(lla_run);
+      if (bench_json) {
+        std::cout << report.dump(2) << "\n";
+      } else {
+        const auto& c = report["codec"];
+        std::printf("LLA codec (%s, r_k %d, r_v %d): %.2fx compression, %.0f -> %.0f bytes/token persistent KV\n",
+                    c["variant"].get<std::string>().c_str(), c["rank_k"].get<int>(), c["rank_v"].get<int>(),
+                    report["compression"].get<double>(), report["teacher_bytes_per_token"].get<double>(),
+                    report["bytes_per_token"].get<double>());
+        int l = 0;
+        for (const auto& e : report["reconstruction_error"])
+          std::printf("  layer %d: reconstruction error keys %.4f, values %.4f (share of centred energy lost)\n", l++,
+                      e["keys"].get<double>(), e["values"].get<double>());
+        std::printf("held-out (%d windows of %d, one token per step through the codes): CE %.4f (teacher %.4f), KL %.5f, top-1 %.1f%%\n",
+                    report["validation_windows"].get<int>(), report["seq_len"].get<int>(), report["cross_entropy"].get<double>(),
+                    report["teacher_cross_entropy"].get<double>(), report["kl_vs_teacher"].get<double>(),
+                    100 * report["top1_agreement"].get<double>());
+        std::printf("codec: %s\n", lla_run.out.c_str());
+      }
     }
     if (cost_cmd->parsed()) cmd_cost(cost_config, cost_shapes, cost_seed, bench_json);
     if (compare_cmd->parsed())

@@ -7,6 +7,10 @@
 #include "io/atomic_file.h"
 #include "io/json_config.h"
 #include "nn/tensor_io.h"
+#include "eval/evaluate.h"
+#include "text/corpus.h"
+#include "train/checkpoint.h"
+#include "train/dataset.h"
 #include "util/error.h"
 
 namespace kvx::compress {
@@ -205,6 +209,65 @@ StackedKV capture_stacked_kv(model::Transformer& teacher, const std::vector<torc
     out.values.push_back(stack(values[l]));
   }
   return out;
+}
+
+nlohmann::json fit_lla_run(const FitLlaRun& run) {
+  if (run.out.empty()) throw Error("fit lla: give an output directory (--out)");
+  auto teacher = train::load_model(run.teacher);
+  const auto& cfg = teacher.model->config();
+  auto [rank_k, rank_v] = run.budget.empty() ? std::make_pair(run.rank_k, run.rank_v) : ranks_for_budget(run.budget, run.variant, cfg);
+  const auto shape = LlaShape::of_teacher(cfg, run.variant, rank_k, rank_v);
+  const int seq_len = run.seq_len > 0 ? run.seq_len : std::min(128, cfg.max_position_embeddings);
+  if (seq_len > cfg.max_position_embeddings)
+    throw Error("fit lla: --seq-len " + std::to_string(seq_len) + " exceeds the teacher's context limit of " +
+                std::to_string(cfg.max_position_embeddings));
+  train::TrainingData data;
+  if (run.data) {
+    data = *run.data;
+  } else {
+    const std::string data_dir = run.data_dir.empty() ? text::default_data_dir() : run.data_dir;
+    data.tokenizer = teacher.tokenizer;
+    data.train = train::load_split_tokens(data_dir, run.sources, data.tokenizer, text::Split::Train);
+    data.validation = train::load_split_tokens(data_dir, run.sources, data.tokenizer, text::Split::Validation);
+  }
+  const int calib_windows = std::max(1, run.calibration_tokens / seq_len);
+  std::vector<torch::Tensor> calibration;
+  for (const auto& b : train::evaluation_batches(data.train.tokens, calib_windows, 8, seq_len)) calibration.push_back(b.first);
+  teacher.model->eval();
+  if (run.verbose)
+    std::cerr << "fit lla: capturing K/V of " << cfg.loops << " loops x " << cfg.num_hidden_layers << " layers on "
+              << calib_windows * seq_len << " calibration tokens\n";
+  const auto kv = capture_stacked_kv(teacher.model, calibration, run.variant);
+  const auto codec = LlaCodec::fit_svd(shape, kv.keys, kv.values);
+  codec.save(run.out);
+  const auto errors = reconstruction_error(codec, kv);
+
+  const int windows =
+      std::max(1, std::min<int>(run.eval_windows, static_cast<int>((data.validation.tokens.size() - 1) / seq_len)));
+  const auto batches = train::evaluation_batches(data.validation.tokens, windows, 8, seq_len);
+  if (run.verbose) std::cerr << "fit lla: held-out quality, one token per step through the codes (" << windows << " windows)\n";
+  const auto full = eval::evaluate_lm(teacher.model, batches, data.tokenizer);
+  attention::CacheOptions options;
+  options.lla = codec.decode_set();
+  const auto student = eval::evaluate_lm_cached(teacher.model, batches, data.tokenizer, options, 1);
+  nlohmann::json layers = nlohmann::json::array();
+  for (const auto& [k, v] : errors) layers.push_back({{"keys", k}, {"values", v}});
+  nlohmann::json report = {{"teacher", teacher.dir},
+                           {"codec", shape.to_json()},
+                           {"compression", shape.compression()},
+                           {"bytes_per_token", shape.bytes_per_token()},
+                           {"teacher_bytes_per_token", shape.teacher_bytes_per_token()},
+                           {"calibration_tokens", calib_windows * seq_len},
+                           {"reconstruction_error", layers},
+                           {"validation_windows", windows},
+                           {"seq_len", seq_len},
+                           {"teacher_cross_entropy", full.cross_entropy},
+                           {"cross_entropy", student.quality.cross_entropy},
+                           {"kl_vs_teacher", student.kl_vs_full},
+                           {"top1_agreement", student.top1_agreement},
+                           {"init", "svd"}};
+  io::write_file_atomic(run.out + "/report.json", report.dump(2) + "\n");
+  return report;
 }
 
 std::vector<std::pair<double, double>> reconstruction_error(const LlaCodec& codec, const StackedKV& kv) {

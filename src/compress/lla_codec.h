@@ -25,6 +25,7 @@
 #include "attention/lla.h"
 #include "model/config.h"
 #include "model/transformer.h"
+#include "train/trainer.h"
 
 namespace kvx::compress {
 
@@ -71,6 +72,24 @@ struct StackedKV {
   std::vector<torch::Tensor> keys, values;
 };
 StackedKV capture_stacked_kv(model::Transformer& teacher, const std::vector<torch::Tensor>& windows, const std::string& variant);
+
+// `kvx fit lla`: capture the teacher's K/V on calibration text (its own tokenizer and corpora),
+// fit the codec by SVD, save it, and measure on held-out windows, decoding one token per step
+// through the codes: CE, KL(teacher || student) and top-1 agreement, per-layer reconstruction
+// error, persistent bytes per token. Writes <out>/lla_codec.{json,safetensors} and <out>/report.json.
+struct FitLlaRun {
+  std::string teacher, out, data_dir;
+  std::vector<std::string> sources{"brown", "kjv"};
+  std::string variant = "head";
+  int rank_k = 0, rank_v = 0;  // or a budget
+  std::string budget;          // e.g. "4x"
+  int calibration_tokens = 8192;
+  int eval_windows = 16;
+  int seq_len = 0;  // 0: min(128, the teacher's context)
+  bool verbose = true;
+  const train::TrainingData* data = nullptr;  // given (tests): used instead of the corpora
+};
+nlohmann::json fit_lla_run(const FitLlaRun& run);
 
 // Relative squared reconstruction error ||x - x^||^2 / ||x - mu||^2 per layer, for keys and values.
 std::vector<std::pair<double, double>> reconstruction_error(const LlaCodec& codec, const StackedKV& kv);

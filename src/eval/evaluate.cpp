@@ -55,7 +55,8 @@ LmQuality evaluate_lm(model::Transformer& model, const std::vector<std::pair<tor
 
 CachedQuality evaluate_lm_cached(model::Transformer& model,
                                  const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
-                                 const text::BpeTokenizer& tokenizer, const attention::CacheOptions& cache) {
+                                 const text::BpeTokenizer& tokenizer, const attention::CacheOptions& cache,
+                                 int64_t chunk) {
   torch::NoGradGuard ng;
   const bool was_training = model->is_training();
   model->eval();
@@ -66,7 +67,15 @@ CachedQuality evaluate_lm_cached(model::Transformer& model,
   for (const auto& [x, y] : batches) {
     auto full = torch::log_softmax(model->forward(x).to(torch::kFloat64), -1);
     auto state = model->new_state(x.size(0), cache);
-    auto cached = torch::log_softmax(model->step(x, state).to(torch::kFloat64), -1);
+    torch::Tensor logits;
+    if (chunk <= 0) {
+      logits = model->step(x, state);
+    } else {
+      std::vector<torch::Tensor> parts;
+      for (int64_t at = 0; at < x.size(1); at += chunk) parts.push_back(model->step(x.narrow(1, at, std::min(chunk, x.size(1) - at)), state));
+      logits = torch::cat(parts, 1);
+    }
+    auto cached = torch::log_softmax(logits.to(torch::kFloat64), -1);
     out.cache_bytes_per_token = state.bytes_per_token();
     nats -= cached.gather(-1, y.unsqueeze(-1)).sum().item<double>();
     kl += (full.exp() * (full - cached)).sum().item<double>();

@@ -24,7 +24,8 @@ LmQuality evaluate_lm(model::Transformer& model, const std::vector<std::pair<tor
                       const text::BpeTokenizer& tokenizer);
 
 // Quality through a decode cache: every window is fed through step() with the given cache
-// (quantised and/or evicted), and compared with the uncached full forward (f32).
+// (quantised and/or evicted), and compared with the uncached full forward (f32). chunk > 0 feeds
+// the window that many tokens per step (LLA: 1, so every token reads codes, not exact K/V).
 struct CachedQuality {
   LmQuality quality;
   double kl_vs_full = 0;       // mean KL(p_full || p_cache) per token, nats
@@ -33,7 +34,8 @@ struct CachedQuality {
 };
 CachedQuality evaluate_lm_cached(model::Transformer& model,
                                  const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
-                                 const text::BpeTokenizer& tokenizer, const attention::CacheOptions& cache);
+                                 const text::BpeTokenizer& tokenizer, const attention::CacheOptions& cache,
+                                 int64_t chunk = 0);
 
 // MQAR recall accuracy (text/mqar.h) at each number of pairs: the share of queries whose
 // argmax prediction is the paired value, over `sequences` fresh sequences of `length` tokens.

@@ -9,6 +9,7 @@
 #include "attention/dense.h"
 #include "compress/lla_codec.h"
 #include "support/fixtures.h"
+#include "train/checkpoint.h"
 #include "util/error.h"
 
 using namespace kvx;
@@ -201,4 +202,35 @@ TEST(LlaDecode, LowRankCodesStayCloseAndTheMismatchesAreRefused) {
   EXPECT_THROW(m3->new_state(1, o), Error);
   o.type = kernels::KVType::Q8;
   EXPECT_THROW(m->new_state(1, o), Error);
+}
+
+TEST(FitLla, FitsSavesAndMeasuresTheCodecThroughDecode) {
+  train::TokenizedText test;
+  const auto data = kvx::testing::synthetic_data(9000, 1500, 12000, &test);
+  auto c = looped_config(2, 2);
+  c.vocab_size = data.tokenizer.vocab_size();
+  c.max_position_embeddings = 64;
+  torch::manual_seed(11);
+  model::Transformer m(c);
+  const std::string dir = kvx::testing::temp_dir("fit_lla");
+  train::save_model_dir(dir + "/teacher", m, data.tokenizer);
+  compress::FitLlaRun run;
+  run.teacher = dir + "/teacher";
+  run.out = dir + "/codec";
+  run.budget = "2x";  // T d_h = 16 -> r_k + r_v = 16, split 6 / 10
+  run.calibration_tokens = 1024;
+  run.eval_windows = 2;
+  run.seq_len = 32;
+  run.verbose = false;
+  run.data = &data;
+  const auto report = compress::fit_lla_run(run);
+  EXPECT_EQ(report["codec"]["rank_k"], 6);
+  EXPECT_EQ(report["codec"]["rank_v"], 10);
+  EXPECT_DOUBLE_EQ(report["compression"].get<double>(), 2.0);
+  EXPECT_GT(report["kl_vs_teacher"].get<double>(), 0.0);
+  EXPECT_LE(report["top1_agreement"].get<double>(), 1.0);
+  EXPECT_EQ(report["reconstruction_error"].size(), 2u);
+  EXPECT_NO_THROW(compress::LlaCodec::load(run.out, c));
+  EXPECT_TRUE(std::filesystem::exists(run.out + "/report.json"));
+  std::filesystem::remove_all(dir);
 }
