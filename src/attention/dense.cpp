@@ -88,6 +88,22 @@ torch::Tensor DenseAttention::forward(const torch::Tensor& x) {
   return merge_heads(causal_attention(q, k, v, 0));
 }
 
+torch::Tensor DenseAttention::forward_with_history(const torch::Tensor& x, const torch::Tensor& history_keys,
+                                                   const torch::Tensor& history_values) {
+  torch::Tensor q, k, v;
+  project(x, 0, q, k, v);
+  const int64_t group = heads_ / kv_heads_, T = x.size(1);
+  const auto per_head = [&](const torch::Tensor& t) { return t.repeat_interleave(group, 1); };  // [B, H, T, d_h]
+  const auto kh = per_head(rope_.apply(history_keys.to(q.scalar_type()), 0)), vh = per_head(history_values.to(q.scalar_type()));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  const auto earlier = torch::ones({T, T}, torch::dtype(torch::kBool)).tril(-1);
+  const auto hist = (torch::matmul(q, kh.transpose(-1, -2)) * scale).masked_fill(earlier.logical_not(), -INFINITY);
+  const auto self = (q * per_head(k)).sum(-1, true) * scale;  // [B, H, T, 1]
+  const auto a = torch::softmax(torch::cat({hist, self}, -1), -1);
+  const auto out = torch::matmul(a.narrow(-1, 0, T), vh) + a.narrow(-1, T, 1) * per_head(v);
+  return merge_heads(out);
+}
+
 std::unique_ptr<MixerCache> DenseAttention::new_cache(int64_t batch, const CacheOptions& options) const {
   if (options.reference) return std::make_unique<DenseKVCache>(batch, kv_heads_, head_dim_);
   return std::make_unique<FusedKVCache>(batch, kv_heads_, head_dim_, options);

@@ -62,6 +62,10 @@ class DenseAttention : public Mixer {
   bool head_projections(torch::Tensor& wq, torch::Tensor& wk) const override;
   // Keys before RoPE and values, [B, Hkv, T, d_h] (what a latent KV codec compresses).
   std::pair<torch::Tensor, torch::Tensor> keys_values_pre_rope(const torch::Tensor& x);
+  // Causal attention where query i reads its own exact key and value and, for j < i, the given
+  // history (pre-RoPE keys, values [B, Hkv, T, d_h]): decode through a latent store with the
+  // history reconstructed (LLA distillation). Differentiable in the history.
+  torch::Tensor forward_with_history(const torch::Tensor& x, const torch::Tensor& history_keys, const torch::Tensor& history_values);
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 

@@ -627,6 +627,8 @@ int main(int argc, char** argv) {
   fit_lla->add_option("--budget", lla_run.budget, "compression such as 4x: ranks split 3:5 between keys and values");
   fit_lla->add_option("--variant", lla_run.variant, "head (a code per KV head, default) | 2d (one code across a layer's heads)");
   fit_lla->add_option("--out", lla_run.out, "output directory (lla_codec.json/.safetensors, report.json)")->required();
+  fit_lla->add_option("--steps", lla_run.distill_steps, "distillation steps after the SVD init (default 0: SVD only)");
+  fit_lla->add_option("--lr", lla_run.distill_lr, "distillation peak learning rate (default 1e-3)");
   fit_lla->add_option("--calibration-tokens", lla_run.calibration_tokens, "training-split tokens captured for the SVD (default 8192)");
   fit_lla->add_option("--eval-windows", lla_run.eval_windows, "held-out windows decoded through the codes (default 16)");
   fit_lla->add_option("--seq-len", lla_run.seq_len, "window length (default min(128, context))");
@@ -790,6 +792,10 @@ int main(int argc, char** argv) {
                     report["validation_windows"].get<int>(), report["seq_len"].get<int>(), report["cross_entropy"].get<double>(),
                     report["teacher_cross_entropy"].get<double>(), report["kl_vs_teacher"].get<double>(),
                     100 * report["top1_agreement"].get<double>());
+        if (!report["distillation"].is_null())
+          std::printf("distillation: %d steps, held-out KL %.5f after the SVD init -> %.5f (best kept)\n",
+                      report["distillation"]["steps"].get<int>(), report["distillation"]["svd_kl"].get<double>(),
+                      report["kl_vs_teacher"].get<double>());
         std::printf("codec: %s\n", lla_run.out.c_str());
       }
     }

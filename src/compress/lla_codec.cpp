@@ -1,6 +1,7 @@
 #include "compress/lla_codec.h"
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 
 #include "attention/dense.h"
@@ -9,6 +10,7 @@
 #include "nn/tensor_io.h"
 #include "eval/evaluate.h"
 #include "text/corpus.h"
+#include "train/adamw.h"
 #include "train/checkpoint.h"
 #include "train/dataset.h"
 #include "util/error.h"
@@ -211,6 +213,51 @@ StackedKV capture_stacked_kv(model::Transformer& teacher, const std::vector<torc
   return out;
 }
 
+std::array<torch::Tensor, 3> lla_distillation_loss(model::Transformer& teacher, const LlaCodec& codec, const torch::Tensor& ids) {
+  const auto& cfg = teacher->config();
+  const int T = cfg.loops, D = cfg.num_hidden_layers;
+  auto dense = [&](int layer) {
+    return dynamic_cast<attention::DenseAttention*>(teacher->layers[layer]->as<model::BlockImpl>()->self_attn.get());
+  };
+  // The teacher: logits, pre-RoPE K/V of every (loop, layer), attention outputs.
+  std::vector<std::vector<torch::Tensor>> k(D, std::vector<torch::Tensor>(T)), v = k, a = k;
+  torch::Tensor teacher_logp;
+  {
+    torch::NoGradGuard ng;
+    teacher_logp = torch::log_softmax(teacher->forward(ids, [&](int t, int d, const torch::Tensor& x) {
+      std::tie(k[d][t], v[d][t]) = dense(d)->keys_values_pre_rope(x);
+      a[d][t] = dense(d)->forward(x);
+    }), -1);
+  }
+  // Reconstructions per layer and loop from the codes of the teacher's K/V.
+  std::vector<std::vector<torch::Tensor>> kh(D), vh(D);
+  const int64_t B = ids.size(0), n = ids.size(1), H = cfg.num_key_value_heads, dh = cfg.head_dim;
+  auto stacked = [&](const std::vector<torch::Tensor>& per_loop) {
+    auto x = torch::stack(per_loop, 3).permute({0, 2, 1, 3, 4});  // [B, n, Hkv, T, d_h]
+    return x.reshape({B, n, codec.shape.groups(), codec.shape.width()});
+  };
+  auto per_loop = [&](const torch::Tensor& xhat, int t) {
+    return xhat.reshape({B, n, H, T, dh}).select(3, t).transpose(1, 2);  // [B, Hkv, n, d_h]
+  };
+  for (int d = 0; d < D; ++d) {
+    const auto xk = codec.keys[d].decode(codec.keys[d].encode(stacked(k[d])));
+    const auto xv = codec.values[d].decode(codec.values[d].encode(stacked(v[d])));
+    for (int t = 0; t < T; ++t) {
+      kh[d].push_back(per_loop(xk, t));
+      vh[d].push_back(per_loop(xv, t));
+    }
+  }
+  torch::Tensor mse = torch::zeros({}, teacher_logp.options());
+  const auto student_logp = torch::log_softmax(teacher->forward(ids, nullptr, [&](int t, int d, const torch::Tensor& x) {
+    auto out = dense(d)->forward_with_history(x, kh[d][t], vh[d][t]);
+    mse = mse + (out - a[d][t]).pow(2).sum(-1).mean();
+    return out;
+  }), -1);
+  const auto kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1).mean();
+  mse = mse * (0.5 / (T * D));
+  return {kl + mse, kl, mse};
+}
+
 nlohmann::json fit_lla_run(const FitLlaRun& run) {
   if (run.out.empty()) throw Error("fit lla: give an output directory (--out)");
   auto teacher = train::load_model(run.teacher);
@@ -238,8 +285,7 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
     std::cerr << "fit lla: capturing K/V of " << cfg.loops << " loops x " << cfg.num_hidden_layers << " layers on "
               << calib_windows * seq_len << " calibration tokens\n";
   const auto kv = capture_stacked_kv(teacher.model, calibration, run.variant);
-  const auto codec = LlaCodec::fit_svd(shape, kv.keys, kv.values);
-  codec.save(run.out);
+  auto codec = LlaCodec::fit_svd(shape, kv.keys, kv.values);
   const auto errors = reconstruction_error(codec, kv);
 
   const int windows =
@@ -247,9 +293,68 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
   const auto batches = train::evaluation_batches(data.validation.tokens, windows, 8, seq_len);
   if (run.verbose) std::cerr << "fit lla: held-out quality, one token per step through the codes (" << windows << " windows)\n";
   const auto full = eval::evaluate_lm(teacher.model, batches, data.tokenizer);
-  attention::CacheOptions options;
-  options.lla = codec.decode_set();
-  const auto student = eval::evaluate_lm_cached(teacher.model, batches, data.tokenizer, options, 1);
+  auto held_out = [&](const LlaCodec& c) {
+    attention::CacheOptions options;
+    options.lla = c.decode_set();
+    return eval::evaluate_lm_cached(teacher.model, batches, data.tokenizer, options, 1);
+  };
+  auto student = held_out(codec);
+  const double svd_kl = student.kl_vs_full;
+  nlohmann::json distill = nullptr;
+  if (run.distill_steps > 0) {
+    // The teacher frozen; the codec's tensors are the only parameters.
+    for (auto& p : teacher.model->parameters()) p.requires_grad_(false);
+    std::vector<std::pair<std::string, torch::Tensor>> params;
+    for (int l = 0; l < shape.layers; ++l)
+      for (auto* part : {&codec.keys[l], &codec.values[l]})
+        for (auto* t : {&part->mu, &part->down, &part->up}) {
+          *t = t->detach().clone().requires_grad_(true);
+          params.emplace_back("codec." + std::to_string(params.size()), *t);
+        }
+    train::AdamWOptions ao;
+    ao.weight_decay = 0;
+    train::AdamW opt(params, ao);
+    train::BatchSampler sampler(&data.train.tokens, run.distill_batch, seq_len, 1234);
+    auto snapshot = [&](const LlaCodec& c) {  // a deep copy (the optimiser updates c in place)
+      LlaCodec out{c.shape, {}, {}};
+      for (int l = 0; l < shape.layers; ++l)
+        for (auto [from, to] : {std::make_pair(&c.keys, &out.keys), std::make_pair(&c.values, &out.values)})
+          to->push_back({(*from)[l].mu.detach().clone(), (*from)[l].down.detach().clone(), (*from)[l].up.detach().clone()});
+      return out;
+    };
+    LlaCodec best = snapshot(codec);
+    double best_kl = svd_kl;
+    nlohmann::json curve = nlohmann::json::array();
+    const int every = std::max(1, run.distill_steps / std::max(1, run.distill_evals));
+    for (int step = 1; step <= run.distill_steps; ++step) {
+      const auto x = sampler.next().first;
+      const auto losses = lla_distillation_loss(teacher.model, codec, x);
+      opt.zero_grad();
+      losses[0].backward();
+      const double lr = run.distill_lr * std::min(1.0, step / 10.0) * 0.5 * (1 + std::cos(M_PI * step / run.distill_steps));
+      opt.step(lr);
+      if (run.verbose && (step % 10 == 0 || step == 1))
+        std::fprintf(stderr, "fit lla: step %4d/%d | loss %.5f | kl %.5f | attn mse %.5f\n", step, run.distill_steps,
+                     losses[0].item<double>(), losses[1].item<double>(), losses[2].item<double>());
+      if (step % every == 0 || step == run.distill_steps) {
+        torch::NoGradGuard ng;
+        const auto q = held_out(codec);
+        curve.push_back({{"step", step}, {"held_out_kl", q.kl_vs_full}, {"top1_agreement", q.top1_agreement}});
+        if (run.verbose) std::fprintf(stderr, "fit lla: step %d held-out KL %.5f (best %.5f)\n", step, q.kl_vs_full, best_kl);
+        if (q.kl_vs_full < best_kl) {
+          best_kl = q.kl_vs_full;
+          best = snapshot(codec);
+        }
+      }
+    }
+    codec = best;
+    student = held_out(codec);  // the kept codec, measured again
+    distill = {{"steps", run.distill_steps}, {"lr", run.distill_lr}, {"svd_kl", svd_kl}, {"curve", curve}};
+  }
+  for (int l = 0; l < shape.layers; ++l)
+    for (auto* part : {&codec.keys[l], &codec.values[l]})
+      for (auto* t : {&part->mu, &part->down, &part->up}) *t = t->detach();
+  codec.save(run.out);
   nlohmann::json layers = nlohmann::json::array();
   for (const auto& [k, v] : errors) layers.push_back({{"keys", k}, {"values", v}});
   nlohmann::json report = {{"teacher", teacher.dir},
@@ -265,7 +370,8 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
                            {"cross_entropy", student.quality.cross_entropy},
                            {"kl_vs_teacher", student.kl_vs_full},
                            {"top1_agreement", student.top1_agreement},
-                           {"init", "svd"}};
+                           {"init", "svd"},
+                           {"distillation", distill}};
   io::write_file_atomic(run.out + "/report.json", report.dump(2) + "\n");
   return report;
 }

@@ -17,6 +17,7 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <array>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -84,12 +85,24 @@ struct FitLlaRun {
   int rank_k = 0, rank_v = 0;  // or a budget
   std::string budget;          // e.g. "4x"
   int calibration_tokens = 8192;
+  // Distillation after the SVD init: the teacher frozen, only the codec trained with
+  // KL(teacher || student) + 0.5 / (T D) sum_(t,d) ||a_t,d - a^_t,d||^2 (attention outputs), the
+  // student reading history reconstructed from codes of the teacher's K/V (off-policy); the
+  // held-out-KL best of the evaluations is kept.
+  int distill_steps = 0;
+  double distill_lr = 1e-3;
+  int distill_batch = 4;
+  int distill_evals = 4;  // held-out evaluations during distillation
   int eval_windows = 16;
   int seq_len = 0;  // 0: min(128, the teacher's context)
   bool verbose = true;
   const train::TrainingData* data = nullptr;  // given (tests): used instead of the corpora
 };
 nlohmann::json fit_lla_run(const FitLlaRun& run);
+
+// One distillation loss (and its parts) for the codec on token windows ids [B, n]; differentiable
+// in the codec's tensors. Returns {total, kl, attention mse}.
+std::array<torch::Tensor, 3> lla_distillation_loss(model::Transformer& teacher, const LlaCodec& codec, const torch::Tensor& ids);
 
 // Relative squared reconstruction error ||x - x^||^2 / ||x - mu||^2 per layer, for keys and values.
 std::vector<std::pair<double, double>> reconstruction_error(const LlaCodec& codec, const StackedKV& kv);

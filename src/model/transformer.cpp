@@ -76,7 +76,7 @@ torch::Tensor TransformerImpl::logits(const torch::Tensor& h) {
 
 torch::Tensor TransformerImpl::forward(const torch::Tensor& ids) { return forward(ids, nullptr); }
 
-torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const LayerObserver& observe) {
+torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const LayerObserver& observe, const MixerOverride& mixer_output) {
   if (ids.size(1) > config_.max_position_embeddings)
     throw Error("sequence of " + std::to_string(ids.size(1)) + " tokens exceeds the model's context limit of " +
                 std::to_string(config_.max_position_embeddings) + " (max_position_embeddings); use a shorter input");
@@ -85,8 +85,15 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const LayerObse
     if (t > 0) h = norm(h);  // the normed state of loop t-1 feeds loop t
     for (size_t i = 0; i < layers->size(); ++i) {
       auto* block = layers[i]->as<BlockImpl>();
-      if (observe) observe(t, static_cast<int>(i), block->input_layernorm(h));
-      h = block->forward(h);
+      if (!observe && !mixer_output) {
+        h = block->forward(h);
+        continue;
+      }
+      const auto x = block->input_layernorm(h);
+      if (observe) observe(t, static_cast<int>(i), x);
+      torch::Tensor a;
+      if (mixer_output) a = mixer_output(t, static_cast<int>(i), x);
+      h = block->finish(h, a.defined() ? a : block->self_attn->forward(x));
     }
   }
   return logits(h);

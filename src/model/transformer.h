@@ -25,13 +25,12 @@ class BlockImpl : public torch::nn::Module {
   BlockImpl(const ModelConfig& c, int layer);
   torch::Tensor forward(const torch::Tensor& h);
   torch::Tensor step(const torch::Tensor& h, attention::MixerCache& cache);
+  // The rest of the block given its mixer's output for input h: residuals, sandwich norms, MLP.
+  torch::Tensor finish(const torch::Tensor& h, const torch::Tensor& attn_out);
   nn::RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   nn::RMSNorm input_layernorm_2{nullptr}, post_attention_layernorm_2{nullptr};  // sandwich norms (optional)
   std::shared_ptr<attention::Mixer> self_attn;
   nn::SwiGLU mlp{nullptr};
-
- private:
-  torch::Tensor finish(const torch::Tensor& h, const torch::Tensor& attn_out);  // residuals and the MLP
 };
 TORCH_MODULE(Block);
 
@@ -52,7 +51,10 @@ class TransformerImpl : public torch::nn::Module {
   // The same, calling observe(loop, layer, the layer's normed mixer input [B, T, d]) on the way
   // (activation capture, e.g. for a latent KV codec).
   using LayerObserver = std::function<void(int, int, const torch::Tensor&)>;
-  torch::Tensor forward(const torch::Tensor& ids, const LayerObserver& observe);
+  // mixer_output(loop, layer, normed input), when given and defined, replaces the layer's own
+  // mixer output (a student attention reading compressed history, e.g. LLA distillation).
+  using MixerOverride = std::function<torch::Tensor(int, int, const torch::Tensor&)>;
+  torch::Tensor forward(const torch::Tensor& ids, const LayerObserver& observe, const MixerOverride& mixer_output = nullptr);
   DecodeState new_state(int64_t batch, const attention::CacheOptions& options = {}) const;
   // Appends ids [B, T] to the state and returns their logits [B, T, V]. Errors past the context limit.
   torch::Tensor step(const torch::Tensor& ids, DecodeState& state);

@@ -223,7 +223,13 @@ TEST(FitLla, FitsSavesAndMeasuresTheCodecThroughDecode) {
   run.seq_len = 32;
   run.verbose = false;
   run.data = &data;
+  run.distill_steps = 4;
+  run.distill_evals = 2;
+  run.distill_batch = 2;
   const auto report = compress::fit_lla_run(run);
+  ASSERT_FALSE(report["distillation"].is_null());
+  EXPECT_EQ(report["distillation"]["curve"].size(), 2u);
+  EXPECT_LE(report["kl_vs_teacher"].get<double>(), report["distillation"]["svd_kl"].get<double>() + 1e-12);  // the best is kept
   EXPECT_EQ(report["codec"]["rank_k"], 6);
   EXPECT_EQ(report["codec"]["rank_v"], 10);
   EXPECT_DOUBLE_EQ(report["compression"].get<double>(), 2.0);
@@ -233,4 +239,38 @@ TEST(FitLla, FitsSavesAndMeasuresTheCodecThroughDecode) {
   EXPECT_NO_THROW(compress::LlaCodec::load(run.out, c));
   EXPECT_TRUE(std::filesystem::exists(run.out + "/report.json"));
   std::filesystem::remove_all(dir);
+}
+
+TEST(LlaDistillation, ExactHistoryIsTheTeacherAndTheLossReachesTheCodec) {
+  auto c = looped_config(2, 2);
+  c.num_attention_heads = 4;  // GQA: 2 query heads per KV head
+  torch::manual_seed(13);
+  model::Transformer m(c);
+  m->to(torch::kFloat64);
+  const auto ids = torch::randint(37, {2, 11}, torch::kLong);
+  {
+    torch::NoGradGuard ng;
+    auto* block = m->layers[0]->as<model::BlockImpl>();
+    auto* dense = dynamic_cast<attention::DenseAttention*>(block->self_attn.get());
+    const auto x = block->input_layernorm(m->embed_tokens(ids)).to(torch::kFloat64);
+    const auto [k, v] = dense->keys_values_pre_rope(x);
+    EXPECT_LT((dense->forward_with_history(x, k, v) - dense->forward(x)).abs().max().item<double>(), 1e-12);
+  }
+  const auto kv = compress::capture_stacked_kv(m, windows(3, 20, 14), "head");
+  auto full = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "head", 16, 16), kv.keys, kv.values);
+  for (auto* parts : {&full.keys, &full.values})
+    for (auto& p : *parts) p = {p.mu.to(torch::kFloat64), p.down.to(torch::kFloat64), p.up.to(torch::kFloat64)};
+  const auto exact = compress::lla_distillation_loss(m, full, ids);
+  EXPECT_LT(exact[1].item<double>(), 1e-10);  // KL
+  EXPECT_LT(exact[2].item<double>(), 1e-10);  // attention MSE
+  auto low = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "head", 3, 4), kv.keys, kv.values);
+  for (auto* parts : {&low.keys, &low.values})
+    for (auto& p : *parts) p = {p.mu.to(torch::kFloat64).requires_grad_(), p.down.to(torch::kFloat64).requires_grad_(),
+                                p.up.to(torch::kFloat64).requires_grad_()};
+  const auto loss = compress::lla_distillation_loss(m, low, ids);
+  EXPECT_GT(loss[1].item<double>(), 0.0);
+  EXPECT_GT(loss[2].item<double>(), 0.0);
+  loss[0].backward();
+  EXPECT_GT(low.keys[1].down.grad().abs().sum().item<double>(), 0.0);
+  EXPECT_GT(low.values[0].up.grad().abs().sum().item<double>(), 0.0);
 }
