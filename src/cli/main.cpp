@@ -625,7 +625,8 @@ int main(int argc, char** argv) {
   fit_lla->add_option("--teacher", lla_run.teacher, "model or run directory of a trained looped dense model")->required();
   fit_lla->add_option("--ranks", lla_ranks, "RK,RV: key and value code ranks (or --budget)");
   fit_lla->add_option("--budget", lla_run.budget, "compression such as 4x: ranks split 3:5 between keys and values");
-  fit_lla->add_option("--variant", lla_run.variant, "head (a code per KV head, default) | 2d (one code across a layer's heads)");
+  fit_lla->add_option("--variant", lla_run.variant, "head (a code per KV head, default) | 2d (one code across a layer's heads) | "
+                                                    "baselines: final_loop (loop T's K/V for every loop) | loop_head (a code per loop across heads)");
   fit_lla->add_option("--out", lla_run.out, "output directory (lla_codec.json/.safetensors, report.json)")->required();
   fit_lla->add_option("--steps", lla_run.distill_steps, "distillation steps after the SVD init (default 0: SVD only)");
   fit_lla->add_option("--lr", lla_run.distill_lr, "distillation peak learning rate (default 1e-3)");
@@ -768,7 +769,8 @@ int main(int argc, char** argv) {
     }
     if (fit_lla->parsed()) {
       if (!lla_sources.empty()) lla_run.sources = split_list(lla_sources);
-      if (lla_ranks.empty() == lla_run.budget.empty()) throw Error("fit lla: give either --ranks RK,RV or --budget Nx");
+      if (lla_run.variant == "final_loop" ? !(lla_ranks.empty() && lla_run.budget.empty()) : lla_ranks.empty() == lla_run.budget.empty())
+        throw Error("fit lla: give either --ranks RK,RV or --budget Nx (neither with --variant final_loop, whose ranks are d_h)");
       if (!lla_ranks.empty()) {
         const auto r = split_list(lla_ranks);
         if (r.size() != 2) throw Error("fit lla: --ranks takes two numbers, RK,RV (e.g. 24,40)");

@@ -24,14 +24,21 @@ std::string str(int v) { return std::to_string(v); }
 }  // namespace
 
 void LlaShape::validate() const {
-  if (variant != "head" && variant != "2d")
-    throw Error("LLA codec: variant '" + variant + "' is not one of head (a code per KV head), 2d (one code across a layer's heads)");
+  if (variant != "head" && variant != "2d" && variant != "final_loop" && variant != "loop_head")
+    throw Error("LLA codec: variant '" + variant + "' is not one of head (a code per KV head), 2d (one code across a layer's heads), "
+                "final_loop (baseline: loop T's K/V for every loop), loop_head (baseline: a code per loop across heads)");
+  if (variant == "final_loop" && (rank_k != head_dim || rank_v != head_dim))
+    throw Error("LLA codec: final_loop keeps loop T's K/V whole, so its ranks are d_h = " + str(head_dim) + " (got " + str(rank_k) +
+                ", " + str(rank_v) + ")");
+  if (variant == "loop_head" && (rank_k % loops != 0 || rank_v % loops != 0))
+    throw Error("LLA codec: loop_head codes each of the " + str(loops) + " loops separately, so r_k and r_v must be multiples of " +
+                str(loops) + " (got " + str(rank_k) + ", " + str(rank_v) + ")");
   if (loops < 1 || layers < 1 || kv_heads < 1 || head_dim < 1)
     throw Error("LLA codec: the teacher's loops, layers, KV heads and head width must be positive");
   for (auto [name, r] : {std::pair<const char*, int>{"r_k", rank_k}, {"r_v", rank_v}})
     if (r < 1 || r > width())
       throw Error(std::string("LLA codec: ") + name + " = " + str(r) + " must be in [1, " + str(width()) + "] (the stacked width " +
-                  (variant == "2d" ? "T Hkv d_h" : "T d_h") + " = " + str(width()) + "; a larger rank cannot add information)");
+                  (across_heads() ? "T Hkv d_h" : "T d_h") + " = " + str(width()) + "; a larger rank cannot add information)");
 }
 
 nlohmann::json LlaShape::to_json() const {
@@ -84,11 +91,17 @@ std::pair<int, int> ranks_for_budget(const std::string& budget, const std::strin
   } catch (...) {
   }
   if (!(rho >= 1)) throw Error("--budget '" + budget + "' is not a compression factor >= 1 (write e.g. 4x)");
-  const LlaShape full = LlaShape::of_teacher(teacher, variant, 1, 1);
+  if (variant == "final_loop") throw Error("--budget does not apply to final_loop (its compression is the loop count)");
+  const LlaShape full = LlaShape::of_teacher(teacher, variant == "loop_head" ? "2d" : variant, 1, 1);  // its stacked width
   const int total = static_cast<int>(std::lround(2.0 * full.width() / rho));
   if (total < 2) throw Error("--budget " + budget + " leaves fewer than one dimension each for keys and values");
-  const int rank_v = std::min(full.width(), std::max(1, static_cast<int>(std::lround(total * 5.0 / 8.0))));
-  const int rank_k = std::min(full.width(), std::max(1, total - rank_v));
+  int rank_v = std::min(full.width(), std::max(1, static_cast<int>(std::lround(total * 5.0 / 8.0))));
+  int rank_k = std::min(full.width(), std::max(1, total - rank_v));
+  if (variant == "loop_head") {  // whole ranks per loop
+    const int T = teacher.loops;
+    rank_v = std::max(T, rank_v / T * T);
+    rank_k = std::max(T, (total - rank_v) / T * T);
+  }
   return {rank_k, rank_v};
 }
 
@@ -97,7 +110,7 @@ std::shared_ptr<const attention::LlaCodecSet> LlaCodec::decode_set() const {
   set->loops = shape.loops;
   set->kv_heads = shape.kv_heads;
   set->head_dim = shape.head_dim;
-  set->two_d = shape.variant == "2d";
+  set->two_d = shape.across_heads();
   for (size_t l = 0; l < keys.size(); ++l) set->layers.emplace_back(keys[l], values[l]);
   return set;
 }
@@ -124,6 +137,36 @@ LlaCodecPart svd_part(const torch::Tensor& x, int rank) {  // x [N, G, W]
   return p;
 }
 
+// final_loop: the code is loop T's vector (mu = 0); every loop reconstructs it.
+LlaCodecPart final_loop_part(const LlaShape& shape) {
+  const int64_t G = shape.groups(), T = shape.loops, d = shape.head_dim;
+  auto down = torch::zeros({G, T * d, d}), up = torch::zeros({G, T * d, d});
+  const auto eye = torch::eye(d);
+  for (int64_t g = 0; g < G; ++g) {
+    down[g].narrow(0, (T - 1) * d, d).copy_(eye);
+    for (int64_t t = 0; t < T; ++t) up[g].narrow(0, t * d, d).copy_(eye);
+  }
+  return {torch::zeros({G, T * d}), down, up};
+}
+
+// loop_head: per loop, the SVD of that loop's vectors across the heads (the stacked layout is
+// heads, then loops, then d_h), placed block-diagonally so loops share nothing.
+LlaCodecPart loop_head_part(const LlaShape& shape, const torch::Tensor& x, int rank) {  // x [N, 1, Hkv T d_h]
+  const int64_t T = shape.loops, H = shape.kv_heads, d = shape.head_dim, r = rank / T, N = x.size(0);
+  const auto per_loop = x.to(torch::kDouble).reshape({N, H, T, d});
+  auto down = torch::zeros({1, H * T * d, rank}, torch::kDouble), up = down.clone();
+  auto mu = per_loop.mean(0);  // [H, T, d]
+  for (int64_t t = 0; t < T; ++t) {
+    const auto xt = per_loop.select(2, t).reshape({N, H * d}) - mu.select(1, t).reshape({H * d});
+    const auto vh = std::get<2>(torch::linalg_svd(xt, false));
+    if (vh.size(0) < r) throw Error("LLA codec: loop_head rank needs more captured tokens; capture more calibration text");
+    const auto basis = vh.narrow(0, 0, r).t().reshape({H, d, r});  // rows of loop t, per head
+    for (int64_t h = 0; h < H; ++h) down[0].narrow(0, (h * T + t) * d, d).narrow(1, t * r, r).copy_(basis[h]);
+  }
+  up.copy_(down);
+  return {mu.reshape({1, H * T * d}).to(torch::kFloat32), down.to(torch::kFloat32), up.to(torch::kFloat32)};
+}
+
 }  // namespace
 
 LlaCodec LlaCodec::fit_svd(const LlaShape& shape, const std::vector<torch::Tensor>& stacked_keys,
@@ -139,8 +182,16 @@ LlaCodec LlaCodec::fit_svd(const LlaShape& shape, const std::vector<torch::Tenso
       if (x->dim() != 3 || x->size(1) != shape.groups() || x->size(2) != shape.width())
         throw Error("LLA codec: layer " + str(l) + " captured [N, G, W] must have G = " + str(shape.groups()) + " and W = " +
                     str(shape.width()));
-    c.keys.push_back(svd_part(stacked_keys[l], shape.rank_k));
-    c.values.push_back(svd_part(stacked_values[l], shape.rank_v));
+    if (shape.variant == "final_loop") {
+      c.keys.push_back(final_loop_part(shape));
+      c.values.push_back(final_loop_part(shape));
+    } else if (shape.variant == "loop_head") {
+      c.keys.push_back(loop_head_part(shape, stacked_keys[l], shape.rank_k));
+      c.values.push_back(loop_head_part(shape, stacked_values[l], shape.rank_v));
+    } else {
+      c.keys.push_back(svd_part(stacked_keys[l], shape.rank_k));
+      c.values.push_back(svd_part(stacked_values[l], shape.rank_v));
+    }
   }
   return c;
 }
@@ -186,7 +237,11 @@ LlaCodec LlaCodec::load(const std::string& dir, const model::ModelConfig& teache
 
 StackedKV capture_stacked_kv(model::Transformer& teacher, const std::vector<torch::Tensor>& windows, const std::string& variant) {
   const auto& cfg = teacher->config();
-  const auto shape = LlaShape::of_teacher(cfg, variant, 1, 1);
+  LlaShape probe;
+  probe.variant = variant;
+  if (variant != "head" && variant != "2d" && variant != "final_loop" && variant != "loop_head")
+    LlaShape::of_teacher(cfg, variant, 1, 1);  // throws, naming the valid variants
+  const auto shape = LlaShape::of_teacher(cfg, probe.across_heads() ? "2d" : "head", 1, 1);  // the stacked layout
   const int T = cfg.loops, D = cfg.num_hidden_layers;
   // per[layer][loop]: pieces of [N, Hkv, d_h]
   std::vector<std::vector<std::vector<torch::Tensor>>> keys(D, std::vector<std::vector<torch::Tensor>>(T)), values = keys;
@@ -203,7 +258,7 @@ StackedKV capture_stacked_kv(model::Transformer& teacher, const std::vector<torc
     std::vector<torch::Tensor> loops;
     for (auto& pieces : per_loop) loops.push_back(torch::cat(pieces, 0));  // [N, Hkv, d_h]
     auto x = torch::stack(loops, 2);                                        // [N, Hkv, T, d_h]
-    if (variant == "2d") return x.reshape({x.size(0), 1, shape.width()});  // heads, then loops, then d_h
+    if (shape.across_heads()) return x.reshape({x.size(0), 1, shape.width()});  // heads, then loops, then d_h
     return x.reshape({x.size(0), x.size(1), shape.width()});
   };
   for (int l = 0; l < D; ++l) {
@@ -262,7 +317,9 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
   if (run.out.empty()) throw Error("fit lla: give an output directory (--out)");
   auto teacher = train::load_model(run.teacher);
   const auto& cfg = teacher.model->config();
-  auto [rank_k, rank_v] = run.budget.empty() ? std::make_pair(run.rank_k, run.rank_v) : ranks_for_budget(run.budget, run.variant, cfg);
+  auto [rank_k, rank_v] = run.variant == "final_loop" ? std::make_pair(cfg.head_dim, cfg.head_dim)
+                          : run.budget.empty()        ? std::make_pair(run.rank_k, run.rank_v)
+                                                      : ranks_for_budget(run.budget, run.variant, cfg);
   const auto shape = LlaShape::of_teacher(cfg, run.variant, rank_k, rank_v);
   const int seq_len = run.seq_len > 0 ? run.seq_len : std::min(128, cfg.max_position_embeddings);
   if (seq_len > cfg.max_position_embeddings)

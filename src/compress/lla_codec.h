@@ -7,7 +7,7 @@
 // heads (variant "2d", LLA-2D: T Hkv d_h entries). Ranks r_k for keys and r_v for values;
 // compression rho = 2 T d_h Hkv / (Hkv-codes x (r_k + r_v)), e.g. head variant 2 T d_h / (r_k + r_v).
 //
-// Initialisation (fit_svd): per codec, the top-r right singular vectors of the centred stacked
+// Initialisation (fit_svd; head and 2d): per codec, the top-r right singular vectors of the centred stacked
 // activations captured from the teacher, W_down = W_up = V_r, so x^ is the rank-r projection of
 // x - mu (the best rank-r reconstruction in squared error). Distillation against the teacher
 // refines W_down, W_up and mu afterwards (not here yet).
@@ -30,12 +30,18 @@
 
 namespace kvx::compress {
 
+// Variants: head (a code per KV head), 2d (LLA-2D, one code across a layer's heads), and two
+// baselines in the same format at a matched persistent budget: final_loop (store only loop T's
+// K/V and reuse them for every loop: r = d_h per head, a fixed selection, compression T) and
+// loop_head (MLA-style head codec: one code per loop across the heads, no sharing across loops;
+// block-diagonal, ranks multiples of T).
 struct LlaShape {
-  std::string variant = "head";  // head | 2d
+  std::string variant = "head";  // head | 2d | final_loop | loop_head
   int loops = 1, layers = 0, kv_heads = 0, head_dim = 0;
   int rank_k = 0, rank_v = 0;
-  int groups() const { return variant == "2d" ? 1 : kv_heads; }                      // codes per token and layer
-  int width() const { return loops * head_dim * (variant == "2d" ? kv_heads : 1); }  // entries of one stacked x
+  bool across_heads() const { return variant == "2d" || variant == "loop_head"; }
+  int groups() const { return across_heads() ? 1 : kv_heads; }                      // codes per token and layer
+  int width() const { return loops * head_dim * (across_heads() ? kv_heads : 1); }  // entries of one stacked x
   double compression() const { return 2.0 * width() / (rank_k + rank_v); }
   // Persistent bytes per token (f32 codes, all layers) vs the teacher's T layers of full K/V.
   double bytes_per_token() const { return 4.0 * layers * groups() * (rank_k + rank_v); }

@@ -274,3 +274,29 @@ TEST(LlaDistillation, ExactHistoryIsTheTeacherAndTheLossReachesTheCodec) {
   EXPECT_GT(low.keys[1].down.grad().abs().sum().item<double>(), 0.0);
   EXPECT_GT(low.values[0].up.grad().abs().sum().item<double>(), 0.0);
 }
+
+TEST(LlaBaselines, FinalLoopReuseAndThePerLoopHeadCodec) {
+  const auto c = looped_config(3, 2);
+  torch::manual_seed(17);
+  model::Transformer m(c);
+  const auto kv = compress::capture_stacked_kv(m, windows(3, 20, 18), "head");
+  // final_loop: every loop reconstructs loop T's vector exactly.
+  const auto fl = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "final_loop", 8, 8), kv.keys, kv.values);
+  EXPECT_DOUBLE_EQ(fl.shape.compression(), 3.0);
+  const auto x = kv.values[1].narrow(0, 0, 5);  // [5, Hkv, T d_h]
+  const auto xhat = fl.values[1].decode(fl.values[1].encode(x));
+  for (int t = 0; t < 3; ++t) EXPECT_TRUE(torch::allclose(xhat.narrow(2, t * 8, 8), x.narrow(2, 2 * 8, 8), 1e-6, 1e-6)) << t;
+  EXPECT_THROW(compress::LlaShape::of_teacher(c, "final_loop", 4, 8), Error);
+  // loop_head at full per-loop rank (Hkv d_h per loop) reconstructs exactly; it never mixes loops.
+  const auto kv2 = compress::capture_stacked_kv(m, windows(3, 20, 18), "loop_head");
+  const auto lh = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "loop_head", 48, 48), kv2.keys, kv2.values);
+  for (auto [ek, ev] : compress::reconstruction_error(lh, kv2)) {
+    EXPECT_LT(ek, 1e-10);
+    EXPECT_LT(ev, 1e-10);
+  }
+  const auto down = lh.keys[0].down[0].reshape({2, 3, 8, 48});  // [head, loop, d_h, code]
+  for (int t = 0; t < 3; ++t)
+    for (int u = 0; u < 3; ++u)
+      if (u != t) EXPECT_EQ(down.select(1, t).narrow(2, u * 16, 16).abs().max().item<double>(), 0.0) << t << " " << u;
+  EXPECT_THROW(compress::LlaShape::of_teacher(c, "loop_head", 7, 9), Error);  // not multiples of T = 3
+}
