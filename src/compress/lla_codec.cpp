@@ -325,15 +325,7 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
   if (seq_len > cfg.max_position_embeddings)
     throw Error("fit lla: --seq-len " + std::to_string(seq_len) + " exceeds the teacher's context limit of " +
                 std::to_string(cfg.max_position_embeddings));
-  train::TrainingData data;
-  if (run.data) {
-    data = *run.data;
-  } else {
-    const std::string data_dir = run.data_dir.empty() ? text::default_data_dir() : run.data_dir;
-    data.tokenizer = teacher.tokenizer;
-    data.train = train::load_split_tokens(data_dir, run.sources, data.tokenizer, text::Split::Train);
-    data.validation = train::load_split_tokens(data_dir, run.sources, data.tokenizer, text::Split::Validation);
-  }
+  const train::TrainingData data = run.data ? *run.data : train::training_data_for(teacher.tokenizer, run.data_dir, run.sources);
   const int calib_windows = std::max(1, run.calibration_tokens / seq_len);
   std::vector<torch::Tensor> calibration;
   for (const auto& b : train::evaluation_batches(data.train.tokens, calib_windows, 8, seq_len)) calibration.push_back(b.first);

@@ -111,14 +111,7 @@ nlohmann::json convert_lrkv_run(const ConvertRun& run) {
     throw Error("convert lrkv: --seq-len " + std::to_string(seq_len) + " exceeds the model's context limit of " +
                 std::to_string(src_cfg.max_position_embeddings));
   // The source's own tokenizer and corpora, so the CE numbers are comparable.
-  train::TrainingData data;
-  if (run.data) {
-    data = *run.data;
-  } else {
-    data.tokenizer = source.tokenizer;
-    data.train = train::load_split_tokens(data_dir, run.sources, data.tokenizer, text::Split::Train);
-    data.validation = train::load_split_tokens(data_dir, run.sources, data.tokenizer, text::Split::Validation);
-  }
+  const train::TrainingData data = run.data ? *run.data : train::training_data_for(source.tokenizer, data_dir, run.sources);
   const int windows = std::max(1, std::min<int>(run.eval_windows, static_cast<int>((data.validation.tokens.size() - 1) / seq_len)));
   const auto batches = train::evaluation_batches(data.validation.tokens, windows, 8, seq_len);
   auto quality = [&](model::Transformer& m) { return eval::evaluate_lm(m, batches, data.tokenizer); };

@@ -92,6 +92,16 @@ TrainingData prepare_training_data(const RunConfig& config) {
   return d;
 }
 
+TrainingData training_data_for(const text::BpeTokenizer& tokenizer, const std::string& data_dir,
+                               const std::vector<std::string>& sources) {
+  const std::string dir = data_dir.empty() ? text::default_data_dir() : data_dir;
+  TrainingData d;
+  d.tokenizer = tokenizer;
+  d.train = load_split_tokens(dir, sources, d.tokenizer, text::Split::Train);
+  d.validation = load_split_tokens(dir, sources, d.tokenizer, text::Split::Validation);
+  return d;
+}
+
 TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   const RunConfig& cfg = args.config;
   const TrainOptions& opt = cfg.train;

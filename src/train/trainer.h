@@ -17,6 +17,10 @@ struct TrainingData {
 
 // Tokenizer and splits for the config's data sources (fetches nothing: run `kvx data fetch` first).
 TrainingData prepare_training_data(const RunConfig& config);
+// The train and validation splits of these corpora in a given (a trained model's) tokenizer; an
+// empty data_dir is the default one.
+TrainingData training_data_for(const text::BpeTokenizer& tokenizer, const std::string& data_dir,
+                               const std::vector<std::string>& sources);
 
 struct TrainArgs {
   RunConfig config;
