@@ -1,4 +1,5 @@
-// Fuzz entry points: one per parser of outside input. Each feeds the bytes to the parser the
+// Fuzz entry points: one per parser of outside input (tensor files, LLA codecs included, go
+// through the safetensors parser). Each feeds the bytes to the parser the
 // way kvx reads such a file and exercises the result; a clean kvx::Error (or a JSON syntax
 // error, which the file readers turn into one) is the expected outcome for bad input, anything
 // else (a crash, a sanitizer report, another exception) is a defect.
@@ -11,6 +12,7 @@
 #include <string>
 #include <string_view>
 
+#include "compress/lla_shape.h"
 #include "io/safetensors_format.h"
 #include "model/config.h"
 #include "text/bpe.h"
@@ -61,5 +63,6 @@ void json_config(std::string_view bytes) {
 
 inline void model_config(std::string_view bytes) { json_config<model::ModelConfig>(bytes); }
 inline void run_config(std::string_view bytes) { json_config<train::RunConfig>(bytes); }
+inline void lla_codec(std::string_view bytes) { json_config<compress::LlaShape>(bytes); }  // lla_codec.json
 
 }  // namespace kvx::fuzz
