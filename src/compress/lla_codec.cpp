@@ -10,6 +10,7 @@
 #include "nn/tensor_io.h"
 #include "eval/evaluate.h"
 #include "text/corpus.h"
+#include "model/sampling.h"
 #include "train/adamw.h"
 #include "train/checkpoint.h"
 #include "train/dataset.h"
@@ -231,6 +232,28 @@ std::array<torch::Tensor, 3> lla_distillation_loss(model::Transformer& teacher, 
   return {kl + mse, kl, mse};
 }
 
+namespace {
+
+// Each row's first half, continued by the student decoding through the codes (no gradient).
+torch::Tensor on_policy_windows(model::Transformer& model, const LlaCodec& codec, const torch::Tensor& x, uint64_t seed) {
+  torch::NoGradGuard ng;
+  attention::CacheOptions options;
+  options.lla = codec.decode_set();
+  const int64_t n = x.size(1), keep = n / 2;
+  std::vector<torch::Tensor> rows;
+  for (int64_t b = 0; b < x.size(0); ++b) {
+    const auto row = x[b].to(torch::kInt32).contiguous();
+    const std::vector<int32_t> prompt(row.data_ptr<int32_t>(), row.data_ptr<int32_t>() + keep);
+    const auto gen = model::generate(model, prompt, static_cast<int>(n - keep), {1.0, 1.0}, seed * 1000003 + b, nullptr, options);
+    std::vector<int64_t> ids(prompt.begin(), prompt.end());
+    ids.insert(ids.end(), gen.tokens.begin(), gen.tokens.end());
+    rows.push_back(torch::tensor(ids, torch::kLong));
+  }
+  return torch::stack(rows);
+}
+
+}  // namespace
+
 nlohmann::json fit_lla_run(const FitLlaRun& run) {
   if (run.out.empty()) throw Error("fit lla: give an output directory (--out)");
   auto teacher = train::load_model(run.teacher);
@@ -294,7 +317,8 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
     nlohmann::json curve = nlohmann::json::array();
     const int every = std::max(1, run.distill_steps / std::max(1, run.distill_evals));
     for (int step = 1; step <= run.distill_steps; ++step) {
-      const auto x = sampler.next().first;
+      auto x = sampler.next().first;
+      if (run.on_policy) x = on_policy_windows(teacher.model, codec, x, static_cast<uint64_t>(step));
       const auto losses = lla_distillation_loss(teacher.model, codec, x);
       opt.zero_grad();
       losses[0].backward();
@@ -316,7 +340,8 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
     }
     codec = best;
     student = held_out(codec);  // the kept codec, measured again
-    distill = {{"steps", run.distill_steps}, {"lr", run.distill_lr}, {"svd_kl", svd_kl}, {"curve", curve}};
+    distill = {{"steps", run.distill_steps}, {"lr", run.distill_lr}, {"on_policy", run.on_policy}, {"svd_kl", svd_kl},
+               {"curve", curve}};
   }
   for (int l = 0; l < shape.layers; ++l)
     for (auto* part : {&codec.keys[l], &codec.values[l]})

@@ -73,6 +73,9 @@ struct FitLlaRun {
   double distill_lr = 1e-3;
   int distill_batch = 4;
   int distill_evals = 4;  // held-out evaluations during distillation
+  // On-policy: each training window keeps its first half and continues it with the student's own
+  // samples (decoding through the current codes, temperature 1; no gradient through sampling).
+  bool on_policy = false;
   int eval_windows = 16;
   int seq_len = 0;  // 0: min(128, the teacher's context)
   bool verbose = true;
