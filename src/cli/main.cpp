@@ -630,6 +630,8 @@ int main(int argc, char** argv) {
   fit_lla->add_option("--out", lla_run.out, "output directory (lla_codec.json/.safetensors, report.json)")->required();
   fit_lla->add_option("--steps", lla_run.distill_steps, "distillation steps after the SVD init (default 0: SVD only)");
   fit_lla->add_option("--lr", lla_run.distill_lr, "distillation peak learning rate (default 1e-3)");
+  fit_lla->add_option("--init", lla_run.init, "svd (default) | random (ablation: random orthonormal bases)");
+  fit_lla->add_option("--attention-weight", lla_run.attention_weight, "scale of the attention-output term (default 1; 0: KL only)");
   fit_lla->add_flag("--on-policy", lla_run.on_policy, "distil on windows whose second half the student samples through its codes");
   fit_lla->add_option("--calibration-tokens", lla_run.calibration_tokens, "training-split tokens captured for the SVD (default 8192)");
   fit_lla->add_option("--eval-windows", lla_run.eval_windows, "held-out windows decoded through the codes (default 16)");
@@ -796,9 +798,9 @@ int main(int argc, char** argv) {
                     report["teacher_cross_entropy"].get<double>(), report["kl_vs_teacher"].get<double>(),
                     100 * report["top1_agreement"].get<double>());
         if (!report["distillation"].is_null())
-          std::printf("distillation (%s): %d steps, held-out KL %.5f after the SVD init -> %.5f (best kept)\n",
+          std::printf("distillation (%s): %d steps, held-out KL %.5f after the init -> %.5f (best kept)\n",
                       report["distillation"]["on_policy"].get<bool>() ? "on-policy" : "off-policy",
-                      report["distillation"]["steps"].get<int>(), report["distillation"]["svd_kl"].get<double>(),
+                      report["distillation"]["steps"].get<int>(), report["distillation"]["init_kl"].get<double>(),
                       report["kl_vs_teacher"].get<double>());
         std::printf("codec: %s\n", lla_run.out.c_str());
       }

@@ -275,7 +275,19 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
     std::cerr << "fit lla: capturing K/V of " << cfg.loops << " loops x " << cfg.num_hidden_layers << " layers on "
               << calib_windows * seq_len << " calibration tokens\n";
   const auto kv = capture_stacked_kv(teacher.model, calibration, run.variant);
+  if (run.init != "svd" && run.init != "random") throw Error("fit lla: --init '" + run.init + "' is not one of svd, random");
+  if (run.init == "random" && (shape.variant == "final_loop" || shape.variant == "loop_head"))
+    throw Error("fit lla: --init random applies to the head and 2d codecs");
   auto codec = LlaCodec::fit_svd(shape, kv.keys, kv.values);
+  if (run.init == "random") {  // the ablation: random orthonormal bases, the same means
+    torch::manual_seed(1234);
+    for (auto* parts : {&codec.keys, &codec.values})
+      for (auto& p : *parts) {
+        auto q = std::get<0>(torch::linalg_qr(torch::randn({p.down.size(0), p.down.size(1), p.down.size(2)})));
+        p.down = q.contiguous();
+        p.up = q.clone();
+      }
+  }
   const auto errors = reconstruction_error(codec, kv);
 
   const int windows =
@@ -289,7 +301,7 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
     return eval::evaluate_lm_cached(teacher.model, batches, data.tokenizer, options, 1);
   };
   auto student = held_out(codec);
-  const double svd_kl = student.kl_vs_full;
+  const double init_kl = student.kl_vs_full;
   nlohmann::json distill = nullptr;
   if (run.distill_steps > 0) {
     // The teacher frozen; the codec's tensors are the only parameters.
@@ -313,7 +325,7 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
       return out;
     };
     LlaCodec best = snapshot(codec);
-    double best_kl = svd_kl;
+    double best_kl = init_kl;
     nlohmann::json curve = nlohmann::json::array();
     const int every = std::max(1, run.distill_steps / std::max(1, run.distill_evals));
     for (int step = 1; step <= run.distill_steps; ++step) {
@@ -321,7 +333,7 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
       if (run.on_policy) x = on_policy_windows(teacher.model, codec, x, static_cast<uint64_t>(step));
       const auto losses = lla_distillation_loss(teacher.model, codec, x);
       opt.zero_grad();
-      losses[0].backward();
+      (losses[1] + run.attention_weight * losses[2]).backward();
       const double lr = run.distill_lr * std::min(1.0, step / 10.0) * 0.5 * (1 + std::cos(M_PI * step / run.distill_steps));
       opt.step(lr);
       if (run.verbose && (step % 10 == 0 || step == 1))
@@ -340,8 +352,8 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
     }
     codec = best;
     student = held_out(codec);  // the kept codec, measured again
-    distill = {{"steps", run.distill_steps}, {"lr", run.distill_lr}, {"on_policy", run.on_policy}, {"svd_kl", svd_kl},
-               {"curve", curve}};
+    distill = {{"steps", run.distill_steps}, {"lr", run.distill_lr}, {"on_policy", run.on_policy},
+               {"attention_weight", run.attention_weight}, {"init_kl", init_kl}, {"curve", curve}};
   }
   for (int l = 0; l < shape.layers; ++l)
     for (auto* part : {&codec.keys[l], &codec.values[l]})
@@ -362,7 +374,7 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
                            {"cross_entropy", student.quality.cross_entropy},
                            {"kl_vs_teacher", student.kl_vs_full},
                            {"top1_agreement", student.top1_agreement},
-                           {"init", "svd"},
+                           {"init", run.init},
                            {"distillation", distill}};
   io::write_file_atomic(run.out + "/report.json", report.dump(2) + "\n");
   return report;

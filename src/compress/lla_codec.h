@@ -76,6 +76,10 @@ struct FitLlaRun {
   // On-policy: each training window keeps its first half and continues it with the student's own
   // samples (decoding through the current codes, temperature 1; no gradient through sampling).
   bool on_policy = false;
+  // Ablations: "random" replaces the SVD bases by random orthonormal ones (mu still the mean);
+  // attention_weight scales the attention-output term (0: KL only).
+  std::string init = "svd";
+  double attention_weight = 1.0;
   int eval_windows = 16;
   int seq_len = 0;  // 0: min(128, the teacher's context)
   bool verbose = true;
