@@ -137,6 +137,7 @@ struct GenerateArgs {
   uint64_t seed = 0;
   std::string kv_cache = "f32", evict;
   bool reference = false;
+  std::string lla;  // a codec directory (kvx fit lla): history stored as cross-loop codes
 };
 std::string cmd_generate(const GenerateArgs& a, bool print) {
   auto m = train::load_model(a.model);
@@ -146,6 +147,7 @@ std::string cmd_generate(const GenerateArgs& a, bool print) {
                                                 static_cast<int64_t>(prompt.size()) + a.max_new, m.model->kv_bytes_per_token()),
                         model::available_memory_bytes(), "kvx generate", "shorten the prompt or lower --max-new");
   auto cache = attention::CacheOptions::parse(a.kv_cache, a.evict, a.reference);
+  if (!a.lla.empty()) cache.lla = compress::LlaCodec::load(a.lla, m.model->config()).decode_set();
   std::string out;
   if (print) std::cout << a.prompt << std::flush;
   auto r = model::generate(m.model, prompt, a.max_new, {a.temperature, a.top_p}, a.seed, [&](int32_t id) {
@@ -167,6 +169,7 @@ struct EvalArgs {
   int max_windows = 0, seq_len = 0, batch = 8;
   bool json = false;
   std::string kv_cache, evict;  // set: also evaluate through this decode cache
+  std::string lla;              // set: also evaluate through these cross-loop codes, one token per step
   std::string mqar;             // set: MQAR accuracy at these pair counts
   int mqar_symbols = 0, mqar_sequences = 64;
 };
@@ -205,9 +208,11 @@ nlohmann::json cmd_eval(const EvalArgs& a) {
                       {"kv_cache", "f32"},
                       {"parameters", m.model->num_parameters()},
                       {"seconds", secs}};
-  if (!a.kv_cache.empty() || !a.evict.empty()) {
+  if (!a.kv_cache.empty() || !a.evict.empty() || !a.lla.empty()) {
     auto cache = attention::CacheOptions::parse(a.kv_cache.empty() ? "f32" : a.kv_cache, a.evict, false);
-    auto c = eval::evaluate_lm_cached(m.model, batches, m.tokenizer, cache);
+    if (!a.lla.empty()) cache.lla = compress::LlaCodec::load(a.lla, m.model->config()).decode_set();
+    // Codes are committed after a token's loops: one token per step, so history is read from codes.
+    auto c = eval::evaluate_lm_cached(m.model, batches, m.tokenizer, cache, cache.lla ? 1 : 0);
     j["cache"] = {{"kv_cache", cache.describe()},
                   {"bytes_per_token", c.cache_bytes_per_token},
                   {"cross_entropy", c.quality.cross_entropy},
@@ -547,6 +552,7 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--kv-cache", gen.kv_cache, "cache element type: f32 | bf16 | q8 | q4 (default f32)");
   gen_cmd->add_option("--evict", gen.evict, "sink + window eviction, e.g. sink=4,window=252 (default off)");
   gen_cmd->add_flag("--reference", gen.reference, "decode with the plain libtorch path instead of the fused kernels");
+  gen_cmd->add_option("--lla", gen.lla, "a codec directory from kvx fit lla: keep the history as cross-loop codes (looped models)");
 
   EvalArgs ev;
   auto* eval_cmd = app.add_subcommand("eval", "held-out cross-entropy, perplexity, bits/byte, KV bytes/token");
@@ -559,6 +565,7 @@ int main(int argc, char** argv) {
   eval_cmd->add_flag("--json", ev.json, "print JSON");
   eval_cmd->add_option("--kv-cache", ev.kv_cache, "also evaluate through a decode cache of this type: f32 | bf16 | q8 | q4 (CE, KL vs f32)");
   eval_cmd->add_option("--evict", ev.evict, "with sink + window eviction, e.g. sink=4,window=60");
+  eval_cmd->add_option("--lla", ev.lla, "also evaluate through an LLA codec (kvx fit lla), one token per step (CE, KL vs f32)");
   eval_cmd->add_option("--mqar", ev.mqar, "MQAR recall accuracy at these pair counts, e.g. 1,4,16 (windows of --seq-len)");
   eval_cmd->add_option("--mqar-symbols", ev.mqar_symbols, "distinct MQAR keys/values as in training (default 0 = vocab/4)");
 
