@@ -166,7 +166,9 @@ GdnInputs GdnLayerBase::project(const torch::Tensor& x, ConvTails* tails) {
   in.k = torch::silu(k_conv1d(k_proj(x), tails ? &tails->k : nullptr));
   in.v = torch::silu(v_conv1d(v_proj(x), tails ? &tails->v : nullptr));
   in.beta = torch::sigmoid(b_proj(x));
-  in.g = -A_log.exp() * torch::nn::functional::softplus(a_proj(x) + dt_bias);
+  // The log decay in at least fp32 (SPEC 1.2): its cumulative sums and exps lose too much in bf16.
+  const auto wide = x.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+  in.g = (-A_log.to(wide).exp() * torch::nn::functional::softplus(a_proj(x).to(wide) + dt_bias.to(wide))).to(x.scalar_type());
   return in;
 }
 

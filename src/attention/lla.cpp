@@ -68,8 +68,8 @@ std::pair<torch::Tensor, torch::Tensor> LlaLayerStore::history(int loop) const {
 void LlaLayerStore::commit() {
   torch::NoGradGuard ng;
   const auto xk = stack(pending_k_), xv = stack(pending_v_);
-  codes_k_.push_back(keys_.encode(xk));
-  codes_v_.push_back(values_.encode(xv));
+  codes_k_.push_back(keys_.encode(xk).to(torch::kFloat32));  // the persistent store is f32 codes
+  codes_v_.push_back(values_.encode(xv).to(torch::kFloat32));
   committed_ += xk.size(1);
   joined_k_ = joined_v_ = torch::Tensor();
   for (auto& p : pending_k_) p = torch::Tensor();

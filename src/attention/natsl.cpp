@@ -94,8 +94,12 @@ torch::Tensor routed_softmax_attention(const torch::Tensor& q, const torch::Tens
   const auto key_keep = keep.index_select(1, blk).permute({0, 2, 1}).repeat_interleave(HA / H, 1).unsqueeze(2);  // [B, HA, 1, T]
   const auto M = torch::where(same_block, torch::ones({}, q.options()), key_keep) * causal.to(q.scalar_type());
   const auto scores = torch::matmul(q, k.transpose(-1, -2)).mul(scale).masked_fill(causal.logical_not(), -INFINITY);
-  const auto shift = std::get<0>(scores.max(-1, true)).detach();  // over all causal keys: exp <= 1, no overflow
-  const auto E = (scores - shift).exp() * M;
+  // Shift by the largest visible score (the query's own key is always visible), so visible terms
+  // are <= 1 and never all underflow; hidden keys scoring far higher are capped at e^60 (finite,
+  // and multiplied by M = 0).
+  const auto visible = M.detach() > 0;
+  const auto shift = std::get<0>(scores.masked_fill(visible.logical_not(), -INFINITY).max(-1, true)).detach();
+  const auto E = (scores - shift).clamp_max(60.0).exp() * M;
   return torch::matmul(E / E.sum(-1, true), v);
 }
 
@@ -217,18 +221,17 @@ void NatslCache::clear() {
 }
 
 int64_t NatslCache::kv_bytes() const {
+  int64_t n = 0;
   if (fused_kv) {
-    int64_t n = 0;
     for (const auto& row : stores)
       for (const auto& s : row) n += s.bytes();
     return n;
   }
-  const int64_t groups = shape_.attn_heads / shape_.heads;
-  const int64_t per_token = 4 * groups * (shape_.head_dim / groups + shape_.value_dim / groups);
-  int64_t tokens = 0;
-  for (int64_t b = 0; b < batch_; ++b)
-    for (int64_t j = 0; j < shape_.heads; ++j) tokens += kv_tokens(b, j);
-  return tokens * per_token;
+  for (int64_t b = 0; b < batch_; ++b)  // the reference buffers hold the model's dtype
+    for (int64_t j = 0; j < shape_.heads; ++j)
+      for (const auto* buf : {&keys[b][j], &values[b][j]})
+        if (buf->length() > 0) n += buf->view().numel() * buf->view().element_size();
+  return n;
 }
 
 double NatslCache::bytes_per_token() const {
@@ -316,6 +319,7 @@ std::unique_ptr<MixerCache> NatslAttention::new_cache(int64_t batch, const Cache
 torch::Tensor NatslAttention::step(const torch::Tensor& x, MixerCache& cache_base) {
   auto* cache = dynamic_cast<NatslCache*>(&cache_base);
   if (!cache) throw Error("NatslAttention::step: the cache was not made by a NAtS-L layer (layer/cache mismatch)");
+  if (x.size(1) == 0) throw Error("NatslAttention::step: the chunk is empty; give at least one token");
   std::vector<torch::Tensor> outs;
   for (int64_t pos = 0; pos < x.size(1);) {  // pieces that stay inside one block
     const int64_t n = std::min(x.size(1) - pos, block_ - cache->block_filled);

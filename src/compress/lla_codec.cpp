@@ -288,7 +288,7 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
         p.up = q.clone();
       }
   }
-  const auto errors = reconstruction_error(codec, kv);
+  auto errors = reconstruction_error(codec, kv);  // of the initial codec; again for the distilled one
 
   const int windows =
       std::max(1, std::min<int>(run.eval_windows, static_cast<int>((data.validation.tokens.size() - 1) / seq_len)));
@@ -302,6 +302,7 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
   };
   auto student = held_out(codec);
   const double init_kl = student.kl_vs_full;
+  const auto init_errors_list = errors;
   nlohmann::json distill = nullptr;
   if (run.distill_steps > 0) {
     // The teacher frozen; the codec's tensors are the only parameters.
@@ -352,7 +353,11 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
     }
     codec = best;
     student = held_out(codec);  // the kept codec, measured again
+    errors = reconstruction_error(codec, kv);
+    nlohmann::json init_errors = nlohmann::json::array();
+    for (const auto& [k, v] : init_errors_list) init_errors.push_back({{"keys", k}, {"values", v}});
     distill = {{"steps", run.distill_steps}, {"lr", run.distill_lr}, {"on_policy", run.on_policy},
+               {"init_reconstruction_error", init_errors},
                {"attention_weight", run.attention_weight}, {"init_kl", init_kl}, {"curve", curve}};
   }
   for (int l = 0; l < shape.layers; ++l)

@@ -323,7 +323,8 @@ TEST(NatslLayer, DecodeCommitsAfterTheBlockAndEqualsTheFullForward) {
       int64_t held = 0;
       for (int64_t b = 0; b < 2; ++b)
         for (int64_t j = 0; j < 2; ++j) held += cache.kv_tokens(b, j);
-      EXPECT_EQ(cache.kv_bytes(), held * 4 * 2 * (8 / 2 + V / 2));  // per group: GA heads of KA + VA floats
+      // Per group: GA heads of KA + VA values, f32 in the KV stores, the model's fp64 in the torch buffers.
+      EXPECT_EQ(cache.kv_bytes(), held * (cache.fused_kv ? 4 : 8) * 2 * (8 / 2 + V / 2));
     }
   }
 }
