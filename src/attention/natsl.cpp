@@ -45,7 +45,7 @@ struct RouteSelectFunction : public torch::autograd::Function<RouteSelectFunctio
 
 }  // namespace
 
-torch::Tensor choose_routes(const torch::Tensor& probs, double max_softmax_fraction, torch::Tensor& softmax_counts,
+torch::Tensor choose_routes(const torch::Tensor& probs, const KvBudget& budget, torch::Tensor& softmax_counts,
                             int64_t blocks_before, bool last_forced) {
   if (probs.dim() != 4 || probs.size(3) != 2)
     throw Error("choose_routes: router probabilities must be [B, NB, H, 2], got " + shape_of(probs));
@@ -60,8 +60,8 @@ torch::Tensor choose_routes(const torch::Tensor& probs, double max_softmax_fract
         if (last_forced && nb == NB - 1) {
           t[b][nb][h] = 1;
         } else if (t[b][nb][h] == 0) {
-          const double allowed = std::floor(max_softmax_fraction * static_cast<double>(blocks_before + nb + 1) + 1e-9);
-          if (static_cast<double>(count[b][h] + 1) > allowed)
+          const double allowed = std::floor(budget.fraction * static_cast<double>(blocks_before + nb + 1) + 1e-9);
+          if (static_cast<double>(count[b][h] + 1) > allowed || (budget.max_blocks > 0 && count[b][h] + 1 > budget.max_blocks))
             t[b][nb][h] = 1;  // over the KV budget: the block goes to the state
           else
             ++count[b][h];
@@ -248,7 +248,7 @@ int64_t NatslCache::bytes() const {
 NatslAttention::NatslAttention(const model::ModelConfig& c, int layer)
     : GdnLayerBase(c, "natsl"), attn_heads_(c.nats_attention_heads), groups_(c.nats_attention_heads / c.linear_num_heads),
       block_(c.nats_block_size), rope_enabled_(c.nats_rope), sparse_router_grad_(c.nats_router_grad == "sparse"),
-      max_softmax_fraction_(c.nats_max_softmax_fraction),
+      budget_{c.nats_max_softmax_fraction, c.nats_max_softmax_blocks},
       rope_(c.nats_rope ? c.linear_key_head_dim / (c.nats_attention_heads / c.linear_num_heads) : 2, c.rope_theta) {
   (void)layer;
   const int64_t d = c.hidden_size, ka = key_dim_ / groups_, va = value_dim_ / groups_;
@@ -292,7 +292,7 @@ torch::Tensor NatslAttention::forward(const torch::Tensor& x) {
   for (int64_t t0 = 0; t0 < T; t0 += block_) pooled.push_back(x.narrow(1, t0, std::min(block_, T - t0)).mean(1));
   const auto probs = router_probs(torch::stack(pooled, 1));
   torch::Tensor counts;
-  const auto chosen = choose_routes(probs, max_softmax_fraction_, counts, 0, true);
+  const auto chosen = choose_routes(probs, budget_, counts, 0, true);
   const auto types = route_select(probs, chosen, sparse_router_grad_);
   last_routes_ = chosen.argmax(-1).detach();
   torch::Tensor qa, ka, va;
@@ -405,7 +405,7 @@ torch::Tensor NatslAttention::softmax_branch_fused(const torch::Tensor& qa, cons
 void NatslAttention::commit_block(NatslCache& cache) {
   torch::NoGradGuard ng;
   const auto pooled = torch::cat(cache.block_inputs, 1).mean(1).unsqueeze(1);  // [B, 1, d]
-  const auto chosen = choose_routes(router_probs(pooled), max_softmax_fraction_, cache.softmax_counts,
+  const auto chosen = choose_routes(router_probs(pooled), budget_, cache.softmax_counts,
                                     static_cast<int64_t>(cache.routes.size()), false);
   const auto route = chosen.argmax(-1).select(1, 0).to(torch::kLong).contiguous();  // [B, H], 1 = GDN
   const auto r = route.accessor<int64_t, 2>();

@@ -10,7 +10,7 @@
 //   out     = o_proj((gdn_norm(o_gdn as [HA, VA]) w0 + attn_norm(o_attn) w1) * silu(g_proj x))
 // Router: logits = router(mean of the block's x).view(H, 2), type = argmax softmax (0 softmax,
 // 1 GDN), the last (possibly partial) block forced to GDN; optional budget (at most a fraction f of
-// a head group's blocks so far routed to softmax, greedy in block order).
+// a head group's blocks so far, and at most a count, routed to softmax, greedy in block order).
 //
 // Softmax branch: query t sees key s <= t iff same block or block(s) was routed to softmax.
 // GDN branch: every token's output includes its own block's writes; when block b ends, the
@@ -37,10 +37,17 @@
 
 namespace kvx::attention {
 
+// The KV budget (beyond the paper): per head group, at most floor(fraction x blocks so far) and at
+// most max_blocks (0: no cap) blocks routed to softmax; the count cap bounds the KV memory.
+struct KvBudget {
+  double fraction = 1.0;
+  int64_t max_blocks = 0;
+};
+
 // One-hot routes chosen from router probabilities [B, NB, H, 2] (index 0 softmax, 1 GDN): argmax,
 // then the budget in block order (softmax_counts [B, H] int64 in/out: blocks routed to softmax so
 // far; blocks_before: blocks routed before these), then, if last_forced, the last block to GDN.
-torch::Tensor choose_routes(const torch::Tensor& probs, double max_softmax_fraction, torch::Tensor& softmax_counts,
+torch::Tensor choose_routes(const torch::Tensor& probs, const KvBudget& budget, torch::Tensor& softmax_counts,
                             int64_t blocks_before, bool last_forced);
 
 // The routes as a differentiable function of the router probabilities: the value is `chosen`
@@ -132,7 +139,7 @@ class NatslAttention : public GdnLayerBase {
                                      NatslCache& cache, double scale);
   int64_t attn_heads_, groups_, block_;
   bool rope_enabled_, sparse_router_grad_;
-  double max_softmax_fraction_;
+  KvBudget budget_;
   nn::Rope rope_;
   torch::Tensor last_routes_;
 };

@@ -38,6 +38,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   c.nats_rope = r.get<bool>("nats_rope", c.nats_rope);
   c.nats_router_grad = r.get<std::string>("nats_router_grad", c.nats_router_grad);
   c.nats_max_softmax_fraction = r.get<double>("nats_max_softmax_fraction", c.nats_max_softmax_fraction);
+  c.nats_max_softmax_blocks = r.get<int>("nats_max_softmax_blocks", c.nats_max_softmax_blocks);
   std::string arch = r.get<std::string>("model_type", "kvx");
   if (arch != "kvx") throw Error("model config: model_type '" + arch + "' is not a kvx model (expected \"kvx\")");
   r.finish();
@@ -82,6 +83,7 @@ nlohmann::json ModelConfig::to_json() const {
     j["nats_rope"] = nats_rope;
     j["nats_router_grad"] = nats_router_grad;
     j["nats_max_softmax_fraction"] = nats_max_softmax_fraction;
+    j["nats_max_softmax_blocks"] = nats_max_softmax_blocks;
   }
   return j;
 }
@@ -160,6 +162,8 @@ void ModelConfig::validate() const {
     if (!(nats_max_softmax_fraction > 0 && nats_max_softmax_fraction <= 1))
       throw Error("model config: nats_max_softmax_fraction must be in (0, 1] (1 = no KV budget), got " +
                   std::to_string(nats_max_softmax_fraction));
+    if (nats_max_softmax_blocks < 0)
+      throw Error("model config: nats_max_softmax_blocks must be >= 0 (0 = no cap), got " + std::to_string(nats_max_softmax_blocks));
   }
 }
 

@@ -46,6 +46,7 @@ struct ModelConfig {
   bool nats_rope = true;
   std::string nats_router_grad = "sparse";
   double nats_max_softmax_fraction = 1.0;
+  int nats_max_softmax_blocks = 0;  // and at most this many blocks per head group (0: no cap)
 
   static ModelConfig from_json(const nlohmann::json& j);  // strict: unknown keys are errors
   nlohmann::json to_json() const;

@@ -217,7 +217,7 @@ TEST(Routing, ArgmaxWithTheForcedLastBlockAndTheBudget) {
   probs.select(2, 1).select(-1, 0).fill_(0.2);
   probs.select(2, 1).select(-1, 1).fill_(0.8);
   torch::Tensor counts;
-  auto chosen = attention::choose_routes(probs, 1.0, counts, 0, true);
+  auto chosen = attention::choose_routes(probs, {1.0, 0}, counts, 0, true);
   auto type = chosen.argmax(-1);
   for (int nb = 0; nb < 5; ++nb) EXPECT_EQ(type[0][nb][0].item<int64_t>(), 0) << nb;
   EXPECT_EQ(type[0][5][0].item<int64_t>(), 1) << "the last block is forced to GDN";
@@ -225,13 +225,20 @@ TEST(Routing, ArgmaxWithTheForcedLastBlockAndTheBudget) {
   EXPECT_EQ(counts[0][0].item<int64_t>(), 5);
   // Budget 0.5: at most floor(0.5 (blocks so far)) softmax blocks: GDN, softmax, GDN, softmax, GDN, softmax.
   torch::Tensor capped;
-  type = attention::choose_routes(probs, 0.5, capped, 0, false).argmax(-1);
+  type = attention::choose_routes(probs, {0.5, 0}, capped, 0, false).argmax(-1);
   for (int nb = 0; nb < 6; ++nb) EXPECT_EQ(type[0][nb][0].item<int64_t>(), nb % 2 == 0 ? 1 : 0) << nb;
   EXPECT_EQ(capped[0][0].item<int64_t>(), 3);
+  // A count cap of 2: the first two softmax-preferring blocks keep their KV, no later one does.
+  torch::Tensor counted;
+  type = attention::choose_routes(probs, {1.0, 2}, counted, 0, false).argmax(-1);
+  for (int nb = 0; nb < 6; ++nb) EXPECT_EQ(type[0][nb][0].item<int64_t>(), nb < 2 ? 0 : 1) << nb;
+  EXPECT_EQ(counted[0][0].item<int64_t>(), 2);
+  torch::Tensor fresh;
+  type = attention::choose_routes(probs, {0.5, 0}, fresh, 0, false).argmax(-1);  // the f = 0.5 routes again
   // The same one block at a time (decode) gives the same routes.
   torch::Tensor step_counts;
   for (int nb = 0; nb < 6; ++nb) {
-    auto t = attention::choose_routes(probs.narrow(1, nb, 1), 0.5, step_counts, nb, false).argmax(-1);
+    auto t = attention::choose_routes(probs.narrow(1, nb, 1), {0.5, 0}, step_counts, nb, false).argmax(-1);
     EXPECT_EQ(t[0][0][0].item<int64_t>(), type[0][nb][0].item<int64_t>()) << nb;
   }
 }
@@ -334,6 +341,7 @@ TEST(NatslLayer, AllSoftmaxBudgetAndNoPositionEncodingVariantsDecodeExactly) {
     for (bool rope : {true, false}) {
       auto c = natsl_config(2, 2, 4, 6, 8);
       c.nats_max_softmax_fraction = budget;
+      c.nats_max_softmax_blocks = budget == 1.0 && !rope ? 1 : 0;  // one variant with a count cap
       c.nats_rope = rope;
       c.validate();
       auto m = make_natsl(c, 21);
@@ -346,7 +354,8 @@ TEST(NatslLayer, AllSoftmaxBudgetAndNoPositionEncodingVariantsDecodeExactly) {
       EXPECT_LT(max_diff(torch::cat(parts, 1), full), 1e-10) << budget << " " << rope;
       auto& nc = dynamic_cast<attention::NatslCache&>(*cache);
       for (int64_t j = 0; j < 2; ++j)
-        EXPECT_LE(nc.softmax_counts[0][j].item<int64_t>(), static_cast<int64_t>(std::floor(budget * 5 + 1e-9))) << j;
+        EXPECT_LE(nc.softmax_counts[0][j].item<int64_t>(),
+                  c.nats_max_softmax_blocks > 0 ? 1 : static_cast<int64_t>(std::floor(budget * 5 + 1e-9))) << j;
     }
 }
 
@@ -405,6 +414,7 @@ TEST(NatslLayer, BadConfigurationsAreRefusedWithTheFix) {
       {[](auto& b) { b.nats_max_softmax_fraction = 0; }, "nats_max_softmax_fraction must be in (0, 1]"},
       {[](auto& b) { b.nats_router_grad = "straight"; }, "is not one of sparse"},
       {[](auto& b) { b.nats_block_size = 0; }, "nats_block_size must be positive"},
+      {[](auto& b) { b.nats_max_softmax_blocks = -1; }, "nats_max_softmax_blocks must be >= 0"},
       {[](auto& b) { b.layout = "gdn*1,natsl"; }, "describes more than num_hidden_layers"}};
   for (const auto& [mutate, needle] : cases) {
     auto bad = c;
