@@ -50,19 +50,22 @@ torch::Tensor LlaLayerStore::stack(const std::vector<torch::Tensor>& per_loop) c
   return two_d_ ? x.reshape({B, n, 1, kv_heads_ * loops_ * head_dim_}) : x.reshape({B, n, kv_heads_, loops_ * head_dim_});
 }
 
-torch::Tensor LlaLayerStore::unstack(const torch::Tensor& x, int loop) const {
-  const int64_t B = x.size(0), L = x.size(1);
-  return x.reshape({B, L, kv_heads_, loops_, head_dim_}).select(3, loop).transpose(1, 2);  // [B, Hkv, L, d_h]
-}
-
 std::pair<torch::Tensor, torch::Tensor> LlaLayerStore::history(int loop) const {
   if (committed_ == 0) return {};
   if (!joined_k_.defined()) {
     joined_k_ = torch::cat(codes_k_, 1);
     joined_v_ = torch::cat(codes_v_, 1);
   }
-  // Reconstruct-on-read: the codes are the only history; loop `loop`'s K/V are rebuilt.
-  return {unstack(keys_.decode(joined_k_), loop), unstack(values_.decode(joined_v_), loop)};
+  // Reconstruct-on-read: the codes are the only history; only loop `loop`'s rows of W_up and mu
+  // are applied (x^_t = c W_up,t^T + mu_t).
+  auto rebuild = [&](const LlaCodecPart& part, const torch::Tensor& codes) {
+    const int64_t G = part.up.size(0), per_group = part.up.size(1) / (loops_ * head_dim_), r = part.up.size(2);
+    const auto up_t = part.up.view({G, per_group, loops_, head_dim_, r}).select(2, loop).reshape({G, per_group * head_dim_, r});
+    const auto mu_t = part.mu.view({G, per_group, loops_, head_dim_}).select(2, loop).reshape({G, per_group * head_dim_});
+    const auto x = torch::einsum("blgr,gwr->blgw", {codes, up_t.to(codes.scalar_type())}) + mu_t.to(codes.scalar_type());
+    return x.reshape({codes.size(0), codes.size(1), kv_heads_, head_dim_}).transpose(1, 2);  // [B, Hkv, L, d_h]
+  };
+  return {rebuild(keys_, joined_k_), rebuild(values_, joined_v_)};
 }
 
 void LlaLayerStore::commit() {

@@ -50,7 +50,6 @@ class LlaLayerStore {
 
  private:
   torch::Tensor stack(const std::vector<torch::Tensor>& per_loop) const;  // -> [B, n, G, W]
-  torch::Tensor unstack(const torch::Tensor& x, int loop) const;          // [B, L, G, W] -> [B, Hkv, L, d_h]
   LlaCodecPart keys_, values_;
   int loops_, kv_heads_, head_dim_;
   bool two_d_;
