@@ -14,15 +14,27 @@ torch::Tensor LlaCodecPart::decode(const torch::Tensor& c) const {
   return torch::einsum("...gr,gwr->...gw", {c, up.to(c.scalar_type())}) + mu.to(c.scalar_type());
 }
 
+torch::Tensor LlaCodecPart::decode_loop(const torch::Tensor& codes, int loop, int loops, int head_dim) const {
+  const int64_t G = up.size(0), per_group = up.size(1) / (static_cast<int64_t>(loops) * head_dim), r = up.size(2);
+  const auto up_t = up.view({G, per_group, loops, head_dim, r}).select(2, loop).reshape({G, per_group * head_dim, r});
+  const auto mu_t = mu.view({G, per_group, loops, head_dim}).select(2, loop).reshape({G, per_group * head_dim});
+  const auto x = torch::einsum("blgr,gwr->blgw", {codes, up_t.to(codes.scalar_type())}) + mu_t.to(codes.scalar_type());
+  return x.reshape({codes.size(0), codes.size(1), G * per_group, head_dim}).transpose(1, 2);  // [B, Hkv, L, d_h]
+}
+
+torch::Tensor stack_loops(const std::vector<torch::Tensor>& per_loop, bool across_heads) {
+  auto x = torch::stack(per_loop, 3).permute({0, 2, 1, 3, 4});  // [B, n, Hkv, T, d_h]
+  const int64_t B = x.size(0), n = x.size(1), H = x.size(2), width = x.size(3) * x.size(4);
+  return across_heads ? x.reshape({B, n, 1, H * width}) : x.reshape({B, n, H, width});
+}
+
 LlaLayerStore::LlaLayerStore(const LlaCodecSet& codec, int layer)
     : keys_(codec.layers.at(layer).first), values_(codec.layers.at(layer).second), loops_(codec.loops),
       kv_heads_(codec.kv_heads), head_dim_(codec.head_dim), two_d_(codec.two_d), pending_k_(codec.loops),
       pending_v_(codec.loops) {}
 
 int64_t LlaLayerStore::bytes() const {
-  int64_t b = 0;
-  for (size_t i = 0; i < codes_k_.size(); ++i) b += 4 * (codes_k_[i].numel() + codes_v_[i].numel());
-  return b;
+  return committed_ == 0 ? 0 : 4 * (codes_k_.view().numel() + codes_v_.view().numel());
 }
 
 double LlaLayerStore::bytes_per_token() const { return 4.0 * keys_.mu.size(0) * (keys_.rank() + values_.rank()); }
@@ -30,7 +42,6 @@ double LlaLayerStore::bytes_per_token() const { return 4.0 * keys_.mu.size(0) * 
 void LlaLayerStore::clear() {
   codes_k_.clear();
   codes_v_.clear();
-  joined_k_ = joined_v_ = torch::Tensor();
   for (auto& p : pending_k_) p = torch::Tensor();
   for (auto& p : pending_v_) p = torch::Tensor();
   committed_ = 0;
@@ -41,40 +52,23 @@ void LlaLayerStore::set_pending(int loop, const torch::Tensor& k, const torch::T
   pending_v_.at(loop) = v.detach();
 }
 
-torch::Tensor LlaLayerStore::stack(const std::vector<torch::Tensor>& per_loop) const {
-  for (int t = 0; t < loops_; ++t)
-    if (!per_loop[t].defined())
-      throw Error("LLA: loop " + std::to_string(t) + " has not run for the chunk being committed (the loops must run in order)");
-  auto x = torch::stack(per_loop, 3).permute({0, 2, 1, 3, 4});  // [B, n, Hkv, T, d_h]
-  const int64_t B = x.size(0), n = x.size(1);
-  return two_d_ ? x.reshape({B, n, 1, kv_heads_ * loops_ * head_dim_}) : x.reshape({B, n, kv_heads_, loops_ * head_dim_});
-}
-
 std::pair<torch::Tensor, torch::Tensor> LlaLayerStore::history(int loop) const {
   if (committed_ == 0) return {};
-  if (!joined_k_.defined()) {
-    joined_k_ = torch::cat(codes_k_, 1);
-    joined_v_ = torch::cat(codes_v_, 1);
-  }
-  // Reconstruct-on-read: the codes are the only history; only loop `loop`'s rows of W_up and mu
-  // are applied (x^_t = c W_up,t^T + mu_t).
-  auto rebuild = [&](const LlaCodecPart& part, const torch::Tensor& codes) {
-    const int64_t G = part.up.size(0), per_group = part.up.size(1) / (loops_ * head_dim_), r = part.up.size(2);
-    const auto up_t = part.up.view({G, per_group, loops_, head_dim_, r}).select(2, loop).reshape({G, per_group * head_dim_, r});
-    const auto mu_t = part.mu.view({G, per_group, loops_, head_dim_}).select(2, loop).reshape({G, per_group * head_dim_});
-    const auto x = torch::einsum("blgr,gwr->blgw", {codes, up_t.to(codes.scalar_type())}) + mu_t.to(codes.scalar_type());
-    return x.reshape({codes.size(0), codes.size(1), kv_heads_, head_dim_}).transpose(1, 2);  // [B, Hkv, L, d_h]
-  };
-  return {rebuild(keys_, joined_k_), rebuild(values_, joined_v_)};
+  // Reconstruct-on-read: the codes are the only history (x^_t = c W_up,t^T + mu_t).
+  return {keys_.decode_loop(codes_k_.view().transpose(1, 2), loop, loops_, head_dim_),
+          values_.decode_loop(codes_v_.view().transpose(1, 2), loop, loops_, head_dim_)};
 }
 
 void LlaLayerStore::commit() {
   torch::NoGradGuard ng;
-  const auto xk = stack(pending_k_), xv = stack(pending_v_);
-  codes_k_.push_back(keys_.encode(xk).to(torch::kFloat32));  // the persistent store is f32 codes
-  codes_v_.push_back(values_.encode(xv).to(torch::kFloat32));
+  for (int t = 0; t < loops_; ++t)
+    if (!pending_k_[t].defined())
+      throw Error("LLA: loop " + std::to_string(t) + " has not run for the chunk being committed (the loops must run in order)");
+  const auto xk = stack_loops(pending_k_, two_d_), xv = stack_loops(pending_v_, two_d_);  // [B, n, G, W]
+  // The persistent store is f32 codes, appended along the token axis.
+  codes_k_.append(keys_.encode(xk).to(torch::kFloat32).transpose(1, 2).contiguous());
+  codes_v_.append(values_.encode(xv).to(torch::kFloat32).transpose(1, 2).contiguous());
   committed_ += xk.size(1);
-  joined_k_ = joined_v_ = torch::Tensor();
   for (auto& p : pending_k_) p = torch::Tensor();
   for (auto& p : pending_v_) p = torch::Tensor();
 }
@@ -82,10 +76,9 @@ void LlaLayerStore::commit() {
 void LlaLayerStore::append_random_codes(int64_t batch, int64_t tokens, uint32_t seed) {
   torch::manual_seed(seed);
   const int64_t G = keys_.mu.size(0);
-  codes_k_.push_back(torch::randn({batch, tokens, G, keys_.rank()}));
-  codes_v_.push_back(torch::randn({batch, tokens, G, values_.rank()}));
+  codes_k_.append(torch::randn({batch, G, tokens, keys_.rank()}));
+  codes_v_.append(torch::randn({batch, G, tokens, values_.rank()}));
   committed_ += tokens;
-  joined_k_ = joined_v_ = torch::Tensor();
 }
 
 void LlaLoopCache::clear() {

@@ -23,8 +23,15 @@ struct LlaCodecPart {
   torch::Tensor mu, down, up;
   torch::Tensor encode(const torch::Tensor& x) const;  // x [..., G, W] -> c [..., G, r]
   torch::Tensor decode(const torch::Tensor& c) const;  // c [..., G, r] -> x^ [..., G, W]
+  // Loop `loop`'s reconstruction only (its rows of W_up and mu): codes [B, L, G, r] ->
+  // [B, Hkv, L, d_h] for a model of `loops` loops and head width `head_dim`.
+  torch::Tensor decode_loop(const torch::Tensor& codes, int loop, int loops, int head_dim) const;
   int64_t rank() const { return down.size(2); }
 };
+
+// The stacked layout the codec reads: per-loop K or V [B, Hkv, n, d_h] (T of them) ->
+// [B, n, G, W] (G = Hkv, W = T d_h; across_heads: G = 1, W = Hkv T d_h, heads then loops then d_h).
+torch::Tensor stack_loops(const std::vector<torch::Tensor>& per_loop, bool across_heads);
 
 // What decode needs: every layer's key and value codecs.
 struct LlaCodecSet {
@@ -49,13 +56,11 @@ class LlaLayerStore {
   void append_random_codes(int64_t batch, int64_t tokens, uint32_t seed);
 
  private:
-  torch::Tensor stack(const std::vector<torch::Tensor>& per_loop) const;  // -> [B, n, G, W]
   LlaCodecPart keys_, values_;
   int loops_, kv_heads_, head_dim_;
   bool two_d_;
   std::vector<torch::Tensor> pending_k_, pending_v_;
-  std::vector<torch::Tensor> codes_k_, codes_v_;  // committed chunks, [B, n, G, r] each
-  mutable torch::Tensor joined_k_, joined_v_;     // their concatenation, rebuilt after a commit
+  SequenceBuffer codes_k_, codes_v_;  // committed codes, [B, G, L, r] (f32)
   int64_t committed_ = 0;
 };
 

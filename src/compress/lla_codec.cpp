@@ -18,12 +18,6 @@
 
 namespace kvx::compress {
 
-namespace {
-
-std::string str(int v) { return std::to_string(v); }
-
-}  // namespace
-
 std::shared_ptr<const attention::LlaCodecSet> LlaCodec::decode_set() const {
   auto set = std::make_shared<attention::LlaCodecSet>();
   set->loops = shape.loops;
@@ -46,7 +40,7 @@ LlaCodecPart svd_part(const torch::Tensor& x, int rank) {  // x [N, G, W]
     const auto svd = torch::linalg_svd(centred, /*full_matrices=*/false);
     const auto vh = std::get<2>(svd);  // [min(N, W), W]
     if (vh.size(0) < rank)
-      throw Error("LLA codec: rank " + str(rank) + " needs at least that many captured tokens (got " + str(static_cast<int>(vh.size(0))) +
+      throw Error("LLA codec: rank " + std::to_string(rank) + " needs at least that many captured tokens (got " + std::to_string(static_cast<int>(vh.size(0))) +
                   "); capture more calibration text");
     bases.push_back(vh.narrow(0, 0, rank).t());  // [W, r]
   }
@@ -92,15 +86,15 @@ LlaCodec LlaCodec::fit_svd(const LlaShape& shape, const std::vector<torch::Tenso
                            const std::vector<torch::Tensor>& stacked_values) {
   shape.validate();
   if (static_cast<int>(stacked_keys.size()) != shape.layers || stacked_values.size() != stacked_keys.size())
-    throw Error("LLA codec: captured K/V for " + str(static_cast<int>(stacked_keys.size())) + " layers, the teacher has " +
-                str(shape.layers));
+    throw Error("LLA codec: captured K/V for " + std::to_string(static_cast<int>(stacked_keys.size())) + " layers, the teacher has " +
+                std::to_string(shape.layers));
   LlaCodec c;
   c.shape = shape;
   for (int l = 0; l < shape.layers; ++l) {
     for (const auto* x : {&stacked_keys[l], &stacked_values[l]})
       if (x->dim() != 3 || x->size(1) != shape.groups() || x->size(2) != shape.width())
-        throw Error("LLA codec: layer " + str(l) + " captured [N, G, W] must have G = " + str(shape.groups()) + " and W = " +
-                    str(shape.width()));
+        throw Error("LLA codec: layer " + std::to_string(l) + " captured [N, G, W] must have G = " + std::to_string(shape.groups()) + " and W = " +
+                    std::to_string(shape.width()));
     if (shape.variant == "final_loop") {
       c.keys.push_back(final_loop_part(shape));
       c.values.push_back(final_loop_part(shape));
@@ -120,7 +114,7 @@ void LlaCodec::save(const std::string& dir) const {
   nn::TensorMap t;
   for (int l = 0; l < shape.layers; ++l)
     for (auto [name, part] : {std::pair<const char*, const LlaCodecPart*>{"k", &keys[l]}, {"v", &values[l]}}) {
-      const std::string p = "layers." + str(l) + "." + name + ".";
+      const std::string p = "layers." + std::to_string(l) + "." + name + ".";
       t[p + "mu"] = part->mu;
       t[p + "down"] = part->down;
       t[p + "up"] = part->up;
@@ -148,7 +142,7 @@ LlaCodec LlaCodec::load(const std::string& dir, const model::ModelConfig& teache
   for (int l = 0; l < c.shape.layers; ++l)
     for (auto [name, rank, parts] : {std::tuple<const char*, int, std::vector<LlaCodecPart>*>{"k", c.shape.rank_k, &c.keys},
                                      {"v", c.shape.rank_v, &c.values}}) {
-      const std::string p = "layers." + str(l) + "." + name + ".";
+      const std::string p = "layers." + std::to_string(l) + "." + name + ".";
       parts->push_back({get(p + "mu", {G, W}), get(p + "down", {G, W, rank}), get(p + "up", {G, W, rank})});
     }
   return c;
@@ -162,27 +156,23 @@ StackedKV capture_stacked_kv(model::Transformer& teacher, const std::vector<torc
     LlaShape::of_teacher(cfg, variant, 1, 1);  // throws, naming the valid variants
   const auto shape = LlaShape::of_teacher(cfg, probe.across_heads() ? "2d" : "head", 1, 1);  // the stacked layout
   const int T = cfg.loops, D = cfg.num_hidden_layers;
-  // per[layer][loop]: pieces of [N, Hkv, d_h]
-  std::vector<std::vector<std::vector<torch::Tensor>>> keys(D, std::vector<std::vector<torch::Tensor>>(T)), values = keys;
+  // Per window: [layer][loop] K/V [B, Hkv, n, d_h]; stacked per layer into pieces of [B n, G, W].
+  std::vector<std::vector<torch::Tensor>> k(D, std::vector<torch::Tensor>(T)), v = k, key_pieces(D), value_pieces(D);
   torch::NoGradGuard ng;
-  for (const auto& ids : windows)
+  for (const auto& ids : windows) {
     teacher->forward(ids, [&](int loop, int layer, const torch::Tensor& x) {
       auto* dense = dynamic_cast<attention::DenseAttention*>(teacher->layers[layer]->as<model::BlockImpl>()->self_attn.get());
-      auto [k, v] = dense->keys_values_pre_rope(x);  // [B, Hkv, n, d_h]
-      keys[layer][loop].push_back(k.transpose(1, 2).reshape({-1, k.size(1), k.size(3)}));
-      values[layer][loop].push_back(v.transpose(1, 2).reshape({-1, v.size(1), v.size(3)}));
+      std::tie(k[layer][loop], v[layer][loop]) = dense->keys_values_pre_rope(x);
     });
+    for (int l = 0; l < D; ++l) {
+      key_pieces[l].push_back(attention::stack_loops(k[l], shape.across_heads()).reshape({-1, shape.groups(), shape.width()}));
+      value_pieces[l].push_back(attention::stack_loops(v[l], shape.across_heads()).reshape({-1, shape.groups(), shape.width()}));
+    }
+  }
   StackedKV out;
-  auto stack = [&](std::vector<std::vector<torch::Tensor>>& per_loop) {
-    std::vector<torch::Tensor> loops;
-    for (auto& pieces : per_loop) loops.push_back(torch::cat(pieces, 0));  // [N, Hkv, d_h]
-    auto x = torch::stack(loops, 2);                                        // [N, Hkv, T, d_h]
-    if (shape.across_heads()) return x.reshape({x.size(0), 1, shape.width()});  // heads, then loops, then d_h
-    return x.reshape({x.size(0), x.size(1), shape.width()});
-  };
   for (int l = 0; l < D; ++l) {
-    out.keys.push_back(stack(keys[l]));
-    out.values.push_back(stack(values[l]));
+    out.keys.push_back(torch::cat(key_pieces[l], 0));
+    out.values.push_back(torch::cat(value_pieces[l], 0));
   }
   return out;
 }
@@ -205,20 +195,12 @@ std::array<torch::Tensor, 3> lla_distillation_loss(model::Transformer& teacher, 
   }
   // Reconstructions per layer and loop from the codes of the teacher's K/V.
   std::vector<std::vector<torch::Tensor>> kh(D), vh(D);
-  const int64_t B = ids.size(0), n = ids.size(1), H = cfg.num_key_value_heads, dh = cfg.head_dim;
-  auto stacked = [&](const std::vector<torch::Tensor>& per_loop) {
-    auto x = torch::stack(per_loop, 3).permute({0, 2, 1, 3, 4});  // [B, n, Hkv, T, d_h]
-    return x.reshape({B, n, codec.shape.groups(), codec.shape.width()});
-  };
-  auto per_loop = [&](const torch::Tensor& xhat, int t) {
-    return xhat.reshape({B, n, H, T, dh}).select(3, t).transpose(1, 2);  // [B, Hkv, n, d_h]
-  };
   for (int d = 0; d < D; ++d) {
-    const auto xk = codec.keys[d].decode(codec.keys[d].encode(stacked(k[d])));
-    const auto xv = codec.values[d].decode(codec.values[d].encode(stacked(v[d])));
+    const auto ck = codec.keys[d].encode(attention::stack_loops(k[d], codec.shape.across_heads()));
+    const auto cv = codec.values[d].encode(attention::stack_loops(v[d], codec.shape.across_heads()));
     for (int t = 0; t < T; ++t) {
-      kh[d].push_back(per_loop(xk, t));
-      vh[d].push_back(per_loop(xv, t));
+      kh[d].push_back(codec.keys[d].decode_loop(ck, t, T, cfg.head_dim));
+      vh[d].push_back(codec.values[d].decode_loop(cv, t, T, cfg.head_dim));
     }
   }
   torch::Tensor mse = torch::zeros({}, teacher_logp.options());
