@@ -146,9 +146,7 @@ torch::Tensor DenseAttention::step_lla(const torch::Tensor& x, LlaLoopCache& cac
 torch::Tensor DenseAttention::step_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                          FusedKVCache& cache) {
   // [B, heads, T, d_h] -> [B, T, heads, d_h] float32, contiguous rows per token.
-  auto qt = q.transpose(1, 2).to(torch::kFloat32).contiguous();
-  auto kt = k.transpose(1, 2).to(torch::kFloat32).contiguous();
-  auto vt = v.transpose(1, 2).to(torch::kFloat32).contiguous();
+  auto qt = token_major_f32(q), kt = token_major_f32(k), vt = token_major_f32(v);
   const int64_t B = qt.size(0), T = qt.size(1);
   auto out = torch::empty_like(qt);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_)));

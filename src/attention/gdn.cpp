@@ -90,8 +90,8 @@ torch::Tensor gdn_recurrent_fused(const torch::Tensor& q, const torch::Tensor& k
     throw Error("gdn_recurrent_fused: the state must be a contiguous f32 tensor");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), K = q.size(3), V = v.size(3);
   // [B, T, H, w] f32 copies: one token's heads are contiguous.
-  auto f32 = [](const torch::Tensor& t) { return t.transpose(1, 2).to(torch::kFloat32).contiguous(); };
-  const auto qf = f32(q), kf = f32(k), vf = f32(v), gf = f32(g), bf = f32(beta);
+  const auto qf = token_major_f32(q), kf = token_major_f32(k), vf = token_major_f32(v), gf = token_major_f32(g),
+             bf = token_major_f32(beta);
   auto out = torch::empty({B, T, H, V}, torch::kFloat32);
   for (int64_t b = 0; b < B; ++b) {
     float* S = state.data_ptr<float>() + b * H * K * V;

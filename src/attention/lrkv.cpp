@@ -195,7 +195,7 @@ torch::Tensor LrkvAttention::step_fused(const torch::Tensor& x, LrkvFusedCache& 
   torch::Tensor q, ks, vs, rk, rv;
   project(x, q, ks, vs, rk, rv);
   auto qr = rope_.apply(q, start);
-  auto to_rows = [](const torch::Tensor& t) { return t.transpose(1, 2).to(torch::kFloat32).contiguous(); };  // [B, T, heads, w]
+  const auto to_rows = token_major_f32;  // [B, T, heads, w]
   auto q_rows = to_rows(qr), ks_rows = to_rows(rope_.apply(ks, start)), vs_rows = to_rows(vs);
   torch::Tensor qb_rows, rk_rows, rv_rows;
   if (r > 0) {  // qb = q B^K (shared_rope: the unrotated q; pair_aligned: rope(q)); latents as stored

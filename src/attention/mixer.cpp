@@ -84,6 +84,8 @@ void SequenceBuffer::truncate(int64_t length) {
 
 torch::Tensor SequenceBuffer::view() const { return data_.defined() ? data_.narrow(2, 0, length_) : data_; }
 
+torch::Tensor token_major_f32(const torch::Tensor& x) { return x.transpose(1, 2).to(torch::kFloat32).contiguous(); }
+
 torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start) {
   const int64_t Tq = scores.size(-2), Tk = scores.size(-1);
   if (Tq > 1 || q_start + Tq < Tk) {

@@ -45,6 +45,10 @@ class SequenceBuffer {
   int64_t length_ = 0;
 };
 
+// [B, X, T, w] (or [B, X, T]) -> contiguous f32 [B, T, X, w]: one token's heads in a row, as the torch-free
+// kernels read them.
+torch::Tensor token_major_f32(const torch::Tensor& x);
+
 // Causal softmax over scores [..., Tq, Tk] where query i sits at position q_start + i and key j
 // at position j (keys past a query are masked).
 torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start);

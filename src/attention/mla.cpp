@@ -78,8 +78,8 @@ torch::Tensor MlaAttention::step_fused(const torch::Tensor& x, FusedKVCache& cac
   torch::Tensor q, qr, c, kr;
   project(x, start, q, qr, c, kr);
   // Rows [c | k_R] per token; queries [q_h W_UK,h | rope(q_R,h)] per head.
-  auto rows = torch::cat({c, kr}, -1).transpose(1, 2).to(torch::kFloat32).contiguous();              // [B, T, 1, W]
-  auto qa = torch::cat({torch::matmul(q, w_uk()), qr}, -1).transpose(1, 2).to(torch::kFloat32).contiguous();  // [B, T, H, W]
+  auto rows = token_major_f32(torch::cat({c, kr}, -1));              // [B, T, 1, W]
+  auto qa = token_major_f32(torch::cat({torch::matmul(q, w_uk()), qr}, -1));  // [B, T, H, W]
   auto out = torch::empty({B, T, H, W}, torch::kFloat32);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_ + rope_dim_)));
   for (int64_t b = 0; b < B; ++b)

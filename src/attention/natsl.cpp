@@ -380,8 +380,7 @@ torch::Tensor NatslAttention::step_within_block(const torch::Tensor& x, NatslCac
 torch::Tensor NatslAttention::softmax_branch_fused(const torch::Tensor& qa, const torch::Tensor& ka, const torch::Tensor& va,
                                                    NatslCache& cache, double scale) {
   // [B, n, HA, w] f32: one token's heads contiguous, head group j = heads GA j .. GA j + GA - 1.
-  auto f32 = [](const torch::Tensor& t) { return t.detach().transpose(1, 2).to(torch::kFloat32).contiguous(); };
-  const auto q = f32(qa), k = f32(ka), v = f32(va);
+  const auto q = token_major_f32(qa.detach()), k = token_major_f32(ka.detach()), v = token_major_f32(va.detach());
   const int64_t B = q.size(0), n = q.size(1), HA = q.size(2), W = q.size(3);
   auto out = torch::empty({B, n, HA, W}, torch::kFloat32);
   for (int64_t b = 0; b < B; ++b)
