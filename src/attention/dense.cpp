@@ -128,16 +128,22 @@ torch::Tensor DenseAttention::step_lla(const torch::Tensor& x, LlaLoopCache& cac
   if (store.committed() != start)
     throw Error("LLA decode: loop " + std::to_string(cache.loop()) + " is at position " + std::to_string(start) + " but " +
                 std::to_string(store.committed()) + " tokens are committed; a chunk must run all loops before the next");
-  auto q = rope_.apply(q_proj(x).view({B, T, heads_, head_dim_}).transpose(1, 2), start);
+  const auto q_pre = q_proj(x).view({B, T, heads_, head_dim_}).transpose(1, 2);
+  auto q = rope_.apply(q_pre, start);
   auto [k, v] = keys_values_pre_rope(x);
   store.set_pending(cache.loop(), k, v);
   k = rope_.apply(k, start);
-  auto [hk, hv] = store.history(cache.loop());
-  if (hk.defined()) {
-    k = torch::cat({rope_.apply(hk.to(k.scalar_type()), 0), k}, 2);
-    v = torch::cat({hv.to(v.scalar_type()), v}, 2);
+  torch::Tensor out;
+  if (!store.reference()) {
+    out = merge_heads(store.attend(cache.loop(), q, q_pre, k, v, rope_.inv_freq()));
+  } else {
+    auto [hk, hv] = store.history(cache.loop());
+    if (hk.defined()) {
+      k = torch::cat({rope_.apply(hk.to(k.scalar_type()), 0), k}, 2);
+      v = torch::cat({hv.to(v.scalar_type()), v}, 2);
+    }
+    out = merge_heads(causal_attention(q, k, v, start));
   }
-  auto out = merge_heads(causal_attention(q, k, v, start));
   cache.advance(T);
   if (cache.last_loop()) store.commit();
   return out;

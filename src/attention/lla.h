@@ -5,7 +5,11 @@
 // + mu_t, RoPE applied after reconstruction) followed by the chunk's exact keys; after the last
 // loop the chunk's K/V of all loops are stacked, encoded and committed. So no code exists for a
 // token before its loop T, and single-token decode is the chunk size 1 case.
-// This is the libtorch reference path (history reconstructed in full each step).
+// Reads go through the fused torch-free kernel (kernels/lla_decode.h: keys rebuilt tile by tile,
+// values absorbed), or its absorbed approximation, or with CacheOptions::reference the libtorch
+// path (history reconstructed in full each step) the kernel is tested against. Sink + window
+// eviction (StreamingLLM) composes with the codes: reads see the first `sink` positions and the
+// last `window` ones (the chunk's own tokens included), at their original RoPE positions.
 #pragma once
 #include <torch/torch.h>
 
@@ -14,6 +18,7 @@
 #include <vector>
 
 #include "attention/mixer.h"
+#include "kernels/lla_decode.h"
 
 namespace kvx::attention {
 
@@ -42,26 +47,41 @@ struct LlaCodecSet {
 
 class LlaLayerStore {
  public:
-  LlaLayerStore(const LlaCodecSet& codec, int layer);
+  // options: reference (libtorch reads), lla_absorbed, evict, threads; the type must be f32.
+  LlaLayerStore(const LlaCodecSet& codec, int layer, const CacheOptions& options);
   int64_t committed() const { return committed_; }
   int64_t bytes() const;  // the codes held (f32)
   double bytes_per_token() const;
   void clear();
+  bool reference() const { return reference_; }
   // Loop `loop`'s exact pre-RoPE K/V of the chunk in flight, [B, Hkv, n, d_h].
   void set_pending(int loop, const torch::Tensor& k, const torch::Tensor& v);
-  // Loop `loop`'s history reconstructed from the codes, pre-RoPE [B, Hkv, committed, d_h] each
-  // (undefined when nothing is committed).
+  // Reference read: loop `loop`'s history reconstructed from the codes, pre-RoPE
+  // [B, Hkv, committed, d_h] each (undefined when nothing is committed).
   std::pair<torch::Tensor, torch::Tensor> history(int loop) const;
+  // Fused read for the chunk at positions start.. (start = committed()): queries q [B, H, n, d_h]
+  // (RoPE'd; q_pre before RoPE, for the absorbed mode), the chunk's keys k (RoPE'd) and values v
+  // [B, Hkv, n, d_h]; query i sees the history and the chunk's tokens up to i. -> [B, H, n, d_h].
+  torch::Tensor attend(int loop, const torch::Tensor& q, const torch::Tensor& q_pre, const torch::Tensor& k,
+                       const torch::Tensor& v, const std::vector<double>& inv_freq) const;
   void commit();  // after the chunk's last loop: encode its stacked K/V and append the codes
   void append_random_codes(int64_t batch, int64_t tokens, uint32_t seed);
+  // The kernel's view of the history read by a query at `position` (benchmarks).
+  kernels::LlaDecodeArgs read_args(int loop, int64_t position, int64_t batch_row) const;
 
  private:
+  void compact();  // with eviction: drop rows no read can reach any more
+  int64_t row_position(int64_t row) const { return row < evict_.sink ? row : row + shift_; }
   LlaCodecPart keys_, values_;
   int loops_, kv_heads_, head_dim_;
-  bool two_d_;
+  bool two_d_, reference_, absorbed_;
+  kernels::Eviction evict_;
+  int threads_;
+  std::vector<torch::Tensor> panels_;  // per loop: up_k, mu_k, up_v, mu_v in the kernel's layout (f32)
   std::vector<torch::Tensor> pending_k_, pending_v_;
-  SequenceBuffer codes_k_, codes_v_;  // committed codes, [B, G, L, r] (f32)
+  SequenceBuffer codes_k_, codes_v_;  // codes held, [B, G, rows, r] (f32)
   int64_t committed_ = 0;
+  int64_t shift_ = 0;  // with eviction: rows >= sink hold positions row + shift_
 };
 
 // The cache one (loop, layer) of the model steps with; loop 0's reports the store's bytes.
@@ -84,7 +104,7 @@ class LlaLoopCache : public MixerCache {
   int64_t length_ = 0;
 };
 
-// The decode caches of a looped dense model with an LLA codec, loop-major (loops x layers).
-std::vector<std::unique_ptr<MixerCache>> make_lla_caches(const LlaCodecSet& codec, int layers);
+// The decode caches of a looped dense model with an LLA codec (options.lla), loop-major (loops x layers).
+std::vector<std::unique_ptr<MixerCache>> make_lla_caches(const CacheOptions& options, int layers);
 
 }  // namespace kvx::attention

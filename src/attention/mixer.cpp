@@ -52,7 +52,11 @@ std::string CacheOptions::describe() const {
   std::string s = kernels::kv_type_name(type);
   if (evict.enabled()) s += ", sink=" + std::to_string(evict.sink) + ",window=" + std::to_string(evict.window);
   if (reference) s += ", libtorch reference path";
-  if (lla) s = "LLA codes (history reconstructed per loop)";
+  if (lla) {
+    s = lla_absorbed ? "LLA codes, absorbed read (no RoPE on history keys: approximate)" : "LLA codes (reconstruct-on-read)";
+    if (reference) s += ", libtorch reference path";
+    if (evict.enabled()) s += ", sink=" + std::to_string(evict.sink) + ",window=" + std::to_string(evict.window);
+  }
   return s;
 }
 

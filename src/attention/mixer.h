@@ -62,8 +62,12 @@ struct CacheOptions {
   // Decode benchmarks with random history: the fraction of blocks a NAtS-L layer keeps as softmax
   // KV (< 0: its budget, nats_max_softmax_fraction).
   double history_softmax_fraction = -1;
-  // Looped dense models: store the history as LLA codes (attention/lla.h), libtorch path, f32.
+  // Looped dense models: store the history as LLA codes (attention/lla.h), f32; read by the fused
+  // reconstruct-on-read kernel (libtorch with `reference`), composable with `evict`.
   std::shared_ptr<const LlaCodecSet> lla;
+  // The absorbed LLA read (kernels/lla_decode.h): history keys scored in code space without RoPE;
+  // exact only for keys without RoPE, an approximation for a RoPE model (its fidelity is measured).
+  bool lla_absorbed = false;
 
   // From CLI strings: type "f32|bf16|q8|q4", evict "" or "sink=S,window=W".
   static CacheOptions parse(const std::string& type, const std::string& evict, bool reference);

@@ -105,11 +105,9 @@ DecodeState TransformerImpl::new_state(int64_t batch, const attention::CacheOpti
     if (options.lla->loops != config_.loops)
       throw Error("the LLA codec was fitted for " + std::to_string(options.lla->loops) + " loops but the model runs " +
                   std::to_string(config_.loops));
-    if (options.type != kernels::KVType::F32 || options.evict.enabled())
-      throw Error("an LLA codec stores codes in f32 and keeps every token; drop --kv-cache and --evict");
     for (const auto& kind : config_.layer_kinds())
       if (kind != "dense") throw Error("an LLA codec needs every layer dense, found '" + kind + "'");
-    s.layers = attention::make_lla_caches(*options.lla, static_cast<int>(layers->size()));
+    s.layers = attention::make_lla_caches(options, static_cast<int>(layers->size()));
     return s;
   }
   for (int t = 0; t < config_.loops; ++t)

@@ -26,6 +26,7 @@ class Rope {
   // x: [..., T, width] at positions start .. start+T-1 (width = head_dim, or 2 * planes).
   torch::Tensor apply(const torch::Tensor& x, int64_t start) const;
   int64_t head_dim() const { return head_dim_; }
+  const std::vector<double>& inv_freq() const { return inv_freq_; }  // per plane
 
  private:
   Rope() = default;

@@ -204,6 +204,82 @@ TEST(LlaDecode, LowRankCodesStayCloseAndTheMismatchesAreRefused) {
   EXPECT_THROW(m->new_state(1, o), Error);
 }
 
+namespace {
+
+// Logits of ids decoded with these cache options: a first chunk of `prefill` tokens, then one per step.
+torch::Tensor decode_logits(model::Transformer& m, const torch::Tensor& ids, const attention::CacheOptions& o, int64_t prefill) {
+  auto state = m->new_state(ids.size(0), o);
+  std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, prefill), state)};
+  for (int64_t t = prefill; t < ids.size(1); ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
+  return torch::cat(parts, 1);
+}
+
+}  // namespace
+
+TEST(LlaDecode, TheFusedKernelReadEqualsTheLibtorchReferenceAtLowRank) {
+  for (const char* variant : {"head", "2d"}) {
+    auto c = looped_config(3, 2);
+    c.num_attention_heads = 4;  // GQA: 2 query heads per KV head
+    torch::manual_seed(21);
+    model::Transformer m(c);
+    const auto kv = compress::capture_stacked_kv(m, windows(4, 30, 5), variant);
+    const auto codec = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, variant, 5, 9), kv.keys, kv.values);
+    torch::NoGradGuard ng;
+    const auto ids = torch::randint(37, {2, 40}, torch::kLong);
+    attention::CacheOptions fused, reference;
+    fused.lla = reference.lla = codec.decode_set();
+    reference.reference = true;
+    const auto a = decode_logits(m, ids, fused, 9), b = decode_logits(m, ids, reference, 9);
+    EXPECT_LT((a - b).abs().max().item<double>(), 2e-4) << variant;
+    EXPECT_GT((a - m->forward(ids)).abs().max().item<double>(), 1e-3) << variant;  // low rank: not the teacher
+  }
+}
+
+TEST(LlaDecode, WithSinkAndWindowEvictionAFullRankCodecDecodesLikeTheEvictingTeacher) {
+  auto c = looped_config(2, 2);
+  c.max_position_embeddings = 128;
+  torch::manual_seed(23);
+  model::Transformer m(c);
+  const auto kv = compress::capture_stacked_kv(m, windows(3, 30, 6), "head");
+  const auto codec = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "head", 16, 16), kv.keys, kv.values);
+  torch::NoGradGuard ng;
+  const auto ids = torch::randint(37, {1, 100}, torch::kLong);
+  // A 7-token first chunk with window 3: a query sees the sink and its window inside the chunk (two runs).
+  auto teacher = attention::CacheOptions::parse("f32", "sink=2,window=3", false);
+  auto student = teacher;
+  student.lla = codec.decode_set();
+  const auto want = decode_logits(m, ids, teacher, 7), got = decode_logits(m, ids, student, 7);
+  EXPECT_LT((got - want).abs().max().item<double>(), 2e-4);
+  EXPECT_GT((want - m->forward(ids)).abs().max().item<double>(), 1e-3);  // eviction did change the outputs
+  // Rows no read can reach are dropped: the codes held stay bounded (sink + at most max(2 window, 64) + 1).
+  auto state = m->new_state(1, student);
+  for (int64_t t = 0; t < 100; ++t) m->step(ids.narrow(1, t, 1), state);
+  EXPECT_LE(state.bytes(), (2 + 64 + 1) * 2 * 2 * 4 * (16 + 16));
+  student.reference = true;
+  EXPECT_THROW(m->new_state(1, student), Error);
+}
+
+TEST(LlaDecode, TheAbsorbedReadIsLabelledAndApproximateOnARopeModel) {
+  auto c = looped_config(2, 2);
+  torch::manual_seed(25);
+  model::Transformer m(c);
+  const auto kv = compress::capture_stacked_kv(m, windows(3, 30, 7), "head");
+  const auto codec = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "head", 16, 16), kv.keys, kv.values);
+  torch::NoGradGuard ng;
+  const auto ids = torch::randint(37, {1, 30}, torch::kLong);
+  attention::CacheOptions exact, absorbed;
+  exact.lla = absorbed.lla = codec.decode_set();
+  absorbed.lla_absorbed = true;
+  EXPECT_NE(absorbed.describe().find("absorbed"), std::string::npos);
+  const auto full = m->forward(ids), a = decode_logits(m, ids, exact, 1), b = decode_logits(m, ids, absorbed, 1);
+  EXPECT_LT((a - full).abs().max().item<double>(), 2e-4);  // full rank, RoPE after reconstruction: exact
+  EXPECT_TRUE(torch::isfinite(b).all().item<bool>());
+  EXPECT_GT((b - full).abs().max().item<double>(), 1e-3);  // RoPE dropped on history keys: not exact
+  EXPECT_LT((b.narrow(1, 0, 1) - full.narrow(1, 0, 1)).abs().max().item<double>(), 2e-4);  // no history yet: exact
+  absorbed.reference = true;
+  EXPECT_THROW(m->new_state(1, absorbed), Error);
+}
+
 TEST(FitLla, FitsSavesAndMeasuresTheCodecThroughDecode) {
   train::TokenizedText test;
   const auto data = kvx::testing::synthetic_data(9000, 1500, 12000, &test);
