@@ -138,6 +138,7 @@ struct GenerateArgs {
   std::string kv_cache = "f32", evict;
   bool reference = false;
   std::string lla;  // a codec directory (kvx fit lla): history stored as cross-loop codes
+  bool lla_absorbed = false;
 };
 std::string cmd_generate(const GenerateArgs& a, bool print) {
   auto m = train::load_model(a.model);
@@ -148,6 +149,7 @@ std::string cmd_generate(const GenerateArgs& a, bool print) {
                         model::available_memory_bytes(), "kvx generate", "shorten the prompt or lower --max-new");
   auto cache = attention::CacheOptions::parse(a.kv_cache, a.evict, a.reference);
   if (!a.lla.empty()) cache.lla = compress::LlaCodec::load(a.lla, m.model->config()).decode_set();
+  cache.lla_absorbed = a.lla_absorbed;
   std::string out;
   if (print) std::cout << a.prompt << std::flush;
   auto r = model::generate(m.model, prompt, a.max_new, {a.temperature, a.top_p}, a.seed, [&](int32_t id) {
@@ -170,6 +172,7 @@ struct EvalArgs {
   bool json = false;
   std::string kv_cache, evict;  // set: also evaluate through this decode cache
   std::string lla;              // set: also evaluate through these cross-loop codes, one token per step
+  bool lla_absorbed = false;
   std::string mqar;             // set: MQAR accuracy at these pair counts
   int mqar_symbols = 0, mqar_sequences = 64;
 };
@@ -211,6 +214,7 @@ nlohmann::json cmd_eval(const EvalArgs& a) {
   if (!a.kv_cache.empty() || !a.evict.empty() || !a.lla.empty()) {
     auto cache = attention::CacheOptions::parse(a.kv_cache.empty() ? "f32" : a.kv_cache, a.evict, false);
     if (!a.lla.empty()) cache.lla = compress::LlaCodec::load(a.lla, m.model->config()).decode_set();
+    cache.lla_absorbed = a.lla_absorbed;
     // Codes are committed after a token's loops: one token per step, so history is read from codes.
     auto c = eval::evaluate_lm_cached(m.model, batches, m.tokenizer, cache, cache.lla ? 1 : 0);
     j["cache"] = {{"kv_cache", cache.describe()},
@@ -313,6 +317,20 @@ void print_decode_table(const nlohmann::json& rows) {
     std::printf("%-5s %6.3f %8lld %11.1f %11.1f %7.2fx %7.2fx\n", r["cache"].get<std::string>().c_str(),
                 r["kept_fraction"].get<double>(), static_cast<long long>(r["context"].get<int64_t>()), r["us_per_step"].get<double>(),
                 r.value("dense_us_per_step", 0.0), r.value("speedup_vs_dense", 0.0), r.value("target_speedup_vs_dense", 0.0));
+  }
+  bool lla_header = false;
+  for (const auto& r : rows) {
+    if (!r.contains("family") || r["family"] != "lla") continue;
+    if (!lla_header)
+      std::printf("\nLLA reconstruct-on-read, one loop's read of a layer: H=Hkv=%d heads of d_h=%d, T=%d loops, vs f32 MHA\n"
+                  "%-6s %9s %8s %11s %11s %8s %10s %11s %8s\n", r["heads"].get<int>(), r["head_dim"].get<int>(), r["loops"].get<int>(),
+                  "budget", "ranks", "context", "us/step", "dense us", "vs dense", "rebuild %", "absorbed us", "MB read");
+    lla_header = true;
+    const std::string ranks = std::to_string(r["rank_k"].get<int>()) + "," + std::to_string(r["rank_v"].get<int>());
+    std::printf("%5gx %9s %8lld %11.1f %11.1f %7.2fx %9.0f%% %11.1f %8.1f\n", r["budget"].get<double>(), ranks.c_str(),
+                static_cast<long long>(r["context"].get<int64_t>()), r["us_per_step"].get<double>(), r.value("dense_f32_us_per_step", 0.0),
+                r.value("speedup_vs_dense_f32", 0.0), 100 * r["reconstruct_share"].get<double>(), r["absorbed_us_per_step"].get<double>(),
+                r["bytes_read"].get<double>() / 1e6);
   }
   bool header = false;
   for (const auto& r : rows) {
@@ -552,7 +570,8 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--kv-cache", gen.kv_cache, "cache element type: f32 | bf16 | q8 | q4 (default f32)");
   gen_cmd->add_option("--evict", gen.evict, "sink + window eviction, e.g. sink=4,window=252 (default off)");
   gen_cmd->add_flag("--reference", gen.reference, "decode with the plain libtorch path instead of the fused kernels");
-  gen_cmd->add_option("--lla", gen.lla, "a codec directory from kvx fit lla: keep the history as cross-loop codes (looped models)");
+  gen_cmd->add_option("--lla", gen.lla, "a codec directory from kvx fit lla: keep the history as cross-loop codes (looped models; composes with --evict)");
+  gen_cmd->add_flag("--lla-absorbed", gen.lla_absorbed, "with --lla: score history keys in code space without RoPE (approximate on RoPE models)");
 
   EvalArgs ev;
   auto* eval_cmd = app.add_subcommand("eval", "held-out cross-entropy, perplexity, bits/byte, KV bytes/token");
@@ -565,7 +584,8 @@ int main(int argc, char** argv) {
   eval_cmd->add_flag("--json", ev.json, "print JSON");
   eval_cmd->add_option("--kv-cache", ev.kv_cache, "also evaluate through a decode cache of this type: f32 | bf16 | q8 | q4 (CE, KL vs f32)");
   eval_cmd->add_option("--evict", ev.evict, "with sink + window eviction, e.g. sink=4,window=60");
-  eval_cmd->add_option("--lla", ev.lla, "also evaluate through an LLA codec (kvx fit lla), one token per step (CE, KL vs f32)");
+  eval_cmd->add_option("--lla", ev.lla, "also evaluate through an LLA codec (kvx fit lla), one token per step (CE, KL vs f32; composes with --evict)");
+  eval_cmd->add_flag("--lla-absorbed", ev.lla_absorbed, "with --lla: score history keys in code space without RoPE (approximate on RoPE models)");
   eval_cmd->add_option("--mqar", ev.mqar, "MQAR recall accuracy at these pair counts, e.g. 1,4,16 (windows of --seq-len)");
   eval_cmd->add_option("--mqar-symbols", ev.mqar_symbols, "distinct MQAR keys/values as in training (default 0 = vocab/4)");
 
@@ -586,7 +606,7 @@ int main(int argc, char** argv) {
   bench_tok->add_flag("--json", bench_json, "print JSON");
 
   eval::DecodeBenchOptions decode_opts;
-  std::string decode_contexts, decode_types, decode_hkv, decode_isas, decode_lrkv, decode_natsl;
+  std::string decode_contexts, decode_types, decode_hkv, decode_isas, decode_lrkv, decode_natsl, decode_lla;
   bool decode_no_gdn = false;
   bool decode_no_model = false;
   auto* bench_decode = bench->add_subcommand("decode", "decode attention per cache type and context vs this machine's read bandwidth");
@@ -595,6 +615,7 @@ int main(int argc, char** argv) {
   bench_decode->add_option("--hkv", decode_hkv, "comma-separated KV head counts at H=16, d_h=128 (default 16,4)");
   bench_decode->add_option("--lrkv", decode_lrkv, "comma-separated LRKV ranks for factored-decode rows at H=16, d_h=128, or none (default 32)");
   bench_decode->add_option("--natsl", decode_natsl, "comma-separated kept-KV fractions for NAtS-L rows, or none (default 0.25,0.5)");
+  bench_decode->add_option("--lla", decode_lla, "comma-separated LLA compressions for reconstruct-on-read rows, or none (default 4,16)");
   bench_decode->add_flag("--no-gdn", decode_no_gdn, "skip the GDN layer rows");
   bench_decode->add_option("--isa", decode_isas, "comma-separated decode back ends: auto, avx2, avx512 (default auto)");
   bench_decode->add_option("--seconds", decode_opts.seconds_per_point, "seconds per measurement (default 0.4)");
@@ -761,6 +782,15 @@ int main(int argc, char** argv) {
             const double v = std::stod(f);
             if (!(v > 0 && v <= 1)) throw Error("--natsl: kept fractions must be in (0, 1], got " + f);
             decode_opts.natsl_kept.push_back(v);
+          }
+      }
+      if (!decode_lla.empty()) {
+        decode_opts.lla_budgets.clear();
+        if (decode_lla != "none")
+          for (const auto& f : split_list(decode_lla)) {
+            const double v = std::stod(f);
+            if (!(v >= 1)) throw Error("--lla: compressions must be >= 1 (e.g. 4,16), got " + f);
+            decode_opts.lla_budgets.push_back(v);
           }
       }
       decode_opts.gdn_rows = !decode_no_gdn;

@@ -12,6 +12,7 @@
 #include "attention/dense.h"
 #include "attention/gdn.h"
 #include "kernels/gdn_decode.h"
+#include "kernels/lla_decode.h"
 #include "kernels/decode_attention.h"
 #include "kernels/lrkv_decode.h"
 #include "kernels/compute_peak.h"
@@ -428,6 +429,71 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                          static_cast<long long>(ctx), best * 1e6,
                          dense > 0 ? (" (" + std::to_string(dense / best).substr(0, 4) + "x dense)").c_str() : "");
         }
+  }
+
+  // LLA: reconstruct-on-read over per-head codes (SPEC 1.3), one loop's read of one layer.
+  for (double budget : o.lla_budgets) {
+    const int T = o.lla_loops, width = T * o.head_dim;
+    const int total = static_cast<int>(std::lround(2.0 * width / budget)), rk = total * 3 / 8, rv = total - rk;
+    if (rk < 1 || rv < 1) throw Error("bench decode: LLA budget " + std::to_string(budget) + "x leaves no rank at d_h " + std::to_string(o.head_dim));
+    const int H = o.heads, d = o.head_dim;
+    auto panel = [&](int rank) { return torch::randn({H, rank, d}) * (1.0 / std::sqrt(static_cast<double>(rank))); };
+    const auto up_k = panel(rk), up_v = panel(rv), mu_k = torch::randn({H, d}) * 0.1, mu_v = torch::randn({H, d}) * 0.1;
+    std::vector<double> inv_freq;
+    for (int m = 0; m < d / 2; ++m) inv_freq.push_back(std::pow(10000.0, -2.0 * m / d));
+    std::vector<float> tail_k(static_cast<size_t>(H) * d), tail_v(tail_k.size());
+    for (auto* buf : {&tail_k, &tail_v}) for (auto& x : *buf) x = std::normal_distribution<float>(0.0f, 1.0f)(rng);
+    for (int64_t ctx : o.contexts) {
+      const auto codes_k = torch::randn({H, ctx, rk}), codes_v = torch::randn({H, ctx, rv});
+      kernels::LlaDecodeArgs a;
+      a.heads = a.kv_heads = a.groups = H;
+      a.head_dim = d;
+      a.key_codes = codes_k.data_ptr<float>(), a.value_codes = codes_v.data_ptr<float>();
+      a.key_group_stride = ctx * rk, a.value_group_stride = ctx * rv;
+      a.history = {{0, ctx - 1, 0}};  // the query's own token is the exact tail
+      a.keys = {up_k.data_ptr<float>(), mu_k.data_ptr<float>(), rk};
+      a.values = {up_v.data_ptr<float>(), mu_v.data_ptr<float>(), rv};
+      a.inv_freq = inv_freq.data();
+      a.tail_keys = tail_k.data(), a.tail_values = tail_v.data(), a.tail = 1;
+      a.scale = scale;
+      auto absorbed = a;
+      absorbed.mode = kernels::LlaReadMode::Absorbed;
+      double read = 1e30, rebuild = 1e30, absorbed_s = 1e30;
+      volatile double sink = 0;
+      for (int round = 0; round < kRounds; ++round) {
+        read = std::min(read, time_per_call([&] { kernels::lla_decode_attention(a, q.data(), nullptr, out.data(), threads); },
+                                            o.seconds_per_point / kRounds));
+        rebuild = std::min(rebuild, time_per_call([&] { sink = sink + kernels::lla_reconstruct_keys_only(a, threads); },
+                                                  o.seconds_per_point / kRounds));
+        absorbed_s = std::min(absorbed_s, time_per_call([&] {
+                                kernels::lla_decode_attention(absorbed, q.data(), q.data(), out.data(), threads);
+                              }, o.seconds_per_point / kRounds));
+      }
+      double dense = 0;  // the f32 MHA kernel at the same context, first back end
+      for (const Timing& t : timings)
+        if (t.rank < 0 && t.hkv == H && kernels::parse_kv_type(o.types[t.type]) == kernels::KVType::F32 && t.ctx == ctx &&
+            t.isa == isas.front())
+          dense = t.seconds;
+      const double bytes = static_cast<double>(kernels::lla_decode_bytes_read(a));
+      const double macs = static_cast<double>(ctx) * H * (static_cast<double>(rk) * d + d + rv);  // rebuild, score, value codes
+      nlohmann::json row = {{"family", "lla"}, {"budget", budget}, {"loops", T}, {"rank_k", rk}, {"rank_v", rv},
+                            {"context", ctx}, {"heads", H}, {"head_dim", d}, {"us_per_step", read * 1e6},
+                            {"bytes_read", bytes}, {"full_kv_bytes_read", 2.0 * ctx * H * d * 4},
+                            {"persistent_bytes_vs_full", 1.0 / budget}, {"gbps", bytes / read / 1e9},
+                            {"macs", macs}, {"gmacs", macs / read / 1e9},
+                            {"reconstruct_us", rebuild * 1e6}, {"reconstruct_share", std::min(1.0, rebuild / read)},
+                            {"absorbed_us_per_step", absorbed_s * 1e6}};
+      if (dense > 0) {
+        row["dense_f32_us_per_step"] = dense * 1e6;
+        row["speedup_vs_dense_f32"] = dense / read;
+        row["absorbed_speedup_vs_dense_f32"] = dense / absorbed_s;
+      }
+      rows.push_back(row);
+      if (verbose)
+        std::fprintf(stderr, "  lla %gx (r %d,%d) context %6lld: %9.1f us/step (%.0f%% rebuilding keys), absorbed %9.1f us%s\n",
+                     budget, rk, rv, static_cast<long long>(ctx), read * 1e6, 100 * std::min(1.0, rebuild / read),
+                     absorbed_s * 1e6, dense > 0 ? (", f32 MHA " + std::to_string(dense * 1e6).substr(0, 7) + " us").c_str() : "");
+    }
   }
 
   for (const Timing& t : timings) {

@@ -47,6 +47,8 @@ struct DecodeBenchOptions {
   std::vector<int> lrkv_ranks{32};         // LRKV factored-decode rows at H, d_h (none: empty)
   bool gdn_rows = true;                    // a GDN layer's decode step per context (flat in context)
   std::vector<double> natsl_kept{0.25, 0.5};  // NAtS-L attention core at these kept-KV fractions (none: empty)
+  std::vector<double> lla_budgets{4, 16};     // LLA reconstruct-on-read rows at these compressions (none: empty)
+  int lla_loops = 4;                          // T of the LLA rows (Ouro)
   int heads = 16, head_dim = 128;
   double seconds_per_point = 0.4;
   bool whole_model = true;  // also tiny-model decode tokens/s at each context
@@ -59,7 +61,11 @@ struct DecodeBenchOptions {
 // ("family": "natsl"): one token's attention core of a NAtS-L layer with the softmax width of the
 // dense rows (H softmax heads of d_h in H/2 head groups, so K = V = 2 d_h): the GDN state step plus
 // attention over the kept fraction of the context, and its speed-up over the dense MHA kernel at
-// the same context and type (target: 0.8 / kept fraction).
+// the same context and type (target: 0.8 / kept fraction). LLA rows ("family": "lla"): one
+// (loop, layer) read of a per-head LLA store (H = Hkv heads of d_h, T loops, ranks split 3:5 at
+// the budget, e.g. (96, 160) at 4x for d_h 128, T 4) against the f32 MHA kernel at the same
+// context: time, bytes read, the share of the time the key reconstruction alone takes, and the
+// absorbed read's time.
 nlohmann::json bench_decode(const DecodeBenchOptions& options, bool verbose);
 
 nlohmann::json bench_tokenizer(const std::string& data_dir, int vocab_size, bool verbose);

@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 
+#include "kernels/simd_avx2.h"
 #include "util/error.h"
 
 namespace kvx::kernels {
@@ -62,41 +63,63 @@ void rope_tile(const double* inv_freq, const double* step_cos, const double* ste
   }
 }
 
+KVX_INLINE float dot(const float* __restrict a, const float* __restrict b, int n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int x = 0;
+  for (; x + 16 <= n; x += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + x), _mm256_loadu_ps(b + x), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + x + 8), _mm256_loadu_ps(b + x + 8), s1);
+  }
+  if (x + 8 <= n) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + x), _mm256_loadu_ps(b + x), s0);
+    x += 8;
+  }
+  float acc = hsum(_mm256_add_ps(s0, s1));
+  for (; x < n; ++x) acc += a[x] * b[x];
+  return acc;
+}
+
 // out[i] = mu + codes[i] W (W = up [r][rows]), then each head's planes rotated by the row's angles.
+// Micro-kernel: 4 rows x 16 columns of accumulators in registers, one pass over the rank.
 void reconstruct_tile(const float* __restrict codes, int n, int r, const float* __restrict up,
                       const float* __restrict mu, int rows, const float* cs, const float* sn, int head_dim,
                       float* __restrict out) {
-  int i = 0;
-  for (; i + 4 <= n; i += 4) {  // four rows share each load of W's row
-    float* __restrict o0 = out + static_cast<size_t>(i) * rows;
-    float* __restrict o1 = o0 + rows;
-    float* __restrict o2 = o1 + rows;
-    float* __restrict o3 = o2 + rows;
-    for (int x = 0; x < rows; ++x) o0[x] = o1[x] = o2[x] = o3[x] = mu[x];
-    const float* c = codes + static_cast<size_t>(i) * r;
-    for (int k = 0; k < r; ++k) {
-      const float c0 = c[k], c1 = c[r + k], c2 = c[2 * r + k], c3 = c[3 * r + k];
-      const float* __restrict u = up + static_cast<size_t>(k) * rows;
-      for (int x = 0; x < rows; ++x) {
-        o0[x] += c0 * u[x];
-        o1[x] += c1 * u[x];
-        o2[x] += c2 * u[x];
-        o3[x] += c3 * u[x];
+  const int vec_rows = rows / 16 * 16;
+  for (int i = 0; i < n; i += 4) {
+    const int m = std::min(4, n - i);
+    const float* c[4];
+    for (int t = 0; t < 4; ++t) c[t] = codes + static_cast<size_t>(i + std::min(t, m - 1)) * r;
+    for (int x = 0; x < vec_rows; x += 16) {
+      const __m256 mu0 = _mm256_loadu_ps(mu + x), mu1 = _mm256_loadu_ps(mu + x + 8);
+      __m256 a00 = mu0, a01 = mu1, a10 = mu0, a11 = mu1, a20 = mu0, a21 = mu1, a30 = mu0, a31 = mu1;
+      const float* u = up + x;
+      for (int k = 0; k < r; ++k, u += rows) {
+        const __m256 u0 = _mm256_loadu_ps(u), u1 = _mm256_loadu_ps(u + 8);
+        __m256 b = _mm256_broadcast_ss(c[0] + k);
+        a00 = _mm256_fmadd_ps(b, u0, a00), a01 = _mm256_fmadd_ps(b, u1, a01);
+        b = _mm256_broadcast_ss(c[1] + k);
+        a10 = _mm256_fmadd_ps(b, u0, a10), a11 = _mm256_fmadd_ps(b, u1, a11);
+        b = _mm256_broadcast_ss(c[2] + k);
+        a20 = _mm256_fmadd_ps(b, u0, a20), a21 = _mm256_fmadd_ps(b, u1, a21);
+        b = _mm256_broadcast_ss(c[3] + k);
+        a30 = _mm256_fmadd_ps(b, u0, a30), a31 = _mm256_fmadd_ps(b, u1, a31);
+      }
+      float* o = out + static_cast<size_t>(i) * rows + x;
+      const __m256 acc[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+      for (int t = 0; t < m; ++t) {
+        _mm256_storeu_ps(o + static_cast<size_t>(t) * rows, acc[t][0]);
+        _mm256_storeu_ps(o + static_cast<size_t>(t) * rows + 8, acc[t][1]);
       }
     }
-  }
-  for (; i < n; ++i) {
-    float* __restrict o = out + static_cast<size_t>(i) * rows;
-    for (int x = 0; x < rows; ++x) o[x] = mu[x];
-    const float* c = codes + static_cast<size_t>(i) * r;
-    for (int k = 0; k < r; ++k) {
-      const float ck = c[k];
-      const float* __restrict u = up + static_cast<size_t>(k) * rows;
-      for (int x = 0; x < rows; ++x) o[x] += ck * u[x];
-    }
+    for (int t = 0; t < m; ++t)  // columns past the last 16-block
+      for (int x = vec_rows; x < rows; ++x) {
+        float acc = mu[x];
+        for (int k = 0; k < r; ++k) acc += c[t][k] * up[static_cast<size_t>(k) * rows + x];
+        out[static_cast<size_t>(i + t) * rows + x] = acc;
+      }
   }
   const int half = head_dim / 2;
-  for (i = 0; i < n; ++i)
+  for (int i = 0; i < n; ++i)
     for (int p = 0; p < rows / head_dim; ++p) {
       float* __restrict x = out + static_cast<size_t>(i) * rows + p * head_dim;
       const float* c = cs + i * half;
@@ -194,22 +217,14 @@ void lla_decode_attention(const LlaDecodeArgs& a, const float* q, const float* q
             for (int hh = 0; hh < GH; ++hh) {
               const int p = hh / g.q_per_kv;
               const float* __restrict qh = q + static_cast<size_t>(grp * GH + hh) * d;
-              for (int i = 0; i < pc.n; ++i) {
-                const float* __restrict kr = keys.data() + static_cast<size_t>(i) * g.rows + p * d;
-                float acc = 0.f;
-                for (int x = 0; x < d; ++x) acc += qh[x] * kr[x];
-                scores[static_cast<size_t>(hh) * kTile + i] = a.scale * acc;
-              }
+              for (int i = 0; i < pc.n; ++i)
+                scores[static_cast<size_t>(hh) * kTile + i] = a.scale * dot(qh, keys.data() + static_cast<size_t>(i) * g.rows + p * d, d);
             }
           } else {
             for (int hh = 0; hh < GH; ++hh) {
               const float* __restrict qh = qa.data() + static_cast<size_t>(hh) * rk;
-              for (int i = 0; i < pc.n; ++i) {
-                const float* __restrict c = codes + static_cast<size_t>(i) * rk;
-                float acc = qm[hh];
-                for (int k = 0; k < rk; ++k) acc += qh[k] * c[k];
-                scores[static_cast<size_t>(hh) * kTile + i] = a.scale * acc;
-              }
+              for (int i = 0; i < pc.n; ++i)
+                scores[static_cast<size_t>(hh) * kTile + i] = a.scale * (qm[hh] + dot(qh, codes + static_cast<size_t>(i) * rk, rk));
             }
           }
           const float* vcodes = vc + pc.row * rv;
