@@ -115,6 +115,14 @@ torch::Tensor DenseAttention::step(const torch::Tensor& x, MixerCache& cache) {
   torch::Tensor q, k, v;
   project(x, start, q, k, v);
   if (auto* fused = dynamic_cast<FusedKVCache*>(&cache)) return merge_heads(step_fused(q, k, v, *fused));
+  if (auto* shared = dynamic_cast<SharedKVCache*>(&cache)) {  // CLA: the source layer's K/V, these queries
+    const auto& src = shared->source();
+    if (src.length() != start + x.size(1))
+      throw Error("CLA: the source layer holds " + std::to_string(src.length()) + " tokens but this layer is at " +
+                  std::to_string(start + x.size(1)) + "; the source layer must step first in each loop");
+    shared->advance(x.size(1));
+    return merge_heads(causal_attention(q, src.keys(), src.values(), start));
+  }
   auto* kv = dynamic_cast<DenseKVCache*>(&cache);
   if (!kv) throw Error("DenseAttention::step: the cache was not made by a dense layer (layer/cache mismatch)");
   kv->append(k.contiguous(), v.contiguous());

@@ -28,6 +28,28 @@ class DenseKVCache : public MixerCache {
   SequenceBuffer k_, v_;
 };
 
+// Cross-layer KV sharing (CLA, posthoc): a layer with this cache keeps no K/V of its own and reads
+// the K/V its source layer (the one before it in the same loop, stepped first) has appended,
+// with its own queries. Holds no bytes.
+class SharedKVCache : public MixerCache {
+ public:
+  explicit SharedKVCache(const DenseKVCache* source) : source_(source) {}
+  int64_t length() const override { return length_; }
+  int64_t bytes() const override { return 0; }
+  double bytes_per_token() const override { return 0.0; }
+  void clear() override { length_ = 0; }
+  void append_random_history(int64_t tokens, uint32_t seed) override {
+    (void)seed;
+    length_ += tokens;
+  }
+  const DenseKVCache& source() const { return *source_; }
+  void advance(int64_t tokens) { length_ += tokens; }
+
+ private:
+  const DenseKVCache* source_;
+  int64_t length_ = 0;
+};
+
 // The fused decode cache: one torch-free kernels::KVStore per batch row (paged, f32/bf16/q8/q4,
 // optional sink + window eviction), read by kernels::decode_attention. values_are_keys: one row
 // per token serves as key and value (MLA's latent).

@@ -52,6 +52,7 @@ std::string CacheOptions::describe() const {
   std::string s = kernels::kv_type_name(type);
   if (evict.enabled()) s += ", sink=" + std::to_string(evict.sink) + ",window=" + std::to_string(evict.window);
   if (reference) s += ", libtorch reference path";
+  if (share_kv_layers > 1) s += ", K/V shared by " + std::to_string(share_kv_layers) + " adjacent layers (CLA, libtorch path)";
   if (lla) {
     s = lla_absorbed ? "LLA codes, absorbed read (no RoPE on history keys: approximate)" : "LLA codes (reconstruct-on-read)";
     if (reference) s += ", libtorch reference path";

@@ -68,6 +68,9 @@ struct CacheOptions {
   // The absorbed LLA read (kernels/lla_decode.h): history keys scored in code space without RoPE;
   // exact only for keys without RoPE, an approximation for a RoPE model (its fidelity is measured).
   bool lla_absorbed = false;
+  // Cross-layer KV sharing (CLA, posthoc): within each run of this many adjacent dense layers the
+  // first layer's K/V serve all of them (1: off). Runs on the libtorch f32 caches.
+  int share_kv_layers = 1;
 
   // From CLI strings: type "f32|bf16|q8|q4", evict "" or "sink=S,window=W".
   static CacheOptions parse(const std::string& type, const std::string& evict, bool reference);

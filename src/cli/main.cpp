@@ -139,6 +139,7 @@ struct GenerateArgs {
   bool reference = false;
   std::string lla;  // a codec directory (kvx fit lla): history stored as cross-loop codes
   bool lla_absorbed = false;
+  int share_kv_layers = 1;
 };
 std::string cmd_generate(const GenerateArgs& a, bool print) {
   auto m = train::load_model(a.model);
@@ -150,6 +151,7 @@ std::string cmd_generate(const GenerateArgs& a, bool print) {
   auto cache = attention::CacheOptions::parse(a.kv_cache, a.evict, a.reference);
   if (!a.lla.empty()) cache.lla = compress::LlaCodec::load(a.lla, m.model->config()).decode_set();
   cache.lla_absorbed = a.lla_absorbed;
+  cache.share_kv_layers = a.share_kv_layers;
   std::string out;
   if (print) std::cout << a.prompt << std::flush;
   auto r = model::generate(m.model, prompt, a.max_new, {a.temperature, a.top_p}, a.seed, [&](int32_t id) {
@@ -173,6 +175,7 @@ struct EvalArgs {
   std::string kv_cache, evict;  // set: also evaluate through this decode cache
   std::string lla;              // set: also evaluate through these cross-loop codes, one token per step
   bool lla_absorbed = false;
+  int share_kv_layers = 1;
   std::string mqar;             // set: MQAR accuracy at these pair counts
   int mqar_symbols = 0, mqar_sequences = 64;
 };
@@ -211,10 +214,11 @@ nlohmann::json cmd_eval(const EvalArgs& a) {
                       {"kv_cache", "f32"},
                       {"parameters", m.model->num_parameters()},
                       {"seconds", secs}};
-  if (!a.kv_cache.empty() || !a.evict.empty() || !a.lla.empty()) {
+  if (!a.kv_cache.empty() || !a.evict.empty() || !a.lla.empty() || a.share_kv_layers > 1) {
     auto cache = attention::CacheOptions::parse(a.kv_cache.empty() ? "f32" : a.kv_cache, a.evict, false);
     if (!a.lla.empty()) cache.lla = compress::LlaCodec::load(a.lla, m.model->config()).decode_set();
     cache.lla_absorbed = a.lla_absorbed;
+    cache.share_kv_layers = a.share_kv_layers;
     // Codes are committed after a token's loops: one token per step, so history is read from codes.
     auto c = eval::evaluate_lm_cached(m.model, batches, m.tokenizer, cache, cache.lla ? 1 : 0);
     j["cache"] = {{"kv_cache", cache.describe()},
@@ -571,6 +575,7 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--evict", gen.evict, "sink + window eviction, e.g. sink=4,window=252 (default off)");
   gen_cmd->add_flag("--reference", gen.reference, "decode with the plain libtorch path instead of the fused kernels");
   gen_cmd->add_option("--lla", gen.lla, "a codec directory from kvx fit lla: keep the history as cross-loop codes (looped models; composes with --evict)");
+  gen_cmd->add_option("--share-kv-layers", gen.share_kv_layers, "CLA: each run of N adjacent layers uses its first layer's K/V (posthoc; default 1: off)");
   gen_cmd->add_flag("--lla-absorbed", gen.lla_absorbed, "with --lla: score history keys in code space without RoPE (approximate on RoPE models)");
 
   EvalArgs ev;
@@ -585,6 +590,7 @@ int main(int argc, char** argv) {
   eval_cmd->add_option("--kv-cache", ev.kv_cache, "also evaluate through a decode cache of this type: f32 | bf16 | q8 | q4 (CE, KL vs f32)");
   eval_cmd->add_option("--evict", ev.evict, "with sink + window eviction, e.g. sink=4,window=60");
   eval_cmd->add_option("--lla", ev.lla, "also evaluate through an LLA codec (kvx fit lla), one token per step (CE, KL vs f32; composes with --evict)");
+  eval_cmd->add_option("--share-kv-layers", ev.share_kv_layers, "CLA: also evaluate with each run of N adjacent layers using its first layer's K/V");
   eval_cmd->add_flag("--lla-absorbed", ev.lla_absorbed, "with --lla: score history keys in code space without RoPE (approximate on RoPE models)");
   eval_cmd->add_option("--mqar", ev.mqar, "MQAR recall accuracy at these pair counts, e.g. 1,4,16 (windows of --seq-len)");
   eval_cmd->add_option("--mqar-symbols", ev.mqar_symbols, "distinct MQAR keys/values as in training (default 0 = vocab/4)");

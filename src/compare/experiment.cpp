@@ -11,10 +11,12 @@ constexpr int kHarnessVersion = 1;
 constexpr int kMetricsVersion = 2;
 
 nlohmann::json EvalSettings::to_json() const {
-  return {{"test_windows", test_windows},     {"context_multiples", context_multiples},
+  nlohmann::json j = {{"test_windows", test_windows},     {"context_multiples", context_multiples},
           {"long_context_tokens", long_context_tokens}, {"mqar_pairs", mqar_pairs},
           {"mqar_sequences", mqar_sequences}, {"decode_contexts", decode_contexts},
           {"decode_seconds", decode_seconds}};
+  if (capacity_tokens > 0) j["capacity"] = {capacity_tokens, capacity_mib};  // absent when off: older keys stay valid
+  return j;
 }
 
 nlohmann::json Experiment::to_json() const {
@@ -135,6 +137,39 @@ Experiment builtin_experiment(const std::string& name, const std::string& preset
     // The trained MHA model converted to LRKV (d_h/4, expand) and healed (kvx convert lrkv).
     e.arms.push_back({"mha->lrkv-r" + std::to_string(dh / 4), "convert",
                       {{"base", "mha"}, {"rank", dh / 4}, {"rope", "expand"}, {"heal_steps", e.base.train.steps / 4}}});
+    // Looped models (SPEC 1.3, experiment 2): a looped teacher (half the layers, run 4 times, sandwich
+    // norms) and its cache at matched persistent budgets: LLA per-head codes at 1.33x..16x, LLA-2D,
+    // the head codec (one code per loop across heads), final-loop reuse, KV quantization, LLA with
+    // eviction and the absorbed read; ablations of the distilled 16x codec.
+    const int T = 4;
+    e.arms.push_back({"looped", "train", {{"model", {{"num_hidden_layers", std::max(1, e.base.model.num_hidden_layers / 2)},
+                                                      {"loops", T}, {"sandwich_norm", true}}}}});
+    for (const char* t : {"q8", "q4"})
+      e.arms.push_back({std::string("looped+") + t, "posthoc", {{"base", "looped"}, {"kv_cache", t}, {"evict", ""}}});
+    e.arms.push_back({"looped+cla-2x", "posthoc", {{"base", "looped"}, {"kv_cache", "f32"}, {"evict", ""}, {"share_kv_layers", 2}}});
+    auto lla = [&](const std::string& name, const std::string& variant, const std::string& budget, nlohmann::json extra = {}) {
+      nlohmann::json spec = {{"base", "looped"}, {"variant", variant}, {"budget", budget}, {"steps", 0}};
+      if (variant == "final_loop") spec.erase("budget");
+      if (!extra.is_null()) spec.update(extra);
+      e.arms.push_back({name, "lla", spec});
+    };
+    for (const char* b : {"1.33x", "2x", "4x", "8x", "16x"}) lla(std::string("lla-") + b, "head", b);
+    for (const char* b : {"4x", "16x"}) {
+      lla(std::string("lla2d-") + b, "2d", b);
+      lla(std::string("head-codec-") + b, "loop_head", b);
+    }
+    lla("final-loop-4x", "final_loop", "");
+    lla("lla-4x+sink4-w" + std::to_string(L / 2 - 4), "head", "4x", {{"evict", "sink=4,window=" + std::to_string(L / 2 - 4)}});
+    lla("lla-4x-absorbed", "head", "4x", {{"absorbed", true}});
+    const int distill = e.base.train.steps / 4;
+    lla("lla-16x-distilled", "head", "16x", {{"steps", distill}});
+    lla("lla-16x-distilled-random-init", "head", "16x", {{"steps", distill}, {"init", "random"}});
+    lla("lla-16x-distilled-kl-only", "head", "16x", {{"steps", distill}, {"attention_weight", 0.0}});
+    lla("lla-16x-distilled-on-policy", "head", "16x", {{"steps", distill}, {"on_policy", true}});
+    const int equal = 2 * T * dh / 16 / 2;  // r_k = r_v at 16x
+    lla("lla-16x-distilled-equal-ranks", "head", "", {{"steps", distill}, {"ranks", {equal, equal}}});
+    e.arms.back().spec.erase("budget");
+    e.eval.capacity_tokens = 4096;
   } else if (name == "decode") {
     e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1), mla, lrkv(dh / 4, "pair_aligned"),
               linear("gdn", "gdn")};
@@ -184,8 +219,23 @@ void select_arms(Experiment& e, const std::vector<std::string>& names) {
 }
 
 attention::CacheOptions arm_cache(const Arm& arm) {
+  if (arm.kind == "lla") {
+    auto o = attention::CacheOptions::parse("f32", arm.spec.value("evict", ""), false);
+    o.lla_absorbed = arm.spec.value("absorbed", false);
+    return o;
+  }
   if (arm.kind != "posthoc") return {};
-  return attention::CacheOptions::parse(arm.spec.value("kv_cache", "f32"), arm.spec.value("evict", ""), false);
+  auto o = attention::CacheOptions::parse(arm.spec.value("kv_cache", "f32"), arm.spec.value("evict", ""), false);
+  o.share_kv_layers = arm.spec.value("share_kv_layers", 1);
+  return o;
+}
+
+nlohmann::json lla_fit_spec(const Arm& arm) {
+  if (arm.kind != "lla") throw Error("arm '" + arm.name + "' is not an lla arm");
+  nlohmann::json j = arm.spec;
+  j.erase("evict");
+  j.erase("absorbed");
+  return j;
 }
 
 const Arm& find_arm(const Experiment& e, const std::string& name) {

@@ -3,6 +3,8 @@
 //   train arm:   a model config (overrides of the experiment's base model), trained from scratch
 //   posthoc arm: a transform of a trained arm's model (cache type, sink + window eviction)
 //   convert arm: a trained arm's model converted to another family and healed (kvx convert lrkv)
+//   lla arm:     an LLA codec fitted (and optionally distilled) on a trained looped arm (kvx fit
+//                lla), its history decoded through the codes, optionally with eviction
 //
 // Arms are identified by a content hash of everything that determines their result, so a re-run
 // only computes what changed and experiments share arms (posthoc's base is arch's MHA arm).
@@ -18,9 +20,11 @@ namespace kvx::compare {
 
 struct Arm {
   std::string name;
-  std::string kind;     // "train" | "posthoc" | "convert"
+  std::string kind;     // "train" | "posthoc" | "convert" | "lla"
   // train: {"model": {overrides}}; posthoc: {"base": arm, "kv_cache": t, "evict": "sink=S,window=W"};
   // convert: {"base": arm, "rank": r, "rope": mode, "heal_steps": n}
+  // lla: {"base": arm, "variant": v, "budget": "4x" (or "ranks": [rk, rv]), "steps": n, "init": i,
+  //       "on_policy": b, "attention_weight": w, "evict": "sink=S,window=W", "absorbed": b}
   nlohmann::json spec;
 };
 
@@ -35,6 +39,9 @@ struct EvalSettings {
   double decode_seconds = 0.3;
   // Prefill seconds at these contexts (decode group; part of that group's key only, not to_json's).
   std::vector<int64_t> prefill_contexts;
+  // Capacity: how many sequences of this many tokens fit in capacity_mib of cache, by allocation (0: off).
+  int64_t capacity_tokens = 0;
+  int64_t capacity_mib = 256;
   nlohmann::json to_json() const;
 };
 
@@ -58,8 +65,10 @@ std::vector<std::string> demo_arms(const std::string& experiment);
 
 // The run config of a train arm: the base with the arm's model overrides applied.
 train::RunConfig arm_run_config(const Experiment& e, const Arm& arm);
-// The cache options of a posthoc arm.
+// The cache options of a posthoc arm (an lla arm: its eviction and read mode; the codec is the runner's).
 attention::CacheOptions arm_cache(const Arm& arm);
+// An lla arm's codec settings (what its fit depends on: not its eviction or read mode).
+nlohmann::json lla_fit_spec(const Arm& arm);
 const Arm& find_arm(const Experiment& e, const std::string& name);
 
 // Content hash (hex) of a train arm: its run config without machine-local paths.

@@ -1,6 +1,8 @@
 #include "compare/report.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <map>
 #include <sstream>
 
 #include "eval/plot.h"
@@ -34,7 +36,12 @@ std::vector<Column> columns_for(const ExperimentResult& r) {
       {"kv_state_bytes_per_token@4K", "KV+state B/tok @4K", "int"}, {"kv_state_bytes_per_token@16K", "KV+state B/tok @16K", "int"},
       {"params", "params", "int"},                     {"test_ce", "test CE", "%.4f"},
       {"test_bpb", "bits/byte", "%.4f"},               {"kl_vs_reference", "KL vs ref", "%.5f"},
-      {"top1_agreement", "top-1 agree", "pct"}};
+      {"top1_agreement", "top-1 agree", "pct"},        {"compression", "compression", "%.2fx"}};
+  if (r.experiment.eval.capacity_tokens > 0) {
+    const std::string k = "capacity@" + std::to_string(r.experiment.eval.capacity_tokens / 1024) + "K";
+    all.push_back({k, "seqs of " + std::to_string(r.experiment.eval.capacity_tokens / 1024) + "K in " +
+                          std::to_string(r.experiment.eval.capacity_mib) + " MiB", "int"});
+  }
   for (int p : r.experiment.eval.mqar_pairs) all.push_back({"mqar@" + std::to_string(p), "MQAR@" + std::to_string(p), "pct"});
   for (int m : r.experiment.eval.context_multiples)
     all.push_back({"ppl@" + std::to_string(m) + "x", "PPL " + std::to_string(m) + "x", "%.1f"});
@@ -103,6 +110,42 @@ std::string write_report(const ExperimentResult& r) {
   plot("mqar.png", "MQAR recall: " + tag, "key-value pairs", "accuracy", mqar);
   plot("loss.png", "training loss: " + tag, "step", "train loss (nats/token, text + MQAR mix)", curves);
   plot("decode.png", "decode speed: " + tag, "context (tokens)", "tokens/s (whole model, one token per step)", decode);
+  {  // Looped models: KL vs the teacher against the compression of its persistent cache, one line per
+     // codec family (plain fits), every other arm (distilled, evicted, absorbed) a point.
+    std::map<std::string, eval::Series> families;
+    std::vector<eval::Series> kl;
+    for (const auto& a : r.arms) {
+      if (!a.metrics.contains("compression") || !a.metrics.contains("kl_vs_reference")) continue;
+      const double x = a.metrics["compression"].get<double>(), y = a.metrics["kl_vs_reference"].get<double>();
+      nlohmann::json spec;
+      for (const auto& arm : e.arms)
+        if (arm.name == a.name) spec = arm.spec;
+      std::string family;
+      if (a.kind == "posthoc" && spec.value("evict", "").empty() && !spec.contains("share_kv_layers")) family = "KV quantization";
+      if (a.kind == "lla" && spec.value("steps", 0) == 0 && !spec.contains("evict") && !spec.value("absorbed", false))
+        family = spec.value("variant", "head") == "head"   ? "LLA (per head)"
+                 : spec.value("variant", "") == "2d"        ? "LLA-2D"
+                 : spec.value("variant", "") == "loop_head" ? "head codec (per loop)"
+                                                             : "final-loop reuse";
+      if (family.empty()) {
+        kl.push_back({a.name, {x}, {y}});
+        continue;
+      }
+      auto& f = families[family];
+      f.title = family;
+      f.x.push_back(x), f.y.push_back(y);
+    }
+    for (auto& [name, f] : families) {  // lines run in order of compression
+      std::vector<size_t> order(f.x.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(), [&](size_t i, size_t j) { return f.x[i] < f.x[j]; });
+      eval::Series sorted{f.title, {}, {}};
+      for (size_t i : order) sorted.x.push_back(f.x[i]), sorted.y.push_back(f.y[i]);
+      kl.insert(kl.begin(), sorted);
+    }
+    plot("loop-budget.png", "looped model cache vs fidelity: " + tag, "compression of the persistent cache (x)",
+         "KL(teacher || student), nats/token", kl);
+  }
   for (const auto& a : r.arms) {  // NAtS-L: the share of blocks routed to softmax per layer and head group (seed 001 Fig. 5)
     if (a.routing.is_null() || a.routing["layers"].empty()) continue;
     std::vector<std::string> rows;

@@ -7,6 +7,7 @@
 #include <optional>
 #include <sstream>
 
+#include "compress/lla_codec.h"
 #include "compress/lrkv_convert.h"
 #include "eval/analyze.h"
 #include "eval/bench.h"
@@ -92,6 +93,33 @@ struct Runner {
     return train::evaluation_batches(test_tokens().tokens, count, std::max(1, 16 / multiple), len);
   }
 
+  // An lla arm's codec: fitted once per (base model, fit settings) under arms/<key>/codec.
+  std::string ensure_codec(const Arm& arm, const train::RunConfig& base_cfg, const std::string& base_dir, const std::string& dir,
+                           const std::string& label) {
+    const std::string codec_dir = dir + "/codec";
+    if (io::file_exists(codec_dir + "/report.json")) return codec_dir;
+    ensure_trained(base_cfg, label + " base");
+    const auto& spec = arm.spec;
+    compress::FitLlaRun run;
+    run.teacher = base_dir;
+    run.out = codec_dir;
+    run.variant = spec.value("variant", "head");
+    run.budget = spec.value("budget", "");
+    if (spec.contains("ranks")) run.rank_k = spec["ranks"][0], run.rank_v = spec["ranks"][1];
+    run.distill_steps = spec.value("steps", 0);
+    run.init = spec.value("init", "svd");
+    run.on_policy = spec.value("on_policy", false);
+    run.attention_weight = spec.value("attention_weight", 1.0);
+    run.seq_len = e.base.train.seq_len;
+    run.sources = e.base.data.sources;
+    run.data_dir = o.data_dir;
+    run.verbose = o.verbose;
+    run.data = o.data ? o.data : &training_data();
+    say(label + ": fitting the LLA codec into " + codec_dir);
+    compress::fit_lla_run(run);  // report.json last: its presence marks a finished fit
+    return codec_dir;
+  }
+
   nlohmann::json quality(model::Transformer& m, const attention::CacheOptions* cache) {
     nlohmann::json q;
     const auto& tok = training_data().tokenizer;
@@ -99,7 +127,8 @@ struct Runner {
       auto b = windows(mult);
       eval::LmQuality lq;
       if (cache) {
-        auto c = eval::evaluate_lm_cached(m, b, tok, *cache);
+        // LLA: one token per step, so the history is read from codes (a chunk's own K/V are exact).
+        auto c = eval::evaluate_lm_cached(m, b, tok, *cache, cache->lla ? 1 : 0);
         lq = c.quality;
         if (mult == 1) {
           q["kl_vs_reference"] = c.kl_vs_full;
@@ -159,10 +188,10 @@ struct Runner {
     ArmResult r;
     r.name = arm.name;
     r.kind = arm.kind;
-    const bool derived = arm.kind == "posthoc" || arm.kind == "convert";
+    const bool derived = arm.kind == "posthoc" || arm.kind == "convert" || arm.kind == "lla";
     const Arm& trained = derived ? find_arm(e, arm.spec.at("base").get<std::string>()) : arm;
     train::RunConfig cfg = arm_run_config(e, trained);
-    const attention::CacheOptions cache = arm_cache(arm);
+    attention::CacheOptions cache = arm_cache(arm);
     r.key = train_arm_key(cfg);
     const std::string label = arm.name + " (" + std::to_string(index + 1) + "/" + std::to_string(e.arms.size()) + ")";
     std::string dir = arms_dir + "/" + r.key;
@@ -200,25 +229,58 @@ struct Runner {
       };
     }
 
+    std::function<void()> need_codec = [] {};
+    if (arm.kind == "lla") {
+      const std::string base_dir = dir;
+      dir = arms_dir + "/" + metrics_key(r.key, lla_fit_spec(arm));
+      need_codec = [&, base_dir] {
+        if (cache.lla) return;
+        const auto codec_dir = ensure_codec(arm, cfg, base_dir, dir, label);
+        cache.lla = compress::LlaCodec::load(codec_dir, cfg.model).decode_set();
+      };
+    }
+
     // Accounting from the config alone.
-    {
+    if (arm.kind == "lla") {
+      const auto& spec = arm.spec;
+      const std::string variant = spec.value("variant", "head");
+      auto [rk, rv] = spec.contains("ranks") ? std::pair<int, int>{spec["ranks"][0], spec["ranks"][1]}
+                      : variant == "final_loop"
+                          ? std::pair<int, int>{cfg.model.head_dim, cfg.model.head_dim}
+                          : compress::ranks_for_budget(spec.value("budget", ""), variant, cfg.model);
+      const auto shape = compress::LlaShape::of_teacher(cfg.model, variant, rk, rv);
+      const int64_t context = cfg.train.seq_len;
+      const double held = cache.evict.enabled() ? std::min<double>(context, cache.evict.sink + cache.evict.window) : context;
+      r.metrics["kv_bytes_per_token"] = shape.bytes_per_token() * held / context;
+      r.metrics["compression"] = shape.teacher_bytes_per_token() / (shape.bytes_per_token() * held / context);
+      r.metrics["rank_k"] = rk;
+      r.metrics["rank_v"] = rv;
+      model::Transformer teacher_shape(cfg.model);
+      r.metrics["params"] = teacher_shape->num_parameters();
+    } else {
       model::Transformer shape(cfg.model);
       const double per_token = shape->kv_bytes_per_token(cache.type);
       const int64_t context = cfg.train.seq_len;
       const double held = cache.evict.enabled() ? std::min<double>(context, cache.evict.sink + cache.evict.window) : context;
-      r.metrics["kv_bytes_per_token"] = per_token * held / context;  // at the training context
+      const int D = cfg.model.num_hidden_layers, share = std::max(1, cache.share_kv_layers);
+      const double kept_layers = static_cast<double>((D + share - 1) / share) / D;  // CLA: the layers that keep K/V
+      r.metrics["kv_bytes_per_token"] = per_token * held / context * kept_layers;  // at the training context
       r.metrics["params"] = shape->num_parameters();
       if (shape->state_bytes() > 0) r.metrics["state_bytes"] = shape->state_bytes();
     }
+    if (arm.kind != "lla" && cfg.model.loops > 1)  // vs the looped model's own full f32 KV
+      r.metrics["compression"] = model::Transformer(cfg.model)->kv_bytes_per_token(kernels::KVType::F32) /
+                                 r.metrics["kv_bytes_per_token"].get<double>();
     const bool needs_model = wants("quality") || wants("mqar");
     std::optional<train::LoadedModel> loaded;
     auto model = [&]() -> model::Transformer& {
       if (!loaded) loaded = train::load_model(model_dir());
       return loaded->model;
     };
-    const attention::CacheOptions* cache_ptr = arm.kind == "posthoc" ? &cache : nullptr;
+    const attention::CacheOptions* cache_ptr = arm.kind == "posthoc" || arm.kind == "lla" ? &cache : nullptr;
     if (wants("quality")) {
       auto q = cached(dir + "/metrics-quality-" + metrics_key(r.key, {what, e.eval.to_json()}) + ".json", [&] {
+        need_codec();
         say(label + ": held-out quality");
         return quality(model(), cache_ptr);
       });
@@ -237,7 +299,7 @@ struct Runner {
     for (int64_t ctx : {4096, 16384})
       r.metrics["kv_state_bytes_per_token@" + std::to_string(ctx / 1024) + "K"] =
           r.metrics["kv_bytes_per_token"].get<double>() + r.metrics.value("state_bytes", 0.0) / static_cast<double>(ctx);
-    if (wants("mqar")) {
+    if (wants("mqar") && arm.kind != "lla") {  // (MQAR prefills whole sequences: an LLA arm would read no codes)
       auto q = cached(dir + "/metrics-mqar-" + metrics_key(r.key, {what, e.eval.to_json()}) + ".json", [&] {
         say(label + ": MQAR recall");
         return mqar(model(), cache_ptr);
@@ -253,10 +315,17 @@ struct Runner {
       nlohmann::json key_parts = {what, e.eval.to_json(), "decode", e.eval.prefill_contexts};
       if (cfg.model.uses("natsl")) key_parts.push_back(decode_cache.history_softmax_fraction);
       auto q = cached(dir + "/metrics-decode-" + metrics_key(r.key, key_parts) + ".json", [&] {
+        need_codec();
+        decode_cache.lla = cache.lla;
         say(label + ": decode speed");
         return decode(cfg.model, decode_cache);
       });
       r.metrics.update(q);
+    }
+    if (e.eval.capacity_tokens > 0) {  // allocation only: quick, not cached
+      need_codec();
+      r.metrics["capacity@" + std::to_string(e.eval.capacity_tokens / 1024) + "K"] = static_cast<double>(
+          eval::capacity_sequences(cfg.model, cache, e.eval.capacity_tokens, e.eval.capacity_mib << 20));
     }
     if (needs_model && arm.kind == "train") r.curve = curve_of(dir);
     return r;

@@ -233,6 +233,28 @@ double decode_tokens_per_second(model::ModelConfig config, const attention::Cach
   return 1.0 / time_per_call([&] { m->step(tok, state); }, seconds);
 }
 
+int64_t capacity_sequences(model::ModelConfig config, const attention::CacheOptions& cache, int64_t length,
+                           int64_t budget_bytes, int64_t limit) {
+  torch::NoGradGuard ng;
+  if (length < 1 || budget_bytes < 1) throw Error("capacity: the length and the memory budget must be positive");
+  config.max_position_embeddings = static_cast<int>(std::max<int64_t>(config.max_position_embeddings, length));
+  torch::manual_seed(0);
+  model::Transformer m(config);
+  std::vector<model::DecodeState> held;
+  int64_t used = 0;
+  uint32_t seed = 0;
+  while (static_cast<int64_t>(held.size()) < limit) {
+    auto state = m->new_state(1, cache);
+    for (auto& layer : state.layers) layer->append_random_history(length, seed++);
+    const int64_t bytes = state.bytes();
+    if (bytes <= 0) throw Error("capacity: a decode state of " + std::to_string(length) + " tokens holds no bytes");
+    if (used + bytes > budget_bytes) break;
+    used += bytes;
+    held.push_back(std::move(state));
+  }
+  return static_cast<int64_t>(held.size());
+}
+
 double prefill_seconds(model::ModelConfig config, int64_t context, int64_t chunk) {
   torch::NoGradGuard ng;
   config.max_position_embeddings = static_cast<int>(std::max<int64_t>(config.max_position_embeddings, context));

@@ -34,6 +34,12 @@ nlohmann::json bench_train_data_parallel(const train::RunConfig& config, int ste
 double decode_tokens_per_second(model::ModelConfig config, const attention::CacheOptions& cache, int64_t context,
                                 double seconds);
 
+// How many sequences of `length` tokens fit in `budget_bytes` of decode cache, found by allocating
+// them: decode states of a model of this config are filled with random history one after
+// another until the next would pass the budget (at most `limit`).
+int64_t capacity_sequences(model::ModelConfig config, const attention::CacheOptions& cache, int64_t length,
+                           int64_t budget_bytes, int64_t limit = 100000);
+
 // Seconds to prefill `context` random tokens into an empty decode state of a model of this config
 // (random weights), in chunks of `chunk` tokens through Transformer::step on the libtorch
 // reference caches (batched matrix products; the fused caches take one token at a time).

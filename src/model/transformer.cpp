@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "attention/dense.h"
 #include "attention/lla.h"
 #include "util/error.h"
 
@@ -108,6 +109,25 @@ DecodeState TransformerImpl::new_state(int64_t batch, const attention::CacheOpti
     for (const auto& kind : config_.layer_kinds())
       if (kind != "dense") throw Error("an LLA codec needs every layer dense, found '" + kind + "'");
     s.layers = attention::make_lla_caches(options, static_cast<int>(layers->size()));
+    return s;
+  }
+  if (options.share_kv_layers > 1) {  // CLA: the first layer of each run of adjacent layers keeps K/V for all
+    if (options.type != kernels::KVType::F32 || options.evict.enabled() || options.lla)
+      throw Error("cross-layer KV sharing runs on the libtorch f32 caches; drop --kv-cache, --evict and --lla");
+    const auto kinds = config_.layer_kinds();
+    auto reference = options;
+    reference.reference = true;
+    for (int t = 0; t < config_.loops; ++t)
+      for (size_t l = 0; l < layers->size(); ++l) {
+        if (kinds[l] != "dense") throw Error("cross-layer KV sharing needs every layer dense, found '" + kinds[l] + "'");
+        const size_t first = l - l % options.share_kv_layers;
+        if (l == first) {
+          s.layers.push_back((*layers)[l]->as<BlockImpl>()->self_attn->new_cache(batch, reference));
+        } else {
+          const auto* source = dynamic_cast<const attention::DenseKVCache*>(s.layers[t * layers->size() + first].get());
+          s.layers.push_back(std::make_unique<attention::SharedKVCache>(source));
+        }
+      }
     return s;
   }
   for (int t = 0; t < config_.loops; ++t)

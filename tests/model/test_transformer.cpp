@@ -2,6 +2,8 @@
 #include <torch/torch.h>
 
 #include "attention/cost.h"
+#include "attention/dense.h"
+#include "nn/layers.h"
 #include "model/memory.h"
 #include "model/sampling.h"
 #include "model/transformer.h"
@@ -321,4 +323,44 @@ TEST(Transformer, LoopedModelRunsItsStackTTimesAndDecodesWithACachePerLoopAndLay
   auto bad = c;
   bad.loops = 0;
   EXPECT_THROW(bad.validate(), Error);
+}
+
+TEST(Transformer, CrossLayerKvSharingReadsTheFirstLayersKeysAndValuesWithEachLayersOwnQueries) {
+  auto c = tiny(4, 2);
+  c.num_hidden_layers = 3;  // runs of 2: layers 0-1 share layer 0's K/V, layer 2 keeps its own
+  c.loops = 2;
+  c.sandwich_norm = true;
+  c.validate();
+  torch::manual_seed(17);
+  model::Transformer m(c);
+  m->to(torch::kFloat64);
+  torch::NoGradGuard ng;
+  const auto ids = torch::randint(37, {2, 11}, torch::kLong);
+  // Written out with the forward's mixer override: layer 1's keys and values are layer 0's (same loop).
+  torch::Tensor first_input;
+  const auto want = m->forward(ids, nullptr, [&](int, int layer, const torch::Tensor& x) -> torch::Tensor {
+    if (layer == 0) first_input = x;
+    if (layer != 1) return {};
+    auto& own = dynamic_cast<attention::DenseAttention&>(*m->layers[1]->as<model::BlockImpl>()->self_attn);
+    auto& src = dynamic_cast<attention::DenseAttention&>(*m->layers[0]->as<model::BlockImpl>()->self_attn);
+    const int64_t B = x.size(0), T = x.size(1);
+    const nn::Rope rope(c.head_dim, c.rope_theta);
+    const auto q = rope.apply(own.q_proj(x).view({B, T, 4, 8}).transpose(1, 2), 0);
+    auto [k, v] = src.keys_values_pre_rope(first_input);
+    const auto o = attention::causal_attention(q, rope.apply(k, 0), v, 0);
+    return own.o_proj(o.transpose(1, 2).reshape({B, T, 32}));
+  });
+  attention::CacheOptions o;
+  o.share_kv_layers = 2;
+  auto state = m->new_state(2, o);
+  std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, 4), state)};
+  for (int t = 4; t < 11; ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
+  const auto got = torch::cat(parts, 1);
+  EXPECT_LT((got - want).abs().max().item<double>(), 1e-9);
+  EXPECT_GT((got - m->forward(ids)).abs().max().item<double>(), 1e-4);  // sharing changes the model
+  // Layers 0 and 2 of each loop keep K/V: 2 of 3 layers' bytes.
+  EXPECT_EQ(state.bytes(), 2 * 11 * 2 * (2 * 2 * 8 * 4) * 2);
+  EXPECT_NE(o.describe().find("CLA"), std::string::npos);
+  o.type = kernels::KVType::Q8;
+  EXPECT_THROW(m->new_state(1, o), Error);
 }
