@@ -21,7 +21,7 @@ namespace kvx::compare {
 struct Arm {
   std::string name;
   std::string kind;     // "train" | "posthoc" | "convert" | "lla"
-  // train: {"model": {overrides}}; posthoc: {"base": arm, "kv_cache": t, "evict": "sink=S,window=W"};
+  // train: {"model": {overrides}, optional "train": {overrides}}; posthoc: {"base": arm, "kv_cache": t, "evict": "sink=S,window=W"};
   // convert: {"base": arm, "rank": r, "rope": mode, "heal_steps": n}
   // lla: {"base": arm, "variant": v, "budget": "4x" (or "ranks": [rk, rv]), "steps": n, "init": i,
   //       "on_policy": b, "attention_weight": w, "evict": "sink=S,window=W", "absorbed": b}

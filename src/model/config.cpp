@@ -29,6 +29,9 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   c.qk_rope_head_dim = r.get<int>("qk_rope_head_dim", c.qk_rope_head_dim);
   c.loops = r.get<int>("loops", c.loops);
   c.sandwich_norm = r.get<bool>("sandwich_norm", c.sandwich_norm);
+  c.exit_gate = r.get<bool>("exit_gate", c.exit_gate);
+  c.exit_threshold = r.get<double>("exit_threshold", c.exit_threshold);
+  c.exit_entropy_weight = r.get<double>("exit_entropy_weight", c.exit_entropy_weight);
   c.linear_num_heads = r.get<int>("linear_num_heads", c.linear_num_heads);
   c.linear_key_head_dim = r.get<int>("linear_key_head_dim", c.linear_key_head_dim);
   c.linear_value_head_dim = r.get<int>("linear_value_head_dim", c.linear_value_head_dim);
@@ -62,6 +65,11 @@ nlohmann::json ModelConfig::to_json() const {
           {"layout", layout}};
   if (loops != 1) j["loops"] = loops;
   if (sandwich_norm) j["sandwich_norm"] = true;
+  if (exit_gate) {
+    j["exit_gate"] = true;
+    j["exit_threshold"] = exit_threshold;
+    j["exit_entropy_weight"] = exit_entropy_weight;
+  }
   // Family settings only where a layer uses the family (dense configs stay plain Llama ones).
   if (uses("lrkv")) {
     j["lrkv_rank"] = lrkv_rank;
@@ -118,6 +126,13 @@ void ModelConfig::validate() const {
   layer_kinds();  // validates the layout
   if (loops < 1 || loops > 64)
     throw Error("model config: loops (times the layer stack runs) must be in [1, 64], got " + std::to_string(loops));
+  if (exit_gate && loops < 2)
+    throw Error("model config: exit_gate needs loops >= 2 (it picks the loop whose state feeds the LM head)");
+  if (exit_gate && !(exit_threshold > 0 && exit_threshold <= 1))
+    throw Error("model config: exit_threshold must be in (0, 1], got " + std::to_string(exit_threshold) +
+                " (1 always reads the last loop)");
+  if (exit_gate && !(exit_entropy_weight >= 0))
+    throw Error("model config: exit_entropy_weight must be >= 0, got " + std::to_string(exit_entropy_weight));
   if (uses("lrkv")) {
     if (lrkv_rank < 0 || lrkv_rank > head_dim)
       throw Error("model config: lrkv_rank (" + std::to_string(lrkv_rank) + ") must be in [0, head_dim = " +

@@ -41,6 +41,13 @@ struct ModelConfig {
   // norms (Ouro) also normalise each sub-layer's output before its residual add.
   int loops = 1;
   bool sandwich_norm = false;
+  // Exit gate (Ouro): lambda_t = sigmoid(early_exit_gate(normed state of loop t)); exit distribution
+  // p_t = lambda_t prod_{s<t} (1 - lambda_s), the last loop taking the rest. Training minimises
+  // sum_t p_t CE_t - exit_entropy_weight H(p); inference reads the LM head from the first loop whose
+  // cumulative exit probability reaches exit_threshold (all loops still run: their K/V are cached).
+  bool exit_gate = false;
+  double exit_threshold = 0.5;
+  double exit_entropy_weight = 0.05;
   int nats_attention_heads = 8;
   int nats_block_size = 64;
   bool nats_rope = true;

@@ -53,6 +53,7 @@ double parameter_count(const ModelConfig& c) {
   double p = V * d * (c.tie_word_embeddings ? 1 : 2) + d;  // embeddings, head, final norm
   for (const auto& kind : c.layer_kinds())
     p += attention::AttentionShape::of_layer(c, kind).mixer_params() + 3 * d * I + (c.sandwich_norm ? 4 : 2) * d;
+  if (c.exit_gate) p += d + 1;  // early_exit_gate
   return p;
 }
 

@@ -52,6 +52,7 @@ TransformerImpl::TransformerImpl(const ModelConfig& c) : config_(c) {
   for (int i = 0; i < c.num_hidden_layers; ++i) layers->push_back(Block(c, i));
   norm = register_module("norm", nn::RMSNorm(c.hidden_size, c.rms_norm_eps));
   if (!c.tie_word_embeddings) lm_head = register_module("lm_head", nn::linear_no_bias(c.hidden_size, c.vocab_size));
+  if (c.exit_gate) early_exit_gate = register_module("early_exit_gate", torch::nn::Linear(c.hidden_size, 1));
   init_weights();
 }
 
@@ -68,22 +69,76 @@ void TransformerImpl::init_weights() {
     p.value().normal_(0.0, residual_out ? out_std : 0.02);
   }
   for (auto& layer : *layers) layer->as<BlockImpl>()->self_attn->initialize();
+  if (early_exit_gate) early_exit_gate->bias.zero_();  // lambda = 1/2 at the start
 }
 
-torch::Tensor TransformerImpl::logits(const torch::Tensor& h) {
-  auto x = norm(h);
+torch::Tensor TransformerImpl::head(const torch::Tensor& x) {
   return config_.tie_word_embeddings ? torch::matmul(x, embed_tokens->weight.t()) : lm_head(x);
+}
+
+torch::Tensor TransformerImpl::logits(const torch::Tensor& h) { return head(norm(h)); }
+
+torch::Tensor TransformerImpl::exit_distribution(const torch::Tensor& lambdas) {
+  const int64_t T = lambdas.size(-1);
+  // survive_t = prod_{s<t} (1 - lambda_s); p_t = lambda_t survive_t, p_T = survive_T.
+  auto stay = 1 - lambdas.narrow(-1, 0, T - 1);
+  auto survive = torch::cat({torch::ones_like(lambdas.narrow(-1, 0, 1)), torch::cumprod(stay, -1)}, -1);
+  auto p = survive * lambdas;
+  return torch::cat({p.narrow(-1, 0, T - 1), survive.narrow(-1, T - 1, 1)}, -1);
+}
+
+torch::Tensor TransformerImpl::gated_logits(const std::vector<torch::Tensor>& normed) {
+  std::vector<torch::Tensor> lambdas;
+  for (const auto& x : normed) lambdas.push_back(torch::sigmoid(early_exit_gate(x)));
+  const auto p = exit_distribution(torch::cat(lambdas, -1));               // [B, T, loops]
+  const auto reached = torch::cumsum(p, -1) >= config_.exit_threshold - 1e-12;  // the last loop always reaches 1
+  const auto exit = std::get<1>(torch::max(reached.to(torch::kInt), -1));  // the first loop that reached it
+  const auto states = torch::stack(normed, 2);                              // [B, T, loops, d]
+  const auto index = exit.unsqueeze(-1).unsqueeze(-1).expand({states.size(0), states.size(1), 1, states.size(3)});
+  return head(states.gather(2, index).squeeze(2));
+}
+
+TransformerImpl::LoopStates TransformerImpl::loop_states(const torch::Tensor& ids) {
+  if (!config_.exit_gate) throw Error("loop_states: the model has no exit gate (exit_gate in config.json)");
+  LoopStates out;
+  run(ids, nullptr, nullptr, &out.normed);
+  std::vector<torch::Tensor> lambdas;
+  for (const auto& x : out.normed) lambdas.push_back(torch::sigmoid(early_exit_gate(x)));
+  out.exit_probs = exit_distribution(torch::cat(lambdas, -1));
+  return out;
+}
+
+torch::Tensor TransformerImpl::lm_loss(const torch::Tensor& ids, const torch::Tensor& targets) {
+  auto ce = [](const torch::Tensor& logits, const torch::Tensor& y) {
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}),
+                                                torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone))
+        .view(y.sizes());
+  };
+  if (!config_.exit_gate) return ce(forward(ids), targets).mean();
+  const auto s = loop_states(ids);
+  torch::Tensor expected = torch::zeros_like(targets, torch::kFloat32).to(s.exit_probs.scalar_type());
+  for (size_t t = 0; t < s.normed.size(); ++t) expected = expected + s.exit_probs.select(-1, t) * ce(head(s.normed[t]), targets);
+  const auto entropy = -(s.exit_probs * torch::log(s.exit_probs.clamp_min(1e-12))).sum(-1);
+  return (expected - config_.exit_entropy_weight * entropy).mean();
 }
 
 torch::Tensor TransformerImpl::forward(const torch::Tensor& ids) { return forward(ids, nullptr); }
 
 torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const LayerObserver& observe, const MixerOverride& mixer_output) {
+  if (!config_.exit_gate) return logits(run(ids, observe, mixer_output, nullptr));
+  std::vector<torch::Tensor> normed;
+  run(ids, observe, mixer_output, &normed);
+  return gated_logits(normed);
+}
+
+torch::Tensor TransformerImpl::run(const torch::Tensor& ids, const LayerObserver& observe, const MixerOverride& mixer_output,
+                                   std::vector<torch::Tensor>* normed) {
   if (ids.size(1) > config_.max_position_embeddings)
     throw Error("sequence of " + std::to_string(ids.size(1)) + " tokens exceeds the model's context limit of " +
                 std::to_string(config_.max_position_embeddings) + " (max_position_embeddings); use a shorter input");
   auto h = embed_tokens(ids);
   for (int t = 0; t < config_.loops; ++t) {
-    if (t > 0) h = norm(h);  // the normed state of loop t-1 feeds loop t
+    if (t > 0) h = normed ? normed->back() : norm(h);  // the normed state of loop t-1 feeds loop t
     for (size_t i = 0; i < layers->size(); ++i) {
       auto* block = layers[i]->as<BlockImpl>();
       if (!observe && !mixer_output) {
@@ -96,8 +151,9 @@ torch::Tensor TransformerImpl::forward(const torch::Tensor& ids, const LayerObse
       if (mixer_output) a = mixer_output(t, static_cast<int>(i), x);
       h = block->finish(h, a.defined() ? a : block->self_attn->forward(x));
     }
+    if (normed) normed->push_back(norm(h));
   }
-  return logits(h);
+  return h;
 }
 
 DecodeState TransformerImpl::new_state(int64_t batch, const attention::CacheOptions& options) const {
@@ -146,11 +202,13 @@ torch::Tensor TransformerImpl::step(const torch::Tensor& ids, DecodeState& state
     throw Error("decode state has " + std::to_string(state.layers.size()) + " caches but this model needs " +
                 std::to_string(D * config_.loops) + " (layers x loops); make it with this model's new_state");
   auto h = embed_tokens(ids);
+  std::vector<torch::Tensor> normed;  // exit gate: each loop's normed state
   for (int t = 0; t < config_.loops; ++t) {
-    if (t > 0) h = norm(h);
+    if (t > 0) h = config_.exit_gate ? normed.back() : norm(h);
     for (size_t i = 0; i < D; ++i) h = layers[i]->as<BlockImpl>()->step(h, *state.layers[t * D + i]);
+    if (config_.exit_gate) normed.push_back(norm(h));
   }
-  return logits(h);
+  return config_.exit_gate ? gated_logits(normed) : logits(h);
 }
 
 double TransformerImpl::kv_bytes_per_token(kernels::KVType type) const {

@@ -58,6 +58,17 @@ class TransformerImpl : public torch::nn::Module {
   DecodeState new_state(int64_t batch, const attention::CacheOptions& options = {}) const;
   // Appends ids [B, T] to the state and returns their logits [B, T, V]. Errors past the context limit.
   torch::Tensor step(const torch::Tensor& ids, DecodeState& state);
+  // The training objective for next-token targets [B, T]: mean cross-entropy, or with an exit gate
+  // the expected cross-entropy over the exit distribution minus exit_entropy_weight x its entropy.
+  torch::Tensor lm_loss(const torch::Tensor& ids, const torch::Tensor& targets);
+  // Exit gate: every loop's normed state [B, T, d] and the exit distribution [B, T, loops].
+  struct LoopStates {
+    std::vector<torch::Tensor> normed;
+    torch::Tensor exit_probs;
+  };
+  LoopStates loop_states(const torch::Tensor& ids);
+  // p_t = lambda_t prod_{s<t} (1 - lambda_s), the last loop the rest: lambdas [..., loops] -> [..., loops].
+  static torch::Tensor exit_distribution(const torch::Tensor& lambdas);
   double kv_bytes_per_token(kernels::KVType type = kernels::KVType::F32) const;  // all layers and loops, per batch row
   double state_bytes() const;  // constant-size decode state of all layers and loops (GDN, NAtS-L), per batch row
   int64_t num_parameters(bool include_embedding = true) const;
@@ -70,9 +81,17 @@ class TransformerImpl : public torch::nn::Module {
   torch::nn::ModuleList layers;
   nn::RMSNorm norm{nullptr};
   torch::nn::Linear lm_head{nullptr};
+  torch::nn::Linear early_exit_gate{nullptr};  // d -> 1 with bias, when config.exit_gate
 
  private:
-  torch::Tensor logits(const torch::Tensor& h);
+  // The loops over the stack; returns the last state before the final norm and, when `normed` is
+  // given, appends each loop's normed state.
+  torch::Tensor run(const torch::Tensor& ids, const LayerObserver& observe, const MixerOverride& mixer_output,
+                    std::vector<torch::Tensor>* normed);
+  torch::Tensor logits(const torch::Tensor& h);  // final norm, then the LM head
+  torch::Tensor head(const torch::Tensor& normed);
+  // With an exit gate: the LM head on each token's exit loop (first cumulative p >= threshold).
+  torch::Tensor gated_logits(const std::vector<torch::Tensor>& normed);
   void init_weights();
   ModelConfig config_;
 };

@@ -300,8 +300,7 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
     const double lr = learning_rate(opt, static_cast<int>(step));
     auto [x, y] = sampler.next();
     optimizer.zero_grad();
-    auto logits = model->forward(x);
-    auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), y.reshape({-1}));
+    auto loss = model->lm_loss(x, y);  // cross-entropy (with an exit gate: expected over the exit loop)
     if (fault_at("train.nan_loss")) loss = loss * std::numeric_limits<double>::quiet_NaN();
     double l = loss.item<double>();
     if (group) {  // weigh each worker by its targets (MQAR rows ignore some): the mean over all of them

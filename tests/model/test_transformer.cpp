@@ -364,3 +364,102 @@ TEST(Transformer, CrossLayerKvSharingReadsTheFirstLayersKeysAndValuesWithEachLay
   o.type = kernels::KVType::Q8;
   EXPECT_THROW(m->new_state(1, o), Error);
 }
+
+TEST(Transformer, ExitGatePicksTheFirstLoopWhoseCumulativeExitProbabilityReachesTheThreshold) {
+  // p_t = lambda_t prod_{s<t} (1 - lambda_s), the last loop the rest.
+  const auto p = model::TransformerImpl::exit_distribution(torch::tensor({0.2, 0.5, 0.9}, torch::kFloat64));
+  EXPECT_TRUE(torch::allclose(p, torch::tensor({0.2, 0.4, 0.4}, torch::kFloat64), 0, 1e-15));
+  auto c = tiny(4, 2);
+  c.num_hidden_layers = 2;
+  c.layout = "dense*2";
+  c.loops = 3;
+  c.exit_gate = true;
+  c.exit_threshold = 0.6;
+  c.validate();
+  torch::manual_seed(19);
+  model::Transformer m(c);
+  m->to(torch::kFloat64);
+  EXPECT_EQ(m->num_parameters(), static_cast<int64_t>(model::parameter_count(c)));
+  EXPECT_TRUE(m->state_dict_hf().count("model.early_exit_gate.weight"));
+  {  // a gate that varies across tokens so every loop gets picked somewhere
+    torch::NoGradGuard ng;
+    m->early_exit_gate->weight.normal_(0, 3.0);
+  }
+  const auto ids = torch::randint(37, {2, 15}, torch::kLong);
+  torch::Tensor want, loss_want;
+  {
+    torch::NoGradGuard ng;
+    const auto s = m->loop_states(ids);
+    want = torch::empty({2, 15, 37}, torch::kFloat64);
+    std::vector<int> picked(3, 0);
+    for (int b = 0; b < 2; ++b)
+      for (int i = 0; i < 15; ++i) {
+        double cdf = 0;
+        int exit = 2;
+        for (int t = 0; t < 3; ++t) {
+          cdf += s.exit_probs[b][i][t].item<double>();
+          if (cdf >= 0.6) {
+            exit = t;
+            break;
+          }
+        }
+        ++picked[exit];
+        want[b][i] = torch::matmul(s.normed[exit][b][i], m->embed_tokens->weight.t());
+      }
+    EXPECT_GT(picked[0] * picked[1] + picked[0] * picked[2] + picked[1] * picked[2], 0);  // more than one loop used
+  }
+  torch::NoGradGuard ng;
+  const auto got = m->forward(ids);
+  EXPECT_TRUE(torch::allclose(got, want, 1e-12, 1e-12));
+  // Decode takes the same exits.
+  auto state = m->new_state(2);
+  std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, 6), state)};
+  for (int t = 6; t < 15; ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
+  EXPECT_LT((torch::cat(parts, 1) - got).abs().max().item<double>(), 1e-5);
+  auto bad = c;
+  bad.loops = 1;
+  EXPECT_THROW(bad.validate(), Error);
+  bad = c;
+  bad.exit_threshold = 0;
+  EXPECT_THROW(bad.validate(), Error);
+}
+
+TEST(Transformer, ExitGateLossIsTheExpectedCrossEntropyMinusTheEntropyAndTrainsTheGate) {
+  auto c = tiny(4, 4);
+  c.num_hidden_layers = 1;
+  c.layout = "dense";
+  c.loops = 3;
+  c.exit_gate = true;
+  c.exit_entropy_weight = 0.1;
+  torch::manual_seed(21);
+  model::Transformer m(c);
+  m->to(torch::kFloat64);
+  const auto ids = torch::randint(37, {2, 9}, torch::kLong), y = torch::randint(37, {2, 9}, torch::kLong);
+  const auto loss = m->lm_loss(ids, y);
+  {
+    torch::NoGradGuard ng;
+    const auto s = m->loop_states(ids);
+    double want = 0;
+    for (int b = 0; b < 2; ++b)
+      for (int i = 0; i < 9; ++i) {
+        double expected = 0, entropy = 0;
+        for (int t = 0; t < 3; ++t) {
+          const auto logp = torch::log_softmax(torch::matmul(s.normed[t][b][i], m->embed_tokens->weight.t()), -1);
+          const double pt = s.exit_probs[b][i][t].item<double>();
+          expected += pt * -logp[y[b][i].item<int64_t>()].item<double>();
+          entropy -= pt * std::log(pt);
+        }
+        want += expected - 0.1 * entropy;
+      }
+    EXPECT_NEAR(loss.item<double>(), want / 18, 1e-12);
+  }
+  loss.backward();
+  EXPECT_GT(m->early_exit_gate->weight.grad().abs().sum().item<double>(), 0.0);
+  // Without a gate the loss is the plain cross-entropy of the forward.
+  auto plain_cfg = c;
+  plain_cfg.exit_gate = false;
+  model::Transformer plain(plain_cfg);
+  const auto logits = plain->forward(ids);
+  EXPECT_NEAR(plain->lm_loss(ids, y).item<double>(),
+              torch::nn::functional::cross_entropy(logits.reshape({-1, 37}), y.reshape({-1})).item<double>(), 1e-6);
+}
