@@ -90,6 +90,10 @@ std::pair<torch::Tensor, torch::Tensor> LlaLayerStore::history(int loop) const {
 }
 
 kernels::LlaDecodeArgs LlaLayerStore::read_args(int loop, int64_t position, int64_t batch_row) const {
+  if (loop < 0 || loop >= loops_ || position < committed_)
+    throw Error("LLA read: loop " + std::to_string(loop) + " of " + std::to_string(loops_) + " at position " +
+                std::to_string(position) + " (the history holds " + std::to_string(committed_) +
+                " committed tokens; a read is for a position at or after them)");
   kernels::LlaDecodeArgs a;
   a.heads = 0;  // the caller's
   a.kv_heads = kv_heads_;

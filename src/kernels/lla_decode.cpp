@@ -42,7 +42,13 @@ Geometry geometry(const LlaDecodeArgs& a) {
     if (s.row_end < s.row_begin || s.row_begin < 0) throw Error("lla_decode_attention: bad history segment");
     g.total += s.row_end - s.row_begin;
   }
+  if (a.tail < 0) throw Error("lla_decode_attention: tail must be >= 0");
   if (g.total + a.tail < 1) throw Error("lla_decode_attention: nothing to attend to (no history, no tail)");
+  int64_t last_row = 0;
+  for (const auto& s : a.history) last_row = std::max(last_row, s.row_end);
+  if (g.total > 0 && (!a.key_codes || !a.value_codes || a.key_group_stride < last_row * a.keys.rank ||
+                      a.value_group_stride < last_row * a.values.rank))
+    throw Error("lla_decode_attention: history codes missing, or a group stride shorter than the rows read");
   if (a.tail > 0 && (!a.tail_keys || !a.tail_values)) throw Error("lla_decode_attention: tail K/V missing");
   return g;
 }

@@ -91,8 +91,9 @@ torch::Tensor TransformerImpl::gated_logits(const std::vector<torch::Tensor>& no
   std::vector<torch::Tensor> lambdas;
   for (const auto& x : normed) lambdas.push_back(torch::sigmoid(early_exit_gate(x)));
   const auto p = exit_distribution(torch::cat(lambdas, -1));               // [B, T, loops]
-  const auto reached = torch::cumsum(p, -1) >= config_.exit_threshold - 1e-12;  // the last loop always reaches 1
-  const auto exit = std::get<1>(torch::max(reached.to(torch::kInt), -1));  // the first loop that reached it
+  auto reached = (torch::cumsum(p, -1) >= config_.exit_threshold).to(torch::kInt);
+  reached.select(-1, p.size(-1) - 1).fill_(1);  // the last loop always exits (its cumulative sum is 1 up to rounding)
+  const auto exit = std::get<1>(torch::max(reached, -1));  // the first loop that reached it
   const auto states = torch::stack(normed, 2);                              // [B, T, loops, d]
   const auto index = exit.unsqueeze(-1).unsqueeze(-1).expand({states.size(0), states.size(1), 1, states.size(3)});
   return head(states.gather(2, index).squeeze(2));
@@ -158,6 +159,8 @@ torch::Tensor TransformerImpl::run(const torch::Tensor& ids, const LayerObserver
 
 DecodeState TransformerImpl::new_state(int64_t batch, const attention::CacheOptions& options) const {
   DecodeState s;
+  if (options.share_kv_layers > 1 && options.lla)
+    throw Error("cross-layer KV sharing and an LLA codec are separate baselines; drop --share-kv-layers or --lla");
   if (options.lla) {  // history as cross-loop codes
     if (options.lla->loops != config_.loops)
       throw Error("the LLA codec was fitted for " + std::to_string(options.lla->loops) + " loops but the model runs " +
@@ -168,8 +171,8 @@ DecodeState TransformerImpl::new_state(int64_t batch, const attention::CacheOpti
     return s;
   }
   if (options.share_kv_layers > 1) {  // CLA: the first layer of each run of adjacent layers keeps K/V for all
-    if (options.type != kernels::KVType::F32 || options.evict.enabled() || options.lla)
-      throw Error("cross-layer KV sharing runs on the libtorch f32 caches; drop --kv-cache, --evict and --lla");
+    if (options.type != kernels::KVType::F32 || options.evict.enabled())
+      throw Error("cross-layer KV sharing runs on the libtorch f32 caches; drop --kv-cache and --evict");
     const auto kinds = config_.layer_kinds();
     auto reference = options;
     reference.reference = true;
@@ -181,6 +184,7 @@ DecodeState TransformerImpl::new_state(int64_t batch, const attention::CacheOpti
           s.layers.push_back((*layers)[l]->as<BlockImpl>()->self_attn->new_cache(batch, reference));
         } else {
           const auto* source = dynamic_cast<const attention::DenseKVCache*>(s.layers[t * layers->size() + first].get());
+          if (!source) throw Error("cross-layer KV sharing: layer " + std::to_string(first) + " made no libtorch KV cache");
           s.layers.push_back(std::make_unique<attention::SharedKVCache>(source));
         }
       }

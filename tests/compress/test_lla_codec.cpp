@@ -206,11 +206,12 @@ TEST(LlaDecode, LowRankCodesStayCloseAndTheMismatchesAreRefused) {
 
 namespace {
 
-// Logits of ids decoded with these cache options: a first chunk of `prefill` tokens, then one per step.
+// Logits of ids decoded with these cache options: a first chunk of `prefill` tokens, a second chunk
+// of 5 read against committed history, then one token per step.
 torch::Tensor decode_logits(model::Transformer& m, const torch::Tensor& ids, const attention::CacheOptions& o, int64_t prefill) {
   auto state = m->new_state(ids.size(0), o);
-  std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, prefill), state)};
-  for (int64_t t = prefill; t < ids.size(1); ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
+  std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, prefill), state), m->step(ids.narrow(1, prefill, 5), state)};
+  for (int64_t t = prefill + 5; t < ids.size(1); ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
   return torch::cat(parts, 1);
 }
 
@@ -255,6 +256,22 @@ TEST(LlaDecode, WithSinkAndWindowEvictionAFullRankCodecDecodesLikeTheEvictingTea
   auto state = m->new_state(1, student);
   for (int64_t t = 0; t < 100; ++t) m->step(ids.narrow(1, t, 1), state);
   EXPECT_LE(state.bytes(), (2 + 64 + 1) * 2 * 2 * 4 * (16 + 16));
+  // A window wider than a tile, compacted several times over 250 tokens, chunks of 7 after the prompt.
+  c.max_position_embeddings = 256;
+  model::Transformer longer(c);
+  const auto kv2 = compress::capture_stacked_kv(longer, windows(3, 30, 6), "head");
+  const auto codec2 = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "head", 16, 16), kv2.keys, kv2.values);
+  const auto long_ids = torch::randint(37, {1, 250}, torch::kLong);
+  auto t2 = attention::CacheOptions::parse("f32", "sink=3,window=40", false);
+  auto s2 = t2;
+  s2.lla = codec2.decode_set();
+  auto chunked = [&](const attention::CacheOptions& o) {
+    auto st = longer->new_state(1, o);
+    std::vector<torch::Tensor> parts;
+    for (int64_t at = 0; at < 250; at += 7) parts.push_back(longer->step(long_ids.narrow(1, at, std::min<int64_t>(7, 250 - at)), st));
+    return torch::cat(parts, 1);
+  };
+  EXPECT_LT((chunked(s2) - chunked(t2)).abs().max().item<double>(), 2e-4);
   student.reference = true;
   EXPECT_THROW(m->new_state(1, student), Error);
 }

@@ -78,7 +78,7 @@ std::vector<Case> cases() {
       {4, 4, 8, 1, 5, 9, {{0, 1, 0}}, 1, 1},                          // LLA-2D, one history row
       {6, 3, 12, 1, 11, 3, {{0, 4, 0}, {9, 530, 700}}, 530, 2},      // 2D, sink + window segments
       {3, 3, 16, 3, 4, 6, {}, 0, 2},                                  // no history: the tail alone
-      {8, 2, 32, 2, 33, 17, {{0, 1000, 0}}, 1000, 1},                 // long, several splits
+      {8, 2, 32, 2, 33, 17, {{0, 1000, 0}}, 1000, 1},                 // long (several splits when forced)
   };
 }
 
@@ -139,6 +139,12 @@ TEST(LlaDecodeKernel, BytesReadAndBadShapes) {
   bad = d.args;
   bad.history.clear();
   bad.tail = 0;
+  EXPECT_THROW(lla_decode_attention(bad, d.q.data(), nullptr, out.data(), 1), kvx::Error);
+  bad = d.args;
+  bad.tail = -1;
+  EXPECT_THROW(lla_decode_attention(bad, d.q.data(), nullptr, out.data(), 1), kvx::Error);
+  bad = d.args;
+  bad.key_group_stride = 100;  // shorter than the 530 rows read
   EXPECT_THROW(lla_decode_attention(bad, d.q.data(), nullptr, out.data(), 1), kvx::Error);
   bad = d.args;
   bad.mode = LlaReadMode::Absorbed;

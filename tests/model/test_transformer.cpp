@@ -416,6 +416,17 @@ TEST(Transformer, ExitGatePicksTheFirstLoopWhoseCumulativeExitProbabilityReaches
   std::vector<torch::Tensor> parts{m->step(ids.narrow(1, 0, 6), state)};
   for (int t = 6; t < 15; ++t) parts.push_back(m->step(ids.narrow(1, t, 1), state));
   EXPECT_LT((torch::cat(parts, 1) - got).abs().max().item<double>(), 1e-5);
+  {  // threshold 1 in float32: always the last loop, whatever the rounding of the cumulative sum
+    auto one = c;
+    one.exit_threshold = 1.0;
+    model::Transformer m1(one);
+    m1->load_state_dict_hf(m->state_dict_hf(), "test");
+    m1->to(torch::kFloat32);
+    m1->early_exit_gate->weight.normal_(0, 0.3);  // unsaturated: no lambda rounds to exactly 1
+    const auto s = m1->loop_states(ids);
+    const auto last = torch::matmul(s.normed.back(), m1->embed_tokens->weight.t());
+    EXPECT_LT((m1->forward(ids) - last).abs().max().item<double>(), 1e-5);
+  }
   auto bad = c;
   bad.loops = 1;
   EXPECT_THROW(bad.validate(), Error);
