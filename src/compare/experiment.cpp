@@ -177,6 +177,7 @@ Experiment builtin_experiment(const std::string& name, const std::string& preset
     lla("lla-16x-distilled-equal-ranks", "head", "", {{"steps", distill}, {"ranks", {equal, equal}}});
     e.arms.back().spec.erase("budget");
     e.eval.capacity_tokens = 4096;
+    e.groups.push_back("capacity");
   } else if (name == "decode") {
     e.arms = {dense("mha", H), dense("gqa-h2", H / 2), dense("gqa-h4", H / 4), dense("mqa", 1), mla, lrkv(dh / 4, "pair_aligned"),
               linear("gdn", "gdn")};

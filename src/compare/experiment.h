@@ -49,7 +49,7 @@ struct Experiment {
   std::string name, preset;
   train::RunConfig base;  // shared model, data, steps and seed
   EvalSettings eval;
-  std::vector<std::string> groups;  // metric groups to compute: "quality", "mqar", "decode"
+  std::vector<std::string> groups;  // metric groups to compute: "quality", "mqar", "decode", "capacity"
   std::vector<Arm> arms;
   nlohmann::json to_json() const;
 };

@@ -322,7 +322,7 @@ struct Runner {
       });
       r.metrics.update(q);
     }
-    if (e.eval.capacity_tokens > 0) {  // allocation only: quick, not cached
+    if (wants("capacity") && e.eval.capacity_tokens > 0) {  // allocation only: quick, not cached
       need_codec();
       r.metrics["capacity@" + std::to_string(e.eval.capacity_tokens / 1024) + "K"] = static_cast<double>(
           eval::capacity_sequences(cfg.model, cache, e.eval.capacity_tokens, e.eval.capacity_mib << 20));

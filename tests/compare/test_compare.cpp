@@ -33,6 +33,35 @@ struct SyntheticData {
   }
 };
 
+TEST(Compare, LoopedArmsAreAccountedAgainstTheLoopedTeachersFullCache) {
+  auto e = compare::builtin_experiment("posthoc", "tiny");
+  e.groups = {};  // accounting only
+  std::vector<std::string> names;
+  for (const auto& a : e.arms)
+    if (a.name == "looped" || a.spec.value("base", "") == "looped") names.push_back(a.name);
+  compare::select_arms(e, names);
+  compare::CompareOptions o;
+  o.out_dir = temp_dir("loop-budget");
+  o.verbose = false;
+  const auto r = compare::run_experiment(e, o);
+  const double full = 2.0 * 4 * 2 * 6 * 64 * 4;  // K,V x loops x layers x heads x d_h x 4 bytes
+  // 4x: T d_h = 256 per head, r_k + r_v = 128 split 48 + 80; 1.33x: 385 = 144 + 241.
+  const std::map<std::string, double> want = {
+      {"looped", full},          {"looped+q8", 2 * 4 * 2 * 6 * 68}, {"looped+cla-2x", full / 2},
+      {"lla-4x", 4.0 * 2 * 6 * 128}, {"lla-1.33x", 4.0 * 2 * 6 * 385}, {"lla-16x", 4.0 * 2 * 6 * 32},
+      {"lla2d-4x", 4.0 * 2 * 1 * (6 * 128)}, {"head-codec-4x", 4.0 * 2 * 1 * (6 * 128)},
+      {"final-loop-4x", 4.0 * 2 * 6 * 128}, {"lla-4x+sink4-w60", 4.0 * 2 * 6 * 128 * 64 / 128},
+      {"lla-16x-distilled-equal-ranks", 4.0 * 2 * 6 * 32}};
+  for (const auto& a : r.arms) {
+    if (!want.count(a.name)) continue;
+    EXPECT_DOUBLE_EQ(a.metrics["kv_bytes_per_token"].get<double>(), want.at(a.name)) << a.name;
+    if (a.name != "looped") EXPECT_NEAR(a.metrics["compression"].get<double>(), full / want.at(a.name), 1e-9) << a.name;
+  }
+  for (const auto& a : r.arms)
+    if (a.name == "lla-4x") EXPECT_EQ(a.metrics["rank_k"].get<int>() * 10 + a.metrics["rank_v"].get<int>(), 48 * 10 + 80);
+  fs::remove_all(o.out_dir);
+}
+
 compare::Experiment micro() {
   auto e = compare::builtin_experiment("posthoc", "tiny");
   auto& m = e.base.model;
@@ -69,6 +98,7 @@ compare::Experiment micro() {
 TEST(Compare, BudgetAccountingMatchesHandComputedBytes) {
   auto e = compare::builtin_experiment("posthoc", "tiny");
   e.groups = {};  // accounting only: nothing trained
+  compare::select_arms(e, compare::demo_arms("posthoc"));  // the MHA transforms (the looped arms: next test)
   e.arms.push_back({"gqa-h4", "train", {{"model", {{"num_key_value_heads", 2}}}}});
   const auto arch = compare::builtin_experiment("arch", "tiny");
   e.arms.push_back(compare::find_arm(arch, "mla"));
