@@ -115,12 +115,15 @@ torch::Tensor TransformerImpl::lm_loss(const torch::Tensor& ids, const torch::Te
                                                 torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone))
         .view(y.sizes());
   };
-  if (!config_.exit_gate) return ce(forward(ids), targets).mean();
+  // Targets of -100 (torch's ignore_index; MQAR rows use it) count nowhere: the mean is over the rest.
+  const auto valid = (targets != -100).to(torch::kFloat32);
+  const auto count = valid.sum().clamp_min(1.0);
+  if (!config_.exit_gate) return ce(forward(ids), targets).sum() / count;
   const auto s = loop_states(ids);
   torch::Tensor expected = torch::zeros_like(targets, torch::kFloat32).to(s.exit_probs.scalar_type());
   for (size_t t = 0; t < s.normed.size(); ++t) expected = expected + s.exit_probs.select(-1, t) * ce(head(s.normed[t]), targets);
   const auto entropy = -(s.exit_probs * torch::log(s.exit_probs.clamp_min(1e-12))).sum(-1);
-  return (expected - config_.exit_entropy_weight * entropy).mean();
+  return ((expected - config_.exit_entropy_weight * entropy) * valid.to(expected.scalar_type())).sum() / count;
 }
 
 torch::Tensor TransformerImpl::forward(const torch::Tensor& ids) { return forward(ids, nullptr); }

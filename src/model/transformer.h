@@ -58,7 +58,7 @@ class TransformerImpl : public torch::nn::Module {
   DecodeState new_state(int64_t batch, const attention::CacheOptions& options = {}) const;
   // Appends ids [B, T] to the state and returns their logits [B, T, V]. Errors past the context limit.
   torch::Tensor step(const torch::Tensor& ids, DecodeState& state);
-  // The training objective for next-token targets [B, T]: mean cross-entropy, or with an exit gate
+  // The training objective for next-token targets [B, T] (-100: ignored): mean cross-entropy, or with an exit gate
   // the expected cross-entropy over the exit distribution minus exit_entropy_weight x its entropy.
   torch::Tensor lm_loss(const torch::Tensor& ids, const torch::Tensor& targets);
   // Exit gate: every loop's normed state [B, T, d] and the exit distribution [B, T, loops].

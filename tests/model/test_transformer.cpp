@@ -473,4 +473,8 @@ TEST(Transformer, ExitGateLossIsTheExpectedCrossEntropyMinusTheEntropyAndTrainsT
   const auto logits = plain->forward(ids);
   EXPECT_NEAR(plain->lm_loss(ids, y).item<double>(),
               torch::nn::functional::cross_entropy(logits.reshape({-1, 37}), y.reshape({-1})).item<double>(), 1e-6);
+  auto masked = y.clone();
+  masked.narrow(1, 0, 4).fill_(-100);  // ignored targets count nowhere, as in cross_entropy's mean
+  EXPECT_NEAR(plain->lm_loss(ids, masked).item<double>(),
+              torch::nn::functional::cross_entropy(logits.reshape({-1, 37}), masked.reshape({-1})).item<double>(), 1e-6);
 }
