@@ -124,6 +124,7 @@ struct Runner {
     nlohmann::json q;
     const auto& tok = training_data().tokenizer;
     for (int mult : e.eval.context_multiples) {
+      if (cache && cache->lla && mult != 1) continue;  // LLA decodes one token per step: the training context only
       auto b = windows(mult);
       eval::LmQuality lq;
       if (cache) {
