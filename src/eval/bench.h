@@ -36,9 +36,10 @@ double decode_tokens_per_second(model::ModelConfig config, const attention::Cach
 
 // How many sequences of `length` tokens fit in `budget_bytes` of decode cache, found by allocating
 // them: decode states of a model of this config are filled with random history one after
-// another until the next would pass the budget (at most `limit`).
+// another until the next would pass the budget, or `limit` are held (then the answer is a lower
+// bound: an evicting cache holds so little that counting on would only take time).
 int64_t capacity_sequences(model::ModelConfig config, const attention::CacheOptions& cache, int64_t length,
-                           int64_t budget_bytes, int64_t limit = 100000);
+                           int64_t budget_bytes, int64_t limit = 1024);
 
 // Seconds to prefill `context` random tokens into an empty decode state of a model of this config
 // (random weights), in chunks of `chunk` tokens through Transformer::step on the libtorch
