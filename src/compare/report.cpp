@@ -103,8 +103,8 @@ std::string write_report(const ExperimentResult& r) {
   }
   const std::string tag = e.name + " (" + e.preset + ")";
   auto plot = [&](const std::string& file, const std::string& title, const std::string& x, const std::string& y,
-                  const std::vector<eval::Series>& s) {
-    if (!s.empty() && eval::plot_lines(r.dir + "/" + file, title, x, y, s)) plots.push_back(file);
+                  const std::vector<eval::Series>& s, bool log_y = false) {
+    if (!s.empty() && eval::plot_lines(r.dir + "/" + file, title, x, y, s, log_y)) plots.push_back(file);
   };
   plot("pareto.png", "cache vs quality: " + tag, "KV cache bytes per token", "test cross-entropy (nats/token)", pareto);
   plot("mqar.png", "MQAR recall: " + tag, "key-value pairs", "accuracy", mqar);
@@ -116,7 +116,8 @@ std::string write_report(const ExperimentResult& r) {
     std::vector<eval::Series> kl;
     for (const auto& a : r.arms) {
       if (!a.metrics.contains("compression") || !a.metrics.contains("kl_vs_reference")) continue;
-      const double x = a.metrics["compression"].get<double>(), y = a.metrics["kl_vs_reference"].get<double>();
+      // Log scale: KL spans 1e-6 .. 1; a lossless arm sits at the floor.
+      const double x = a.metrics["compression"].get<double>(), y = std::max(1e-6, a.metrics["kl_vs_reference"].get<double>());
       nlohmann::json spec;
       for (const auto& arm : e.arms)
         if (arm.name == a.name) spec = arm.spec;
@@ -144,7 +145,7 @@ std::string write_report(const ExperimentResult& r) {
       kl.insert(kl.begin(), sorted);
     }
     plot("loop-budget.png", "looped model cache vs fidelity: " + tag, "compression of the persistent cache (x)",
-         "KL(teacher || student), nats/token", kl);
+         "KL(teacher || student), nats/token (log scale, floor 1e-6)", kl, true);
   }
   for (const auto& a : r.arms) {  // NAtS-L: the share of blocks routed to softmax per layer and head group (seed 001 Fig. 5)
     if (a.routing.is_null() || a.routing["layers"].empty()) continue;

@@ -69,7 +69,7 @@ bool plot_heatmap(const std::string& png_path, const std::string& title, const s
 }
 
 bool plot_lines(const std::string& png_path, const std::string& title, const std::string& xlabel,
-                const std::string& ylabel, const std::vector<Series>& series) {
+                const std::string& ylabel, const std::vector<Series>& series, bool log_y) {
   if (!have_gnuplot(png_path)) return false;
   const std::string data_path = png_path + ".dat";
   {
@@ -81,7 +81,7 @@ bool plot_lines(const std::string& png_path, const std::string& title, const std
   }
   std::string script = "set terminal pngcairo size 900,560 noenhanced\nset output " + quoted(png_path) +
                        "\nset title " + quoted(title) + "\nset xlabel " + quoted(xlabel) + "\nset ylabel " +
-                       quoted(ylabel) + "\nset grid\nset key top right\nplot ";
+                       quoted(ylabel) + "\nset grid\nset key top right\n" + (log_y ? "set logscale y\n" : "") + "plot ";
   bool first = true;
   for (size_t i = 0; i < series.size(); ++i) {
     if (series[i].x.empty()) continue;

@@ -12,7 +12,7 @@ struct Series {
 
 // Returns false (and prints why) if gnuplot is missing or fails; never throws for that.
 bool plot_lines(const std::string& png_path, const std::string& title, const std::string& xlabel,
-                const std::string& ylabel, const std::vector<Series>& series);
+                const std::string& ylabel, const std::vector<Series>& series, bool log_y = false);
 
 // cells[row][column] in [lo, hi] as coloured squares labelled with their values; row 0 at the
 // top. Same gnuplot rules as plot_lines.
