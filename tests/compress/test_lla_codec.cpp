@@ -33,6 +33,14 @@ std::vector<torch::Tensor> windows(int count, int64_t length, uint64_t seed) {
   return w;
 }
 
+
+// An SVD-initialised codec of m's K/V captured on these windows.
+compress::LlaCodec svd_codec(model::Transformer& m, const model::ModelConfig& c, const std::string& variant, int rank_k,
+                             int rank_v, const std::vector<torch::Tensor>& calibration) {
+  const auto kv = compress::capture_stacked_kv(m, calibration, variant);
+  return compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, variant, rank_k, rank_v), kv.keys, kv.values);
+}
+
 }  // namespace
 
 TEST(LlaCodec, CaptureStacksEachLoopsPreRopeKeysAndValues) {
@@ -99,8 +107,7 @@ TEST(LlaCodec, SavedCodecLoadsOnlyForItsTeacher) {
   const auto c = looped_config(2, 2);
   torch::manual_seed(5);
   model::Transformer m(c);
-  const auto kv = compress::capture_stacked_kv(m, windows(2, 13, 6), "2d");
-  const auto codec = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "2d", 6, 10), kv.keys, kv.values);
+  const auto codec = svd_codec(m, c, "2d", 6, 10, windows(2, 13, 6));
   const std::string dir = kvx::testing::temp_dir("lla_codec");
   codec.save(dir);
   const auto back = compress::LlaCodec::load(dir, c);
@@ -182,8 +189,7 @@ TEST(LlaDecode, LowRankCodesStayCloseAndTheMismatchesAreRefused) {
   auto c = looped_config(2, 2);
   torch::manual_seed(9);
   model::Transformer m(c);
-  const auto kv = compress::capture_stacked_kv(m, windows(4, 30, 10), "head");
-  const auto codec = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "head", 12, 14), kv.keys, kv.values);
+  const auto codec = svd_codec(m, c, "head", 12, 14, windows(4, 30, 10));
   torch::NoGradGuard ng;
   const auto ids = torch::randint(37, {1, 20}, torch::kLong);
   const auto full = torch::log_softmax(m->forward(ids), -1);
@@ -223,8 +229,7 @@ TEST(LlaDecode, TheFusedKernelReadEqualsTheLibtorchReferenceAtLowRank) {
     c.num_attention_heads = 4;  // GQA: 2 query heads per KV head
     torch::manual_seed(21);
     model::Transformer m(c);
-    const auto kv = compress::capture_stacked_kv(m, windows(4, 30, 5), variant);
-    const auto codec = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, variant, 5, 9), kv.keys, kv.values);
+    const auto codec = svd_codec(m, c, variant, 5, 9, windows(4, 30, 5));
     torch::NoGradGuard ng;
     const auto ids = torch::randint(37, {2, 40}, torch::kLong);
     attention::CacheOptions fused, reference;
@@ -241,8 +246,7 @@ TEST(LlaDecode, WithSinkAndWindowEvictionAFullRankCodecDecodesLikeTheEvictingTea
   c.max_position_embeddings = 128;
   torch::manual_seed(23);
   model::Transformer m(c);
-  const auto kv = compress::capture_stacked_kv(m, windows(3, 30, 6), "head");
-  const auto codec = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "head", 16, 16), kv.keys, kv.values);
+  const auto codec = svd_codec(m, c, "head", 16, 16, windows(3, 30, 6));
   torch::NoGradGuard ng;
   const auto ids = torch::randint(37, {1, 100}, torch::kLong);
   // A 7-token first chunk with window 3: a query sees the sink and its window inside the chunk (two runs).
@@ -259,8 +263,7 @@ TEST(LlaDecode, WithSinkAndWindowEvictionAFullRankCodecDecodesLikeTheEvictingTea
   // A window wider than a tile, compacted several times over 250 tokens, chunks of 7 after the prompt.
   c.max_position_embeddings = 256;
   model::Transformer longer(c);
-  const auto kv2 = compress::capture_stacked_kv(longer, windows(3, 30, 6), "head");
-  const auto codec2 = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "head", 16, 16), kv2.keys, kv2.values);
+  const auto codec2 = svd_codec(longer, c, "head", 16, 16, windows(3, 30, 6));
   const auto long_ids = torch::randint(37, {1, 250}, torch::kLong);
   auto t2 = attention::CacheOptions::parse("f32", "sink=3,window=40", false);
   auto s2 = t2;
@@ -280,8 +283,7 @@ TEST(LlaDecode, TheAbsorbedReadIsLabelledAndApproximateOnARopeModel) {
   auto c = looped_config(2, 2);
   torch::manual_seed(25);
   model::Transformer m(c);
-  const auto kv = compress::capture_stacked_kv(m, windows(3, 30, 7), "head");
-  const auto codec = compress::LlaCodec::fit_svd(compress::LlaShape::of_teacher(c, "head", 16, 16), kv.keys, kv.values);
+  const auto codec = svd_codec(m, c, "head", 16, 16, windows(3, 30, 7));
   torch::NoGradGuard ng;
   const auto ids = torch::randint(37, {1, 30}, torch::kLong);
   attention::CacheOptions exact, absorbed;
