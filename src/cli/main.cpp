@@ -661,7 +661,7 @@ int main(int argc, char** argv) {
   fit_lla->add_option("--budget", lla_run.budget, "compression such as 4x: ranks split 3:5 between keys and values");
   fit_lla->add_option("--variant", lla_run.variant, "head (a code per KV head, default) | 2d (one code across a layer's heads) | "
                                                     "baselines: final_loop (loop T's K/V for every loop) | loop_head (a code per loop across heads)");
-  fit_lla->add_option("--out", lla_run.out, "output directory (lla_codec.json/.safetensors, report.json)")->required();
+  fit_lla->add_option("--out", lla_run.out, "output directory (lla_codec.json/.safetensors, report.json; default: next to the model, <teacher>/lla-<variant>-<budget or RK-RV>)");
   fit_lla->add_option("--steps", lla_run.distill_steps, "distillation steps after the SVD init (default 0: SVD only)");
   fit_lla->add_option("--lr", lla_run.distill_lr, "distillation peak learning rate (default 1e-3)");
   fit_lla->add_option("--init", lla_run.init, "svd (default) | random (ablation: random orthonormal bases)");
@@ -823,6 +823,11 @@ int main(int argc, char** argv) {
         lla_run.rank_k = std::stoi(r[0]);
         lla_run.rank_v = std::stoi(r[1]);
       }
+      if (lla_run.out.empty())  // next to the model it compresses
+        lla_run.out = lla_run.teacher + "/lla-" + lla_run.variant +
+                      (lla_run.variant == "final_loop" ? std::string()
+                       : lla_run.budget.empty() ? "-" + std::to_string(lla_run.rank_k) + "-" + std::to_string(lla_run.rank_v)
+                                                : "-" + lla_run.budget);
       const auto report = compress::fit_lla_run(lla_run);
       if (bench_json) {
         std::cout << report.dump(2) << "\n";
