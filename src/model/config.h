@@ -36,6 +36,12 @@ struct ModelConfig {
   // channels split HA/H ways), the routing block size, RoPE (or none) in the softmax branch, the
   // router's gradient rule (sparse: the paper's; dense: straight-through), and the KV budget: at
   // most this fraction of each head group's completed blocks is routed to softmax (1 = no cap).
+  int nats_attention_heads = 8;
+  int nats_block_size = 64;
+  bool nats_rope = true;
+  std::string nats_router_grad = "sparse";
+  double nats_max_softmax_fraction = 1.0;
+  int nats_max_softmax_blocks = 0;  // and at most this many blocks per head group (0: no cap)
   // Looped (Ouro-style, SPEC 1.3): the stack of num_hidden_layers runs `loops` times, the final
   // RMSNorm after each loop feeding the next; every (loop, layer) has its own cache. Sandwich
   // norms (Ouro) also normalise each sub-layer's output before its residual add.
@@ -48,12 +54,6 @@ struct ModelConfig {
   bool exit_gate = false;
   double exit_threshold = 0.5;
   double exit_entropy_weight = 0.05;
-  int nats_attention_heads = 8;
-  int nats_block_size = 64;
-  bool nats_rope = true;
-  std::string nats_router_grad = "sparse";
-  double nats_max_softmax_fraction = 1.0;
-  int nats_max_softmax_blocks = 0;  // and at most this many blocks per head group (0: no cap)
 
   static ModelConfig from_json(const nlohmann::json& j);  // strict: unknown keys are errors
   nlohmann::json to_json() const;
