@@ -268,10 +268,9 @@ struct Runner {
       r.metrics["kv_bytes_per_token"] = per_token * held / context * kept_layers;  // at the training context
       r.metrics["params"] = shape->num_parameters();
       if (shape->state_bytes() > 0) r.metrics["state_bytes"] = shape->state_bytes();
+      if (cfg.model.loops > 1)  // vs the looped model's own full f32 KV
+        r.metrics["compression"] = shape->kv_bytes_per_token(kernels::KVType::F32) / r.metrics["kv_bytes_per_token"].get<double>();
     }
-    if (arm.kind != "lla" && cfg.model.loops > 1)  // vs the looped model's own full f32 KV
-      r.metrics["compression"] = model::Transformer(cfg.model)->kv_bytes_per_token(kernels::KVType::F32) /
-                                 r.metrics["kv_bytes_per_token"].get<double>();
     const bool needs_model = wants("quality") || wants("mqar");
     std::optional<train::LoadedModel> loaded;
     auto model = [&]() -> model::Transformer& {

@@ -258,11 +258,12 @@ void lla_decode_attention(const LlaDecodeArgs& a, const float* q, const float* q
   }
 
   // Merge the items of each head, apply W_up^V once, then fold in the exact tail.
+  std::vector<float> zsum(rv), st(a.tail);
   for (int h = 0; h < a.heads; ++h) {
     const int kv = h / g.q_per_kv, grp = kv / g.per_group, p = kv % g.per_group, hh = h - grp * GH;
     float M = kNegInf;
     for (int s = 0; s < S; ++s) M = std::max(M, part.m[static_cast<size_t>(grp * S + s) * GH + hh]);
-    std::vector<float> zsum(rv, 0.f);
+    std::fill(zsum.begin(), zsum.end(), 0.f);
     float L = 0.f;
     for (int s = 0; s < S && M > kNegInf; ++s) {
       const size_t at = static_cast<size_t>(grp * S + s) * GH + hh;
@@ -280,7 +281,6 @@ void lla_decode_attention(const LlaDecodeArgs& a, const float* q, const float* q
       for (int x = 0; x < d; ++x) o[x] += zsum[k] * u[x];
     }
     const float* qh = q + static_cast<size_t>(h) * d;
-    std::vector<float> st(a.tail);
     float M2 = M;
     for (int64_t i = 0; i < a.tail; ++i) {
       const float* k = a.tail_keys + (i * a.kv_heads + kv) * d;
