@@ -625,13 +625,22 @@ void prepare_queries(const float* q, int heads, int d, float scale, KVType type,
     }
 }
 
-void check_args(const float* q, int heads, const KVStore& kv, const float* out, const char* who) {
+void check_args(const float* q, int heads, const KVStore& kv, const float* out, const VirtualPair* extra, const char* who) {
   if (q == nullptr || out == nullptr) throw Error(std::string(who) + ": q and out must be non-null buffers");
   if (heads < 1 || heads % kv.kv_heads() != 0)
     throw Error(std::string(who) + ": heads (" + std::to_string(heads) + ") must be a positive multiple of kv_heads (" +
                 std::to_string(kv.kv_heads()) + "); check the model's num_key_value_heads");
-  if (kv.stored() == 0)
+  if (extra && (extra->logit == nullptr || extra->value == nullptr))
+    throw Error(std::string(who) + ": the extra (document) pair needs both a logit and a value buffer");
+  if (kv.stored() == 0 && !extra)
     throw Error(std::string(who) + ": the KV store is empty; append the current token's K/V before attending");
+}
+
+// Nothing stored: the extra pair is the whole softmax.
+bool only_extra(int heads, const KVStore& kv, float* out, const VirtualPair* extra) {
+  if (kv.stored() > 0) return false;
+  std::copy(extra->value, extra->value + static_cast<size_t>(heads) * kv.head_dim(), out);
+  return true;
 }
 
 }  // namespace
@@ -676,8 +685,9 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
 }
 
 void decode_attention_splits(const float* q, int heads, const KVStore& kv, float scale, float* out, int threads,
-                             int splits, DecodeIsa isa) {
-  check_args(q, heads, kv, out, "decode_attention");
+                             int splits, DecodeIsa isa, const VirtualPair* extra) {
+  check_args(q, heads, kv, out, extra, "decode_attention");
+  if (only_extra(heads, kv, out, extra)) return;
   const int hkv = kv.kv_heads(), G = heads / hkv, d = kv.head_dim();
   const int64_t L = kv.stored(), W = hkv * L;
   const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
@@ -736,11 +746,18 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
     size_t p1 = p0;
     while (p1 < pieces.size() && pieces[p1].head == h) ++p1;
     for (int g = 0; g < G; ++g) {
+      const size_t head = static_cast<size_t>(h) * G + g;
       float M = kNegInf;
       for (size_t p = p0; p < p1; ++p) M = std::max(M, parts[p * part_size + g]);
-      float* o = out + (static_cast<size_t>(h) * G + g) * d;
+      if (extra) M = std::max(M, extra->logit[head]);
+      float* o = out + head * d;
       std::fill(o, o + d, 0.0f);
       float lsum = 0.0f;
+      if (extra) {  // the extra pair is one more piece: m = logit, l = 1, acc = value
+        const float e = std::exp(extra->logit[head] - M);
+        lsum += e;
+        for (int i = 0; i < d; ++i) o[i] += e * extra->value[head * d + i];
+      }
       for (size_t p = p0; p < p1; ++p) {
         const float* pt = pp + p * part_size;
         const float e = std::exp(pt[g] - M);
@@ -756,12 +773,13 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
 }
 
 void decode_attention(const float* q, int heads, const KVStore& kv, float scale, float* out, int threads,
-                      DecodeIsa isa) {
-  check_args(q, heads, kv, out, "decode_attention");
+                      DecodeIsa isa, const VirtualPair* extra) {
+  check_args(q, heads, kv, out, extra, "decode_attention");
+  if (only_extra(heads, kv, out, extra)) return;
   int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
   constexpr int64_t kMinBytesPerThread = 256 << 10;  // below this a thread costs more than it saves
   T = static_cast<int>(std::clamp<int64_t>(kv.bytes() / kMinBytesPerThread, 1, T));
-  decode_attention_splits(q, heads, kv, scale, out, T, T, isa);
+  decode_attention_splits(q, heads, kv, scale, out, T, T, isa, extra);
 }
 
 bool decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim) {
@@ -769,8 +787,8 @@ bool decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim) {
 }
 
 void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out,
-                                bool quantized_query) {
-  check_args(q, heads, kv, out, "decode_attention_reference");
+                                bool quantized_query, const VirtualPair* extra) {
+  check_args(q, heads, kv, out, extra, "decode_attention_reference");
   const int hkv = kv.kv_heads(), G = heads / hkv, d = kv.head_dim();
   const int64_t L = kv.stored();
   std::vector<float> qq;
@@ -792,8 +810,9 @@ void decode_attention_reference(const float* q, int heads, const KVStore& kv, fl
       dequantize_row(kv.type(), kv.v_row(j, h), d, v.data() + j * d);
     }
     for (int g = 0; g < G; ++g) {
-      const float* qh = q + (static_cast<size_t>(h) * G + g) * d;
-      double mx = -std::numeric_limits<double>::infinity();
+      const size_t head = static_cast<size_t>(h) * G + g;
+      const float* qh = q + head * d;
+      double mx = extra ? extra->logit[head] : -std::numeric_limits<double>::infinity();
       for (int64_t j = 0; j < L; ++j) {
         double dot = 0.0;
         for (int i = 0; i < d; ++i) dot += static_cast<double>(qh[i]) * k[j * d + i];
@@ -802,6 +821,11 @@ void decode_attention_reference(const float* q, int heads, const KVStore& kv, fl
       }
       double sum = 0.0;
       std::fill(o.begin(), o.end(), 0.0);
+      if (extra) {
+        const double p = std::exp(extra->logit[head] - mx);
+        sum += p;
+        for (int i = 0; i < d; ++i) o[i] += p * extra->value[head * d + i];
+      }
       for (int64_t j = 0; j < L; ++j) {
         const double p = std::exp(sc[j] - mx);
         sum += p;

@@ -34,16 +34,26 @@ DecodeIsa parse_decode_isa(const std::string& name);  // "auto", "avx2", "avx512
 bool decode_isa_usable(DecodeIsa isa, int head_dim);  // this CPU, this head width
 DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim);  // Auto -> the one that runs; throws if unusable
 
+// One extra logit/value pair per query head merged into the softmax as if it were one more
+// stored row (Nectar, SPEC 1.4, Eqs. 3.4-3.5: a document's log-mass alpha and content A beside the
+// exact local rows): out = (e^alpha A + sum_j e^{s_j} v_j) / (e^alpha + sum_j e^{s_j}). logit
+// [heads] is already in scaled-score units; value [heads][head_dim]. It joins the log-sum-exp
+// merge of the pieces, so the stable form costs nothing extra per row.
+struct VirtualPair {
+  const float* logit = nullptr;
+  const float* value = nullptr;
+};
+
 // q [heads][head_dim] (RoPE applied), out [heads][head_dim]. heads % kv_heads == 0; the store
-// must hold at least one row. threads <= 0: all OpenMP threads. Short contexts use fewer
-// threads than asked (parallel start-up would cost more than it saves).
+// must hold at least one row unless `extra` is given. threads <= 0: all OpenMP threads. Short
+// contexts use fewer threads than asked (parallel start-up would cost more than it saves).
 void decode_attention(const float* q, int heads, const KVStore& kv, float scale, float* out, int threads,
-                      DecodeIsa isa = DecodeIsa::Auto);
+                      DecodeIsa isa = DecodeIsa::Auto, const VirtualPair* extra = nullptr);
 
 // The same with the work cut into exactly `splits` chunks whatever the size, on a chosen back
 // end (tests, tuning, benchmarks).
 void decode_attention_splits(const float* q, int heads, const KVStore& kv, float scale, float* out,
-                             int threads, int splits, DecodeIsa isa = DecodeIsa::Auto);
+                             int threads, int splits, DecodeIsa isa = DecodeIsa::Auto, const VirtualPair* extra = nullptr);
 
 // Whether a back end quantises the query for a cache type: the AVX-512 back end dots q8/q4
 // keys in integers against the scaled query in int8 32-blocks (quantize_query_blocks, as
@@ -53,7 +63,7 @@ bool decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim);
 // Plain reference: dequantise every stored row, two-pass softmax in double. quantized_query:
 // the scaled query goes through quantize_query_blocks first (what those kernels compute).
 void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out,
-                                bool quantized_query = false);
+                                bool quantized_query = false, const VirtualPair* extra = nullptr);
 
 // Bytes the fused kernel reads from the cache per call: K and V rows of all stored tokens,
 // once per KV head (= kv.bytes()).

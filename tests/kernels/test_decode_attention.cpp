@@ -217,3 +217,70 @@ TEST(DecodeAttention, ValuesAreKeysStoresEachRowOnce) {
     }
   }
 }
+
+// Nectar's virtual pair (SPEC 1.4): the fused merge and the reference agree, and a pair built
+// from some of the rows (alpha = logsumexp of their scores, A = their softmax average) gives the
+// same output as attending over all rows, for every type's own rows, GQA, splits and threads.
+TEST(DecodeAttention, ExtraPairMergesLikeTheRowsItSummarises) {
+  std::mt19937 rng(77);
+  for (const auto type : {KVType::F32, KVType::Q8}) {
+    for (const auto [heads, kv_heads] : {std::pair{4, 4}, {6, 2}, {3, 1}}) {
+      const int d = 32;
+      const int64_t n_doc = 37, n_loc = 11;
+      KVStore all(type, kv_heads, d, {}, 16), local(type, kv_heads, d, {}, 16), doc(type, kv_heads, d, {}, 16);
+      const size_t row = static_cast<size_t>(kv_heads) * d;
+      for (int64_t t = 0; t < n_doc + n_loc; ++t) {
+        auto k = randn(row, 1.0f, rng), v = randn(row, 1.0f, rng);
+        all.append(k.data(), v.data());
+        (t < n_doc ? doc : local).append(k.data(), v.data());
+      }
+      const auto q = randn(static_cast<size_t>(heads) * d, 2.0f, rng);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      // The document pair: A from the reference over the document rows alone, alpha from their
+      // dequantised keys.
+      std::vector<float> content(q.size()), logit(heads);
+      decode_attention_reference(q.data(), heads, doc, scale, content.data());
+      const int G = heads / kv_heads;
+      std::vector<float> k(d);
+      for (int h = 0; h < heads; ++h) {
+        double mx = -1e300, sum = 0;
+        std::vector<double> s(n_doc);
+        for (int64_t j = 0; j < n_doc; ++j) {
+          dequantize_row(type, doc.k_row(j, h / G), d, k.data());
+          double dot = 0;
+          for (int i = 0; i < d; ++i) dot += static_cast<double>(q[h * d + i]) * k[i];
+          s[j] = dot * scale;
+          mx = std::max(mx, s[j]);
+        }
+        for (double x : s) sum += std::exp(x - mx);
+        logit[h] = static_cast<float>(mx + std::log(sum));
+      }
+      const VirtualPair pair{logit.data(), content.data()};
+      std::vector<float> full(q.size()), ref(q.size()), out(q.size());
+      decode_attention_reference(q.data(), heads, all, scale, full.data());
+      decode_attention_reference(q.data(), heads, local, scale, ref.data(), false, &pair);
+      const std::string what = kv_type_name(type) + " H" + std::to_string(heads) + "/" + std::to_string(kv_heads);
+      EXPECT_LT(rel_err(ref, full, heads, d), 1e-5) << what;
+      for (const int threads : {1, 2})
+        for (const int splits : {1, 3, 7}) {
+          decode_attention_splits(q.data(), heads, local, scale, out.data(), threads, splits, DecodeIsa::Avx2, &pair);
+          EXPECT_LT(rel_err(out, ref, heads, d), 1e-5) << what << " splits " << splits;
+        }
+      if (!decode_quantizes_query(DecodeIsa::Auto, type, d)) {
+        decode_attention(q.data(), heads, local, scale, out.data(), 2, DecodeIsa::Auto, &pair);
+        EXPECT_LT(rel_err(out, ref, heads, d), 1e-5) << what << " (auto back end)";
+      }
+      // No local rows: the pair alone.
+      KVStore empty(type, kv_heads, d, {}, 16);
+      decode_attention(q.data(), heads, empty, scale, out.data(), 1, DecodeIsa::Auto, &pair);
+      EXPECT_EQ(out, content);
+      decode_attention_reference(q.data(), heads, empty, scale, ref.data(), false, &pair);
+      EXPECT_EQ(ref, content);
+    }
+  }
+  KVStore empty(KVType::F32, 1, 32, {}, 16);
+  std::vector<float> q(32, 0.0f), out(32);
+  EXPECT_THROW(decode_attention(q.data(), 1, empty, 1.0f, out.data(), 1), Error);
+  const VirtualPair half{q.data(), nullptr};
+  EXPECT_THROW(decode_attention(q.data(), 1, empty, 1.0f, out.data(), 1, DecodeIsa::Auto, &half), Error);
+}
