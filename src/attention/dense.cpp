@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "attention/lla.h"
+#include "attention/nectar.h"
 #include "kernels/decode_attention.h"
 #include "util/error.h"
 
@@ -56,9 +57,8 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 }
 
 DenseAttention::DenseAttention(const model::ModelConfig& c, int layer)
-    : heads_(c.num_attention_heads), kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim),
+    : layer_(layer), heads_(c.num_attention_heads), kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim),
       shape_(AttentionShape::of_layer(c, "dense")), rope_(c.head_dim, c.rope_theta) {
-  (void)layer;
   q_proj = register_module("q_proj", nn::linear_no_bias(c.hidden_size, heads_ * head_dim_));
   k_proj = register_module("k_proj", nn::linear_no_bias(c.hidden_size, kv_heads_ * head_dim_));
   v_proj = register_module("v_proj", nn::linear_no_bias(c.hidden_size, kv_heads_ * head_dim_));
@@ -105,12 +105,22 @@ torch::Tensor DenseAttention::forward_with_history(const torch::Tensor& x, const
 }
 
 std::unique_ptr<MixerCache> DenseAttention::new_cache(int64_t batch, const CacheOptions& options) const {
-  if (options.reference) return std::make_unique<DenseKVCache>(batch, kv_heads_, head_dim_);
-  return std::make_unique<FusedKVCache>(batch, kv_heads_, head_dim_, options);
+  std::unique_ptr<MixerCache> cache;
+  if (options.reference)
+    cache = std::make_unique<DenseKVCache>(batch, kv_heads_, head_dim_);
+  else
+    cache = std::make_unique<FusedKVCache>(batch, kv_heads_, head_dim_, options);
+  if (!options.document) return cache;
+  const auto& doc = *options.document;
+  if (layer_ >= static_cast<int>(doc.layers.size()))
+    throw Error("the Nectar document module has " + std::to_string(doc.layers.size()) + " layers; layer " +
+                std::to_string(layer_) + " has none (a module fitted for another model?)");
+  return std::make_unique<NectarCache>(std::move(cache), doc.layers[layer_], doc.tokens);
 }
 
 torch::Tensor DenseAttention::step(const torch::Tensor& x, MixerCache& cache) {
   if (auto* lla = dynamic_cast<LlaLoopCache*>(&cache)) return step_lla(x, *lla);
+  if (auto* nectar = dynamic_cast<NectarCache*>(&cache)) return step_after_document(x, *nectar);
   const int64_t start = cache.length();
   torch::Tensor q, k, v;
   project(x, start, q, k, v);
@@ -157,10 +167,34 @@ torch::Tensor DenseAttention::step_lla(const torch::Tensor& x, LlaLoopCache& cac
   return out;
 }
 
+torch::Tensor DenseAttention::forward_after_document(const torch::Tensor& x, int64_t offset,
+                                                     const std::function<DocumentAttention(const torch::Tensor&)>& document) {
+  torch::Tensor q, k, v;
+  project(x, offset, q, k, v);
+  return merge_heads(compose_document_attention(q, k, v, 0, document(q)));
+}
+
+torch::Tensor DenseAttention::step_after_document(const torch::Tensor& x, NectarCache& cache) {
+  const int64_t start = cache.length();
+  torch::Tensor q, k, v;
+  project(x, start, q, k, v);
+  const auto doc = cache.module().forward(q);
+  if (auto* fused = dynamic_cast<FusedKVCache*>(&cache.local())) return merge_heads(step_fused(q, k, v, *fused, &doc));
+  auto* kv = dynamic_cast<DenseKVCache*>(&cache.local());
+  if (!kv) throw Error("Nectar decode: the local cache must be a dense layer's");
+  kv->append(k.contiguous(), v.contiguous());
+  return merge_heads(compose_document_attention(q, kv->keys(), kv->values(), start - cache.offset(), doc));
+}
+
 torch::Tensor DenseAttention::step_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                         FusedKVCache& cache) {
+                                         FusedKVCache& cache, const DocumentAttention* document) {
   // [B, heads, T, d_h] -> [B, T, heads, d_h] float32, contiguous rows per token.
   auto qt = token_major_f32(q), kt = token_major_f32(k), vt = token_major_f32(v);
+  torch::Tensor doc_logit, doc_value;  // [B, T, heads] and [B, T, heads, d_h]
+  if (document) {
+    doc_logit = token_major_f32(document->log_mass.detach());
+    doc_value = token_major_f32(document->content.detach());
+  }
   const int64_t B = qt.size(0), T = qt.size(1);
   auto out = torch::empty_like(qt);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_)));
@@ -169,8 +203,11 @@ torch::Tensor DenseAttention::step_fused(const torch::Tensor& q, const torch::Te
     auto& store = cache.store(b);
     for (int64_t t = 0; t < T; ++t) {
       store.append(kt.data_ptr<float>() + (b * T + t) * kv_row, vt.data_ptr<float>() + (b * T + t) * kv_row);
+      kernels::VirtualPair pair;
+      if (document) pair = {doc_logit.data_ptr<float>() + (b * T + t) * heads_, doc_value.data_ptr<float>() + (b * T + t) * q_row};
       kernels::decode_attention(qt.data_ptr<float>() + (b * T + t) * q_row, static_cast<int>(heads_), store, scale,
-                                out.data_ptr<float>() + (b * T + t) * q_row, cache.threads());
+                                out.data_ptr<float>() + (b * T + t) * q_row, cache.threads(), kernels::DecodeIsa::Auto,
+                                document ? &pair : nullptr);
     }
   }
   return out.to(q.scalar_type()).transpose(1, 2);

@@ -6,6 +6,8 @@
 namespace kvx::attention {
 
 class LlaLoopCache;
+class NectarCache;
+struct DocumentAttention;
 
 // The libtorch reference cache (f32 tensors, SequenceBuffer storage).
 class DenseKVCache : public MixerCache {
@@ -88,6 +90,11 @@ class DenseAttention : public Mixer {
   // history (pre-RoPE keys, values [B, Hkv, T, d_h]): decode through a latent store with the
   // history reconstructed (LLA distillation). Differentiable in the history.
   torch::Tensor forward_with_history(const torch::Tensor& x, const torch::Tensor& history_keys, const torch::Tensor& history_values);
+  // Nectar: x [B, T, d] at positions offset .. offset + T - 1 after a document whose response to
+  // this layer's rotated queries [B, H, T, d_h] `document` gives (exact, or a module's); causal
+  // local attention composed with it (attention/nectar.h). Differentiable.
+  torch::Tensor forward_after_document(const torch::Tensor& x, int64_t offset,
+                                       const std::function<DocumentAttention(const torch::Tensor&)>& document);
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 
@@ -96,9 +103,13 @@ class DenseAttention : public Mixer {
   void project(const torch::Tensor& x, int64_t start, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v);
   torch::Tensor merge_heads(const torch::Tensor& o);
   // Token by token: append the token's K/V, then attend with the fused kernel (SPEC 3).
-  torch::Tensor step_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, FusedKVCache& cache);
+  // With `document`, its pair [B, H, T] / [B, H, T, d_h] joins each read (Nectar).
+  torch::Tensor step_fused(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, FusedKVCache& cache,
+                           const DocumentAttention* document = nullptr);
+  torch::Tensor step_after_document(const torch::Tensor& x, NectarCache& cache);
   // History stored as LLA codes (attention/lla.h).
   torch::Tensor step_lla(const torch::Tensor& x, LlaLoopCache& cache);
+  int layer_;
   int64_t heads_, kv_heads_, head_dim_;
   AttentionShape shape_;
   nn::Rope rope_;

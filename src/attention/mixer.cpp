@@ -5,6 +5,7 @@
 #include "attention/lrkv.h"
 #include "attention/mla.h"
 #include "attention/natsl.h"
+#include "attention/nectar.h"
 #include <sstream>
 
 #include "util/error.h"
@@ -53,6 +54,7 @@ std::string CacheOptions::describe() const {
   if (evict.enabled()) s += ", sink=" + std::to_string(evict.sink) + ",window=" + std::to_string(evict.window);
   if (reference) s += ", libtorch reference path";
   if (share_kv_layers > 1) s += ", K/V shared by " + std::to_string(share_kv_layers) + " adjacent layers (CLA, libtorch path)";
+  if (document) s += ", after a Nectar document module (" + std::to_string(document->tokens) + " document tokens, no document KV)";
   if (lla) {
     s = lla_absorbed ? "LLA codes, absorbed read (no RoPE on history keys: approximate)" : "LLA codes (reconstruct-on-read)";
     if (reference) s += ", libtorch reference path";

@@ -17,6 +17,7 @@
 namespace kvx::attention {
 
 struct LlaCodecSet;
+struct NectarDocument;
 
 class MixerCache {
  public:
@@ -71,6 +72,9 @@ struct CacheOptions {
   // Cross-layer KV sharing (CLA, posthoc): within each run of this many adjacent dense layers the
   // first layer's K/V serve all of them (1: off). Runs on the libtorch f32 caches.
   int share_kv_layers = 1;
+  // Nectar (attention/nectar.h): the local tokens follow a document whose KV a fitted module
+  // replaces; every dense layer's cache holds only the local tokens, positions starting at its length.
+  std::shared_ptr<const NectarDocument> document;
 
   // From CLI strings: type "f32|bf16|q8|q4", evict "" or "sink=S,window=W".
   static CacheOptions parse(const std::string& type, const std::string& evict, bool reference);

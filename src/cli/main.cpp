@@ -11,6 +11,7 @@
 #include "compare/report.h"
 #include "compress/lla_codec.h"
 #include "compress/lrkv_convert.h"
+#include "compress/nectar.h"
 #include "compare/runner.h"
 #include "eval/analyze.h"
 #include "eval/bench.h"
@@ -38,6 +39,17 @@ std::vector<std::string> split_list(const std::string& s) {
   while (std::getline(ss, item, ','))
     if (!item.empty()) out.push_back(item);
   return out;
+}
+
+// A number from a command-line list; anything else names the option.
+double parse_number(const std::string& s, const std::string& option) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(s, &used);
+    if (used == s.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw Error(option + ": '" + s + "' is not a number");
 }
 
 std::string data_dir_or_default(const std::string& d) { return d.empty() ? text::default_data_dir() : d; }
@@ -140,6 +152,7 @@ struct GenerateArgs {
   std::string lla;  // a codec directory (kvx fit lla): history stored as cross-loop codes
   bool lla_absorbed = false;
   int share_kv_layers = 1;
+  std::string document_module;  // kvx fit nectar: the document's KV replaced by a module
 };
 std::string cmd_generate(const GenerateArgs& a, bool print) {
   auto m = train::load_model(a.model);
@@ -152,6 +165,12 @@ std::string cmd_generate(const GenerateArgs& a, bool print) {
   if (!a.lla.empty()) cache.lla = compress::LlaCodec::load(a.lla, m.model->config()).decode_set();
   cache.lla_absorbed = a.lla_absorbed;
   cache.share_kv_layers = a.share_kv_layers;
+  if (!a.document_module.empty()) {
+    const auto module = compress::DocumentModule::load(a.document_module, m.model);
+    cache.document = module.decode_set();
+    std::fprintf(stderr, "[document module %s: %lld document tokens answered by %.1f KiB of module weights, no document KV]\n",
+                 a.document_module.c_str(), static_cast<long long>(module.config.document_tokens), module.bytes() / 1024.0);
+  }
   std::string out;
   if (print) std::cout << a.prompt << std::flush;
   auto r = model::generate(m.model, prompt, a.max_new, {a.temperature, a.top_p}, a.seed, [&](int32_t id) {
@@ -178,8 +197,37 @@ struct EvalArgs {
   int share_kv_layers = 1;
   std::string mqar;             // set: MQAR accuracy at these pair counts
   int mqar_symbols = 0, mqar_sequences = 64;
+  std::string document_module, document;  // set: a Nectar module on its held-out query splits
 };
+// The test and challenge rows of a Nectar report (module and no-document), one line each.
+void print_nectar_splits(const nlohmann::json& j) {
+  for (const std::string split : {"test", "challenge"})
+    for (const std::string who : {"", "_no_document"}) {
+      const auto& r = j[split + who];
+      std::printf("  %-9s %-12s KL %.4f | token accuracy %.2f%% (full document %.2f%%, gap %+.2f pp) | alpha MSE %.4f | A MSE %.4f\n",
+                  split.c_str(), who.empty() ? "module" : "no document", r["kl"].get<double>(),
+                  100 * r["student_accuracy"].get<double>(), 100 * r["teacher_accuracy"].get<double>(),
+                  100 * r["accuracy_gap"].get<double>(), r["alpha_mse"].get<double>(), r["content_mse"].get<double>());
+    }
+}
+
+nlohmann::json cmd_eval_document_module(const EvalArgs& a) {
+  auto m = train::load_model(a.model);
+  const auto j = compress::evaluate_module_dir(m.model, m.tokenizer, a.document_module, a.document);
+  if (a.json) {
+    std::cout << j.dump(2) << "\n";
+    return j;
+  }
+  std::printf("Nectar module %s: %lld document tokens, module %.1f KiB vs the document's f32 KV %.1f KiB (%.2f%%)\n",
+              a.document_module.c_str(), static_cast<long long>(j["document_tokens"].get<int64_t>()),
+              j["module_bytes"].get<double>() / 1024, j["document_kv_bytes"].get<double>() / 1024,
+              100 * j["module_bytes"].get<double>() / j["document_kv_bytes"].get<double>());
+  print_nectar_splits(j);
+  return j;
+}
+
 nlohmann::json cmd_eval(const EvalArgs& a) {
+  if (!a.document_module.empty()) return cmd_eval_document_module(a);
   auto m = train::load_model(a.model);
   const std::string dir = data_dir_or_default(a.data_dir);
   auto sources = split_list(a.sources);
@@ -577,6 +625,7 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--lla", gen.lla, "a codec directory from kvx fit lla: keep the history as cross-loop codes (looped models; composes with --evict)");
   gen_cmd->add_option("--share-kv-layers", gen.share_kv_layers, "CLA: each run of N adjacent layers uses its first layer's K/V (posthoc; default 1: off)");
   gen_cmd->add_flag("--lla-absorbed", gen.lla_absorbed, "with --lla: score history keys in code space without RoPE (approximate on RoPE models)");
+  gen_cmd->add_option("--document-module", gen.document_module, "a Nectar module directory (kvx fit nectar): answer as if its document preceded the prompt, without its KV");
 
   EvalArgs ev;
   auto* eval_cmd = app.add_subcommand("eval", "held-out cross-entropy, perplexity, bits/byte, KV bytes/token");
@@ -593,6 +642,8 @@ int main(int argc, char** argv) {
   eval_cmd->add_option("--share-kv-layers", ev.share_kv_layers, "CLA: also evaluate with each run of N adjacent layers using its first layer's K/V");
   eval_cmd->add_flag("--lla-absorbed", ev.lla_absorbed, "with --lla: score history keys in code space without RoPE (approximate on RoPE models)");
   eval_cmd->add_option("--mqar", ev.mqar, "MQAR recall accuracy at these pair counts, e.g. 1,4,16 (windows of --seq-len)");
+  eval_cmd->add_option("--document-module", ev.document_module, "evaluate a Nectar module (kvx fit nectar) on its held-out and challenge query splits instead: KL, token-accuracy gap, alpha/A MSE");
+  eval_cmd->add_option("--document", ev.document, "with --document-module: the document file (default: the path recorded at fitting; must be the same text)");
   eval_cmd->add_option("--mqar-symbols", ev.mqar_symbols, "distinct MQAR keys/values as in training (default 0 = vocab/4)");
 
   auto* bench = app.add_subcommand("bench", "benchmarks measured against this machine's own reference");
@@ -673,6 +724,24 @@ int main(int argc, char** argv) {
   fit_lla->add_option("--data-dir", lla_run.data_dir, "data directory");
   fit_lla->add_option("--sources", lla_sources, "comma-separated corpora (default brown,kjv)");
   fit_lla->add_flag("--json", bench_json, "print the report as JSON");
+  compress::FitNectarRun nectar_run;
+  std::string nectar_depths, nectar_multipliers, nectar_weights;
+  auto* fit_nectar = fit_cmd->add_subcommand("nectar", "Nectar: a module that replaces a fixed document's KV (predicts its attention log-mass and content per layer and KV head)");
+  fit_nectar->add_option("--model", nectar_run.model, "model or run directory of a trained dense model (frozen)")->required();
+  fit_nectar->add_option("--document", nectar_run.document, "the document, a text file (it must fit the model's context with the queries)")->required();
+  fit_nectar->add_option("--rho", nectar_run.rho, "budget: module parameters / (2 n d_h) per layer and KV head (default 0.02)");
+  fit_nectar->add_option("--arch", nectar_run.arch.kind, "mlp (default) | quadrature (learned KV pairs, Cartridges-style)");
+  fit_nectar->add_option("--depths", nectar_depths, "MLP depths D_b,D_s,D_t: shared backbone, score head, target head (default 1,1,2)");
+  fit_nectar->add_option("--layer-multipliers", nectar_multipliers, "budget multipliers for contiguous layer groups, e.g. 1,2,5,2 (normalised; default uniform)");
+  fit_nectar->add_option("--loss-weights", nectar_weights, "l_alpha,l_A,l_KL (default MLP 0.1,1,0.01; Quadrature 0,1,0.01; pure KL 0,0,1)");
+  fit_nectar->add_option("--steps", nectar_run.steps, "optimisation steps (default 300)");
+  fit_nectar->add_option("--batch", nectar_run.batch, "queries per step (default 16)");
+  fit_nectar->add_option("--lr", nectar_run.lr, "peak learning rate, warmup then cosine (default 3e-3)");
+  fit_nectar->add_option("--queries", nectar_run.queries.count, "self-study queries made from the document by the model (default 400)");
+  fit_nectar->add_option("--query-length", nectar_run.queries.length, "tokens per query (default 48)");
+  fit_nectar->add_option("--seed", nectar_run.queries.seed, "query and batch seed (default 1)");
+  fit_nectar->add_option("--out", nectar_run.out, "module directory (default <model>/nectar)");
+  fit_nectar->add_flag("--json", bench_json, "print the report as JSON");
   fit_cmd->require_subcommand(1);
 
   std::string cost_config;
@@ -851,6 +920,28 @@ int main(int argc, char** argv) {
                       report["distillation"]["steps"].get<int>(), report["distillation"]["init_kl"].get<double>(),
                       report["kl_vs_teacher"].get<double>());
         std::printf("codec: %s\n", lla_run.out.c_str());
+      }
+    }
+    if (fit_nectar->parsed()) {
+      nectar_run.arch = attention::NectarArch::parse(nectar_run.arch.kind, nectar_depths);
+      for (const auto& x : split_list(nectar_multipliers)) nectar_run.layer_multipliers.push_back(parse_number(x, "--layer-multipliers"));
+      if (!nectar_weights.empty()) {
+        const auto w = split_list(nectar_weights);
+        if (w.size() != 3) throw Error("--loss-weights takes three numbers l_alpha,l_A,l_KL (e.g. 0.1,1,0.01)");
+        nectar_run.alpha_weight = parse_number(w[0], "--loss-weights");
+        nectar_run.content_weight = parse_number(w[1], "--loss-weights");
+        nectar_run.kl_weight = parse_number(w[2], "--loss-weights");
+      }
+      const auto report = compress::fit_nectar_run(nectar_run);
+      if (bench_json) {
+        std::cout << report.dump(2) << "\n";
+      } else {
+        std::printf("Nectar %s module: %lld parameters, %.1f KiB = %.2f%% of the document's f32 KV (%.1f KiB); fitted in %.0f s\n",
+                    report["config"]["arch"]["kind"].get<std::string>().c_str(), static_cast<long long>(report["parameters"].get<int64_t>()),
+                    report["module_bytes"].get<double>() / 1024, 100 * report["budget_fraction"].get<double>(),
+                    report["document_kv_bytes"].get<double>() / 1024, report["fit_seconds"].get<double>());
+        print_nectar_splits(report["splits"]);
+        std::printf("module: %s\n", report["module"].get<std::string>().c_str());
       }
     }
     if (cost_cmd->parsed()) cmd_cost(cost_config, cost_shapes, cost_seed, bench_json);

@@ -4,6 +4,7 @@
 
 #include "attention/dense.h"
 #include "attention/lla.h"
+#include "attention/nectar.h"
 #include "util/error.h"
 
 namespace kvx::model {
@@ -164,6 +165,16 @@ DecodeState TransformerImpl::new_state(int64_t batch, const attention::CacheOpti
   DecodeState s;
   if (options.share_kv_layers > 1 && options.lla)
     throw Error("cross-layer KV sharing and an LLA codec are separate baselines; drop --share-kv-layers or --lla");
+  if (options.document) {  // Nectar: local tokens after a document module
+    if (options.lla || options.share_kv_layers > 1)
+      throw Error("a Nectar document module composes with plain dense caches; drop --lla and --share-kv-layers");
+    if (config_.loops != 1) throw Error("Nectar document modules are fitted for non-looped models (loops = 1)");
+    for (const auto& kind : config_.layer_kinds())
+      if (kind != "dense") throw Error("a Nectar document module needs every layer dense, found '" + kind + "'");
+    if (options.document->layers.size() != layers->size())
+      throw Error("the Nectar document module has " + std::to_string(options.document->layers.size()) +
+                  " layers but the model has " + std::to_string(layers->size()) + "; it was fitted for another model");
+  }
   if (options.lla) {  // history as cross-loop codes
     if (options.lla->loops != config_.loops)
       throw Error("the LLA codec was fitted for " + std::to_string(options.lla->loops) + " loops but the model runs " +

@@ -25,10 +25,6 @@
 
 namespace kvx::train {
 
-namespace {
-
-constexpr int kMaxBadSteps = 3, kMaxRollbacks = 3;
-
 std::string format_duration(double s) {
   char buf[32];
   int m = static_cast<int>(s) / 60, sec = static_cast<int>(s) % 60;
@@ -38,6 +34,10 @@ std::string format_duration(double s) {
     std::snprintf(buf, sizeof buf, "%dm%02ds", m, sec);
   return buf;
 }
+
+namespace {
+
+constexpr int kMaxBadSteps = 3, kMaxRollbacks = 3;
 
 struct LossLog {
   std::string path;

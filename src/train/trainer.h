@@ -45,4 +45,7 @@ struct TrainSummary {
 
 TrainSummary run_training(const TrainArgs& args, const TrainingData& data);
 
+// "3m07s", "1h02m": elapsed times and ETAs in progress lines.
+std::string format_duration(double seconds);
+
 }  // namespace kvx::train
