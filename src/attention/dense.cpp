@@ -46,6 +46,10 @@ void FusedKVCache::clear() {
   for (auto& s : stores_) s.clear();
 }
 
+void FusedKVCache::truncate(int64_t length) {
+  for (auto& s : stores_) s.truncate(length);
+}
+
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t q_start) {
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Tk = k.size(2), G = H / Hkv;

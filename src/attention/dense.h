@@ -62,6 +62,7 @@ class FusedKVCache : public MixerCache {
   int64_t bytes() const override;
   double bytes_per_token() const override { return stores_.front().bytes_per_token(); }
   void clear() override;
+  void truncate(int64_t length);  // drop the tokens past `length` (a reused prefix: back to the prefix)
   kernels::KVStore& store(int64_t b) { return stores_[b]; }
   int threads() const { return threads_; }
   void append_random_history(int64_t tokens, uint32_t seed) override;

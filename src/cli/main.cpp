@@ -525,7 +525,7 @@ void cmd_cost(const std::string& config_path, const std::vector<std::string>& sh
 
 // arms: run only these (and what they derive from); demo: each experiment's demo subset.
 void cmd_compare(const std::string& experiment, const std::string& preset, const std::string& out, const std::string& data_dir,
-                 const std::vector<std::string>& arms = {}, bool demo = false) {
+                 const std::vector<std::string>& arms = {}, bool demo = false, const std::string& document = "") {
   std::vector<std::string> names = experiment == "all" ? compare::experiment_names() : std::vector<std::string>{experiment};
   if (!arms.empty() && names.size() > 1) throw Error("--arms selects arms of one experiment; name it instead of 'all'");
   compare::CompareOptions o;
@@ -533,6 +533,10 @@ void cmd_compare(const std::string& experiment, const std::string& preset, const
   o.data_dir = data_dir;
   for (const auto& name : names) {
     auto e = compare::builtin_experiment(name, preset);
+    if (!document.empty()) {
+      if (name != "doc") throw Error("--document applies to `kvx compare doc` only");
+      compare::use_document(e, document);
+    }
     compare::select_arms(e, demo ? compare::demo_arms(name) : arms);
     auto r = compare::run_experiment(e, o);
     auto table = compare::write_report(r);
@@ -679,7 +683,7 @@ int main(int argc, char** argv) {
   bench_decode->add_flag("--no-model", decode_no_model, "skip the whole-model (tiny) decode rows");
   bench_decode->add_flag("--json", bench_json, "print JSON rows");
 
-  std::string compare_name, compare_preset = "tiny", compare_out = "runs/compare", compare_data;
+  std::string compare_name, compare_preset = "tiny", compare_out = "runs/compare", compare_data, compare_document;
   std::string analyze_model;
   auto* analyze_cmd = app.add_subcommand("analyze", "analyses of trained models");
   auto* analyze_heads = analyze_cmd->add_subcommand("heads", "head diversity: centred effective rank of W_q W_k^T per layer, vs the H-1 ceiling");
@@ -754,7 +758,8 @@ int main(int argc, char** argv) {
   cost_cmd->add_flag("--json", bench_json, "print JSON rows");
 
   auto* compare_cmd = app.add_subcommand("compare", "matched-budget comparison experiments with reports and plots");
-  compare_cmd->add_option("experiment", compare_name, "arch | posthoc | decode | all")->required();
+  compare_cmd->add_option("experiment", compare_name, "arch | posthoc | decode | doc | all")->required();
+  compare_cmd->add_option("--document", compare_document, "doc: this text file as the document instead of the built-in KJV book and Brown section");
   compare_cmd->add_option("--preset", compare_preset, "tiny | small (default tiny)");
   compare_cmd->add_option("--out", compare_out, "output directory (default runs/compare; arms cached under <out>/arms)");
   compare_cmd->add_option("--data-dir", compare_data, "data directory");
@@ -946,7 +951,8 @@ int main(int argc, char** argv) {
     }
     if (cost_cmd->parsed()) cmd_cost(cost_config, cost_shapes, cost_seed, bench_json);
     if (compare_cmd->parsed())
-      cmd_compare(compare_name, compare_preset, compare_out, compare_data, compare_arms.empty() ? std::vector<std::string>{} : split_list(compare_arms));
+      cmd_compare(compare_name, compare_preset, compare_out, compare_data,
+                  compare_arms.empty() ? std::vector<std::string>{} : split_list(compare_arms), false, compare_document);
     if (demo->parsed()) cmd_demo(demo_out, demo_data);
   } catch (const Error& e) {
     std::cerr << "kvx: error: " << e.what() << "\n";

@@ -1,5 +1,8 @@
 #include "compare/experiment.h"
 
+#include <cmath>
+#include <filesystem>
+
 #include "text/corpus.h"
 #include "util/error.h"
 
@@ -22,11 +25,19 @@ nlohmann::json EvalSettings::to_json() const {
 nlohmann::json Experiment::to_json() const {
   nlohmann::json arms_json = nlohmann::json::array();
   for (const auto& a : arms) arms_json.push_back({{"name", a.name}, {"kind", a.kind}, {"spec", a.spec}});
-  return {{"name", name},           {"preset", preset}, {"base", base.to_json()},
-          {"eval", eval.to_json()}, {"groups", groups}, {"arms", arms_json}};
+  nlohmann::json j = {{"name", name},           {"preset", preset}, {"base", base.to_json()},
+                      {"eval", eval.to_json()}, {"groups", groups}, {"arms", arms_json}};
+  if (name == "doc") j["document"] = document.to_json();
+  return j;
 }
 
-std::vector<std::string> experiment_names() { return {"arch", "posthoc", "decode"}; }
+nlohmann::json DocumentSettings::to_json() const {
+  return {{"queries", queries},       {"query_length", query_length}, {"steps", steps},
+          {"batch", batch},           {"lr", lr},                     {"max_tokens", max_tokens},
+          {"prompt_tokens", prompt_tokens}, {"new_tokens", new_tokens}, {"repeats", repeats}};
+}
+
+std::vector<std::string> experiment_names() { return {"arch", "posthoc", "decode", "doc"}; }
 std::vector<std::string> preset_names() { return {"tiny", "small"}; }
 
 namespace {
@@ -189,6 +200,27 @@ Experiment builtin_experiment(const std::string& name, const std::string& preset
       e.arms.push_back({std::string("mha+") + t, "posthoc", {{"base", "mha"}, {"kv_cache", t}, {"evict", ""}}});
     e.eval.decode_contexts = {1024, 4096, 16384, 65536};
     e.groups = {"decode"};  // speed only: random weights of each arm's shapes, nothing to train
+  } else if (name == "doc") {
+    // Nectar (SPEC 1.4, experiment 3): one MHA model trained on windows as long as its context, so
+    // a document plus queries sits at trained positions; per document, MLP and Quadrature modules
+    // at rho 2/5/10% with three objectives, between the exact document and none.
+    auto& t = e.base.train;
+    const int tokens_per_step = t.batch_size * t.seq_len;  // kept, in windows as long as the context
+    t.seq_len = e.base.model.max_position_embeddings = preset == "tiny" ? 1024 : 2048;
+    t.batch_size = std::max(1, tokens_per_step / t.seq_len);
+    e.arms = {dense("mha", H)};
+    for (const std::string doc : {"kjv", "brown"}) {
+      for (const std::string mode : {"full", "none"})
+        e.arms.push_back({doc + "/" + (mode == "full" ? "full-document" : "no-document"), "document",
+                          {{"base", "mha"}, {"document", doc}, {"mode", mode}}});
+      for (const std::string arch : {"mlp", "quadrature"})
+        for (const double rho : {0.02, 0.05, 0.10})
+          for (const std::string loss : {"reg", "mixed", "kl"})
+            e.arms.push_back({doc + "/" + arch + "-" + std::to_string(static_cast<int>(std::lround(rho * 100))) + "%-" + loss,
+                              "nectar", {{"base", "mha"}, {"document", doc}, {"arch", arch}, {"rho", rho}, {"loss", loss}}});
+    }
+    if (preset == "small") e.document.max_tokens = 1800, e.document.steps = 400;
+    e.groups = {"document"};
   } else {
     std::string valid;
     for (const auto& n : experiment_names()) valid += (valid.empty() ? "" : ", ") + n;
@@ -209,6 +241,8 @@ train::RunConfig arm_run_config(const Experiment& e, const Arm& arm) {
 
 std::vector<std::string> demo_arms(const std::string& experiment) {
   if (experiment == "arch") return {"mha", "gqa-h2", "gqa-h4", "mqa", "mla", "lrkv-r8-pair"};
+  if (experiment == "doc")  // one document, the mixed objective at 5%, and the two ends
+    return {"kjv/full-document", "kjv/no-document", "kjv/mlp-5%-mixed", "kjv/quadrature-5%-mixed"};
   if (experiment == "posthoc") {  // the MHA transforms; the looped-model arms take another half hour
     std::vector<std::string> names;
     for (const auto& a : builtin_experiment(experiment, "tiny").arms)
@@ -252,6 +286,23 @@ nlohmann::json lla_fit_spec(const Arm& arm) {
   j.erase("evict");
   j.erase("absorbed");
   return j;
+}
+
+void use_document(Experiment& e, const std::string& path) {
+  if (e.name != "doc") throw Error("--document applies to the doc experiment only");
+  const std::string stem = std::filesystem::path(path).stem().string();
+  std::vector<Arm> kept;
+  for (auto a : e.arms) {
+    if (!a.spec.contains("document")) {
+      kept.push_back(a);
+      continue;
+    }
+    if (a.spec["document"] != "kjv") continue;  // one set of arms, now for the given file
+    a.spec["document"] = path;
+    a.name = stem + a.name.substr(a.name.find('/'));
+    kept.push_back(a);
+  }
+  e.arms = kept;
 }
 
 const Arm& find_arm(const Experiment& e, const std::string& name) {

@@ -5,6 +5,10 @@
 //   convert arm: a trained arm's model converted to another family and healed (kvx convert lrkv)
 //   lla arm:     an LLA codec fitted (and optionally distilled) on a trained looped arm (kvx fit
 //                lla), its history decoded through the codes, optionally with eviction
+//   nectar arm:  a Nectar module fitted for one document on a trained arm (kvx fit nectar),
+//                measured on the document's held-out and challenge queries and served in its place
+//   document arm: that document read exactly ("full": served by prefill per request and by a
+//                reused prefix cache) or not at all ("none"), the two ends a module sits between
 //
 // Arms are identified by a content hash of everything that determines their result, so a re-run
 // only computes what changed and experiments share arms (posthoc's base is arch's MHA arm).
@@ -20,11 +24,13 @@ namespace kvx::compare {
 
 struct Arm {
   std::string name;
-  std::string kind;     // "train" | "posthoc" | "convert" | "lla"
+  std::string kind;     // "train" | "posthoc" | "convert" | "lla" | "nectar" | "document"
   // train: {"model": {overrides}, optional "train": {overrides}}; posthoc: {"base": arm, "kv_cache": t, "evict": "sink=S,window=W"};
   // convert: {"base": arm, "rank": r, "rope": mode, "heal_steps": n}
   // lla: {"base": arm, "variant": v, "budget": "4x" (or "ranks": [rk, rv]), "steps": n, "init": i,
   //       "on_policy": b, "attention_weight": w, "evict": "sink=S,window=W", "absorbed": b}
+  // nectar: {"base": arm, "document": "kjv" | "brown" | a file, "arch": "mlp" | "quadrature", "rho": x,
+  //          "loss": "reg" | "mixed" | "kl"}; document: {"base": arm, "document": d, "mode": "full" | "none"}
   nlohmann::json spec;
 };
 
@@ -45,16 +51,27 @@ struct EvalSettings {
   nlohmann::json to_json() const;
 };
 
+// The document experiment's settings (queries, fitting, serving; part of its arms' keys).
+struct DocumentSettings {
+  int queries = 300, query_length = 48;  // self-study queries per document (compress::QueryOptions)
+  int steps = 200, batch = 16;           // fitting
+  double lr = 3e-3;
+  int max_tokens = 900;                  // the built-in documents are cut at a line to at most this many tokens
+  int prompt_tokens = 32, new_tokens = 32, repeats = 3;  // serving: one request's prompt and answer, best of
+  nlohmann::json to_json() const;
+};
+
 struct Experiment {
   std::string name, preset;
   train::RunConfig base;  // shared model, data, steps and seed
   EvalSettings eval;
+  DocumentSettings document;
   std::vector<std::string> groups;  // metric groups to compute: "quality", "mqar", "decode", "capacity"
   std::vector<Arm> arms;
   nlohmann::json to_json() const;
 };
 
-std::vector<std::string> experiment_names();  // arch, posthoc, decode
+std::vector<std::string> experiment_names();  // arch, posthoc, decode, doc
 std::vector<std::string> preset_names();      // tiny, small
 Experiment builtin_experiment(const std::string& name, const std::string& preset);
 
@@ -70,6 +87,8 @@ attention::CacheOptions arm_cache(const Arm& arm);
 // An lla arm's codec settings (what its fit depends on: not its eviction or read mode).
 nlohmann::json lla_fit_spec(const Arm& arm);
 const Arm& find_arm(const Experiment& e, const std::string& name);
+// The doc experiment on one given document file instead of its two built-in ones.
+void use_document(Experiment& e, const std::string& path);
 
 // Content hash (hex) of a train arm: its run config without machine-local paths.
 std::string train_arm_key(const train::RunConfig& config);

@@ -24,6 +24,12 @@ std::string cell(const nlohmann::json& metrics, const Column& c) {
     std::snprintf(buf, sizeof buf, "%.0f", v);
   else if (c.format == "pct")
     std::snprintf(buf, sizeof buf, "%.1f%%", 100 * v);
+  else if (c.format == "pct2")
+    std::snprintf(buf, sizeof buf, "%.2f%%", 100 * v);
+  else if (c.format == "pp")
+    std::snprintf(buf, sizeof buf, "%+.2f", 100 * v);
+  else if (c.format == "kib")
+    std::snprintf(buf, sizeof buf, "%.1f", v / 1024);
   else
     std::snprintf(buf, sizeof buf, c.format.c_str(), v);
   return buf;
@@ -49,6 +55,16 @@ std::vector<Column> columns_for(const ExperimentResult& r) {
     all.push_back({"decode_tok_s@" + std::to_string(c / 1024) + "K", "tok/s @" + std::to_string(c / 1024) + "K", "%.1f"});
   for (int64_t c : r.experiment.eval.prefill_contexts)
     all.push_back({"prefill_s@" + std::to_string(c / 1024) + "K", "prefill s @" + std::to_string(c / 1024) + "K", "%.2f"});
+  if (r.experiment.name == "doc") {  // Nectar: only the document columns
+    all = {{"document_tokens", "doc tokens", "int"},      {"budget_fraction", "module / doc KV", "pct2"},
+           {"kl", "KL test", "%.4f"},                     {"kl_challenge", "KL challenge", "%.4f"},
+           {"accuracy_gap", "acc. gap test (pp)", "pp"},  {"accuracy_gap_challenge", "acc. gap chall. (pp)", "pp"},
+           {"teacher_accuracy", "full-doc acc.", "pct"},  {"alpha_mse", "alpha MSE", "%.3f"},
+           {"content_mse", "A MSE", "%.3f"},              {"state_bytes", "state KiB", "kib"},
+           {"ttft_ms", "TTFT ms", "%.1f"},                {"ttft_ms_prefix", "TTFT prefix ms", "%.1f"},
+           {"decode_tok_s", "decode tok/s", "%.1f"},      {"fit_s", "fit s", "%.0f"},
+           {"amortise_requests", "requests to amortise", "int"}};
+  }
   std::vector<Column> used;
   for (const auto& c : all) {
     bool any = false;
@@ -147,6 +163,40 @@ std::string write_report(const ExperimentResult& r) {
     plot("loop-budget.png", "looped model cache vs fidelity: " + tag, "compression of the persistent cache (x)",
          "KL(teacher || student), nats/token (log scale, floor 1e-6)", kl, true);
   }
+  {  // Nectar: per document, test KL against the module's share of the document's KV, a line per (arch, objective)
+    std::map<std::string, std::map<std::string, eval::Series>> docs;
+    std::map<std::string, double> none;
+    for (const auto& a : r.arms) {
+      const auto slash = a.name.find('/');
+      if (slash == std::string::npos || !a.metrics.contains("kl")) continue;
+      const std::string doc = a.name.substr(0, slash);
+      if (a.kind == "document") {
+        if (a.name.substr(slash + 1) == "no-document") none[doc] = a.metrics["kl"].get<double>();
+        continue;
+      }
+      const std::string rest = a.name.substr(slash + 1);  // mlp-5%-mixed
+      const std::string family = rest.substr(0, rest.find('-')) + " " + rest.substr(rest.rfind('-') + 1);
+      auto& f = docs[doc][family];
+      f.title = family;
+      f.x.push_back(100 * a.metrics["budget_fraction"].get<double>());
+      f.y.push_back(std::max(1e-5, a.metrics["kl"].get<double>()));
+    }
+    for (auto& [doc, families] : docs) {
+      std::vector<eval::Series> lines;
+      double lo = 1e30, hi = 0;
+      for (auto& [name, f] : families) {
+        std::vector<size_t> order(f.x.size());
+        for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+        std::sort(order.begin(), order.end(), [&](size_t i, size_t j) { return f.x[i] < f.x[j]; });
+        eval::Series sorted{f.title, {}, {}};
+        for (size_t i : order) sorted.x.push_back(f.x[i]), sorted.y.push_back(f.y[i]), lo = std::min(lo, f.x[i]), hi = std::max(hi, f.x[i]);
+        lines.push_back(sorted);
+      }
+      if (none.count(doc)) lines.push_back({"no document", {lo, hi}, {none[doc], none[doc]}});
+      plot("doc-budget-" + doc + ".png", "Nectar on " + doc + ": " + tag, "module size (% of the document's f32 KV)",
+           "KL(full document || module), nats/token, test split (log scale)", lines, true);
+    }
+  }
   for (const auto& a : r.arms) {  // NAtS-L: the share of blocks routed to softmax per layer and head group (seed 001 Fig. 5)
     if (a.routing.is_null() || a.routing["layers"].empty()) continue;
     std::vector<std::string> rows;
@@ -163,6 +213,39 @@ std::string write_report(const ExperimentResult& r) {
   md << "# kvx compare: " << tag << "\n\n" << main_table << "\n";
   for (const auto& p : plots) md << "![" << p << "](" << p << ")\n\n";
   const auto& b = e.base;
+  if (e.name == "doc") {
+    const auto& d = e.document;
+    md << "## Setup\n\n"
+       << "One MHA model (d=" << b.model.hidden_size << ", " << b.model.num_hidden_layers << " layers, H=" << b.model.num_attention_heads
+       << ", d_h=" << b.model.head_dim << ") trained " << b.train.steps << " steps on windows of " << b.train.seq_len
+       << " tokens (its whole context), so a document and the queries after it sit at trained positions. Per document ("
+          "the built-in ones: the book of Jude and the start of Brown ca01, cut at a line to at most "
+       << d.max_tokens << " tokens), the model makes " << d.queries << " self-study queries of " << d.query_length
+       << " tokens (quote, cloze, its own sampled continuations; `kvx fit nectar`), split 80/20 with an eighth of the 80 "
+          "held out for checkpoint selection; the challenge split is the quarter of the test queries least similar to any "
+          "training query (cosine of token counts). Modules train " << d.steps << " steps of " << d.batch
+       << " queries (AdamW, lr " << d.lr << ", warmup + cosine); objectives: reg = regression only (MLP l_alpha 0.1, l_A 1; "
+          "Quadrature l_A 1), mixed = regression + 0.01 KL (the paper's default), kl = KL only.\n\n"
+       << "## What the numbers mean\n\n"
+       << "- **module / doc KV**: the module's f32 parameters over the document's f32 K and V of every layer (rho is per "
+          "layer and KV head; widths round down).\n"
+       << "- **KL test / challenge**: KL(p_full-document || p_module) per query token, teacher forced, on the test and "
+          "challenge splits. **acc. gap**: next-token accuracy of the full-document model minus the module's, in "
+          "percentage points (full-doc acc. is the former). no-document: the model with the document removed.\n"
+       << "- **alpha MSE / A MSE**: the module's log mass and content against the exact ones, per layer and query head, "
+          "on the full-document model's own queries (test split).\n"
+       << "- **TTFT ms**: time to first token for a request of " << d.prompt_tokens << " prompt tokens after the document, "
+          "best of " << d.repeats << ": full-document arm = prefilling the document with the request; module arms = the "
+          "module in place of the document; **TTFT prefix ms** = a reused prefix KV cache of the document (prefilled "
+          "once, rolled back after each request). **decode tok/s**: " << d.new_tokens << " greedy tokens after the prompt "
+          "(full-document arm: with the prefix cache). **state KiB**: what the request holds: document KV or module "
+          "weights, plus its own tokens' KV.\n"
+       << "- **fit s**: making the queries plus fitting, on this machine; **requests to amortise**: fit s over the TTFT "
+          "saved per request against prefilling the document each time. Against a reused prefix cache the module saves "
+          "memory (state KiB), not time.\n";
+    io::write_file_atomic(r.dir + "/report.md", md.str());
+    return main_table;
+  }
   md << "## Setup\n\n"
      << "Every train arm shares the data (" << b.data.sources.size() << " corpora: ";
   for (const auto& s : b.data.sources) md << s << " ";

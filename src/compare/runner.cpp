@@ -9,9 +9,11 @@
 
 #include "compress/lla_codec.h"
 #include "compress/lrkv_convert.h"
+#include "compress/nectar.h"
 #include "eval/analyze.h"
 #include "eval/bench.h"
 #include "eval/evaluate.h"
+#include "eval/serving.h"
 #include "io/atomic_file.h"
 #include "io/json_config.h"
 #include "train/checkpoint.h"
@@ -185,7 +187,157 @@ struct Runner {
     return std::find(e.groups.begin(), e.groups.end(), group) != e.groups.end();
   }
 
+  // A document of the doc experiment as a file: the built-in "kjv" (the book of Jude) and "brown"
+  // (the start of Brown ca01) are cut at a line to at most DocumentSettings::max_tokens tokens and
+  // written under <out>/documents/; anything else is a file path, used as it is.
+  std::string document_file(const std::string& name) {
+    if (name != "kjv" && name != "brown") return name;
+    auto c = with_data_dir(e.base);
+    const std::string data = c.data.data_dir.empty() ? text::default_data_dir() : c.data.data_dir;
+    const std::string source = data + (name == "kjv" ? "/kjv/65_Jude.txt" : "/brown/ca01.txt");
+    std::istringstream in(io::read_file(source));
+    std::string text, line;
+    const auto& tok = training_data().tokenizer;
+    while (std::getline(in, line)) {
+      const std::string more = text + line + "\n";
+      if (static_cast<int>(tok.encode(more).size()) > e.document.max_tokens) break;
+      text = more;
+    }
+    const std::string path = arms_dir + "/../documents/" + name + ".txt";
+    io::make_dirs(arms_dir + "/../documents");
+    if (!io::file_exists(path) || io::read_file(path) != text) io::write_file_atomic(path, text);
+    return path;
+  }
+
+  ArmResult run_document_arm(const Arm& arm, size_t index) {
+    ArmResult r;
+    r.name = arm.name;
+    r.kind = arm.kind;
+    const auto& spec = arm.spec;
+    const Arm& trained = find_arm(e, spec.at("base").get<std::string>());
+    const train::RunConfig cfg = arm_run_config(e, trained);
+    r.key = train_arm_key(cfg);
+    const std::string label = arm.name + " (" + std::to_string(index + 1) + "/" + std::to_string(e.arms.size()) + ")";
+    const std::string base_dir = ensure_trained(cfg, label + " base");
+    auto loaded = train::load_model(base_dir);
+    const std::string path = document_file(spec.at("document").get<std::string>());
+    const auto ids = compress::read_document(loaded.tokenizer, path);
+    const auto& d = e.document;
+    // Keys: the base, the document's tokens (not its path), the arm's settings.
+    nlohmann::json what = spec;
+    what["document"] = compress::tokens_fingerprint(ids);
+    what["settings"] = d.to_json();
+    const std::string doc_dir = arms_dir + "/" + r.key + "/doc-" + what["document"].get<std::string>();
+    const std::string queries_file = doc_dir + "/queries.json";
+    compress::QueryOptions qo;
+    qo.count = d.queries;
+    qo.length = d.query_length;
+    const auto document = compress::prefill_document(loaded.model, ids, d.query_length);
+    r.metrics["document_tokens"] = static_cast<double>(ids.size());
+    r.metrics["document_kv_bytes"] = static_cast<double>(document.bytes());
+    const auto serving_metrics = [&](const std::vector<eval::ServingRow>& rows) {
+      nlohmann::json m;
+      for (const auto& row : rows) {
+        m["ttft_ms_" + row.mode] = 1e3 * row.ttft_seconds;
+        m["decode_tok_s_" + row.mode] = row.decode_tokens_per_second;
+        m["state_bytes_" + row.mode] = static_cast<double>(row.state_bytes);
+        if (row.mode == "prefix") m["prefix_prefill_s"] = row.setup_seconds;
+      }
+      return m;
+    };
+    // A request: the first prompt_tokens of the first test query, then new_tokens greedy tokens.
+    const auto request_prompt = [&] {
+      io::make_dirs(doc_dir);
+      const auto queries = compress::load_or_make_queries(queries_file, loaded.model, loaded.tokenizer, document, qo);
+      const auto p = queries.test[0].narrow(0, 0, std::min<int64_t>(d.prompt_tokens, queries.test.size(1)));
+      return std::vector<int32_t>(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + p.numel());
+    };
+    const auto quality_metrics = [&](const attention::NectarDocument& student) {
+      io::make_dirs(doc_dir);
+      const auto queries = compress::load_or_make_queries(queries_file, loaded.model, loaded.tokenizer, document, qo);
+      nlohmann::json m;
+      for (const auto& [split, suffix] : {std::pair{&queries.test, ""}, {&queries.challenge, "_challenge"}}) {
+        const auto q = compress::evaluate_document_module(loaded.model, document, student, *split);
+        m[std::string("kl") + suffix] = q.kl;
+        m[std::string("accuracy_gap") + suffix] = q.accuracy_gap();
+        m[std::string("teacher_accuracy") + suffix] = q.teacher_accuracy;
+        if (std::isfinite(q.alpha_mse)) m[std::string("alpha_mse") + suffix] = q.alpha_mse;
+        m[std::string("content_mse") + suffix] = q.content_mse;
+      }
+      return m;
+    };
+    if (arm.kind == "document") {
+      const std::string mode = spec.at("mode").get<std::string>();
+      if (mode != "full" && mode != "none") throw Error("document arm '" + arm.name + "': mode must be full or none");
+      auto m = cached(doc_dir + "/metrics-document-" + metrics_key(r.key, what) + ".json", [&] {
+        say(label + ": " + (mode == "full" ? "the exact document: quality and serving" : "no document: quality"));
+        auto q = quality_metrics(mode == "full" ? *document.exact(cfg.model) : *compress::no_document(cfg.model, document.tokens()));
+        if (mode == "full") {
+          q.update(serving_metrics(eval::measure_document_serving(loaded.model, ids, nullptr, 0, request_prompt(), d.new_tokens, d.repeats)));
+          q["state_bytes"] = q["state_bytes_prefix"];
+          q["ttft_ms"] = q["ttft_ms_prefill"];
+          q["decode_tok_s"] = q["decode_tok_s_prefix"];
+        }
+        return q;
+      });
+      r.metrics.update(m);
+      return r;
+    }
+    // nectar: fitted once per (base, document, settings) under arms/<key>/module
+    const std::string dir = arms_dir + "/" + metrics_key(r.key, what);
+    const std::string module_dir = dir + "/module";
+    if (!io::file_exists(module_dir + "/report.json")) {
+      compress::FitNectarRun run;
+      run.model = base_dir;
+      run.document = path;
+      run.out = module_dir;
+      run.arch = attention::NectarArch::parse(spec.at("arch").get<std::string>(), "");
+      run.rho = spec.at("rho").get<double>();
+      const std::string loss = spec.at("loss").get<std::string>();
+      if (loss == "reg") run.kl_weight = 0;
+      else if (loss == "kl") run.alpha_weight = run.content_weight = 0, run.kl_weight = 1;
+      else if (loss != "mixed") throw Error("nectar arm '" + arm.name + "': loss must be reg, mixed or kl");
+      run.steps = d.steps;
+      run.batch = d.batch;
+      run.lr = d.lr;
+      run.queries = qo;
+      run.queries_file = queries_file;
+      run.verbose = o.verbose;
+      io::make_dirs(doc_dir);
+      say(label + ": fitting the Nectar module into " + module_dir);
+      compress::fit_nectar_run(run);  // report.json last: its presence marks a finished fit
+    }
+    const auto report = nlohmann::json::parse(io::read_file(module_dir + "/report.json"));
+    for (const auto& [split, suffix] : {std::pair{"test", ""}, {"challenge", "_challenge"}}) {
+      const auto& q = report["splits"][split];
+      r.metrics[std::string("kl") + suffix] = q["kl"];
+      r.metrics[std::string("accuracy_gap") + suffix] = q["accuracy_gap"];
+      r.metrics[std::string("teacher_accuracy") + suffix] = q["teacher_accuracy"];
+      r.metrics[std::string("alpha_mse") + suffix] = q["alpha_mse"];
+      r.metrics[std::string("content_mse") + suffix] = q["content_mse"];
+    }
+    r.metrics["module_bytes"] = report["module_bytes"];
+    r.metrics["budget_fraction"] = report["budget_fraction"];
+    const double fit_s = report["query_seconds"].get<double>() + report["fit_seconds"].get<double>();
+    r.metrics["fit_s"] = fit_s;
+    auto m = cached(dir + "/metrics-serving-" + metrics_key(r.key, what) + ".json", [&] {
+      say(label + ": serving after the document three ways");
+      const auto module = compress::DocumentModule::load(module_dir, loaded.model);
+      return serving_metrics(eval::measure_document_serving(loaded.model, ids, module.decode_set(), module.bytes(), request_prompt(),
+                                                            d.new_tokens, d.repeats));
+    });
+    r.metrics.update(m);
+    r.metrics["state_bytes"] = m["state_bytes_module"];
+    r.metrics["ttft_ms"] = m["ttft_ms_module"];
+    r.metrics["decode_tok_s"] = m["decode_tok_s_module"];
+    // Requests after which fitting has paid for itself against prefilling the document each time.
+    const double saved_s = (m["ttft_ms_prefill"].get<double>() - m["ttft_ms_module"].get<double>()) / 1e3;
+    if (saved_s > 0) r.metrics["amortise_requests"] = std::ceil(fit_s / saved_s);
+    return r;
+  }
+
   ArmResult run_arm(const Arm& arm, size_t index) {
+    if (arm.kind == "nectar" || arm.kind == "document") return run_document_arm(arm, index);
     ArmResult r;
     r.name = arm.name;
     r.kind = arm.kind;
@@ -349,7 +501,8 @@ ExperimentResult run_experiment(const Experiment& e, const CompareOptions& o) {
   // Budget relative to the MHA baseline at f32 (2 x layers x H x d_h x 4 bytes).
   const auto& m = e.base.model;
   const double mha = 2.0 * m.num_hidden_layers * m.num_attention_heads * m.head_dim * 4;
-  for (auto& a : res.arms) a.metrics["kv_pct_of_mha"] = 100.0 * a.metrics["kv_bytes_per_token"].get<double>() / mha;
+  for (auto& a : res.arms)
+    if (a.metrics.contains("kv_bytes_per_token")) a.metrics["kv_pct_of_mha"] = 100.0 * a.metrics["kv_bytes_per_token"].get<double>() / mha;
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return res;
 }

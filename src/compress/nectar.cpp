@@ -391,6 +391,30 @@ NectarQueries make_queries(model::Transformer& model, const text::BpeTokenizer& 
   return {rows(ids, train), rows(ids, val), rows(ids, test), rows(ids, challenge)};
 }
 
+NectarQueries load_or_make_queries(const std::string& file, model::Transformer& model, const text::BpeTokenizer& tokenizer,
+                                   const DocumentKV& document, const QueryOptions& options, double* seconds) {
+  const auto fingerprint = model_fingerprint(model), document_hash = tokens_fingerprint(document.ids);
+  if (!file.empty() && io::file_exists(file)) {
+    const auto j = nlohmann::json::parse(io::read_file(file));
+    if (j.at("model_fingerprint") != fingerprint || j.at("document_hash") != document_hash)
+      throw Error(file + " holds queries for another model or document; delete it or give another file");
+    auto queries = NectarQueries::from_json(j.at("splits"));
+    if (queries.train.size(1) > options.length)
+      throw Error(file + " holds queries of " + std::to_string(queries.train.size(1)) + " tokens, more than the " +
+                  std::to_string(options.length) + " asked for");
+    if (seconds) *seconds = j.at("seconds").get<double>();
+    return queries;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto queries = make_queries(model, tokenizer, document, options);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (seconds) *seconds = took;
+  if (!file.empty())
+    io::write_file_atomic(file, nlohmann::json{{"model_fingerprint", fingerprint}, {"document_hash", document_hash},
+                                               {"seconds", took}, {"splits", queries.to_json()}}.dump() + "\n");
+  return queries;
+}
+
 // ---- quality ------------------------------------------------------------------------------------------
 
 nlohmann::json NectarQuality::to_json() const {
@@ -481,8 +505,9 @@ nlohmann::json fit_nectar_run(const FitNectarRun& run) {
                  static_cast<long long>(n), document.bytes() / 1048576.0, run.arch.kind.c_str(), run.rho);
     std::fprintf(stderr, "fit nectar: making %d queries of %d tokens with the model\n", run.queries.count, run.queries.length);
   }
-  const auto queries = make_queries(model, loaded.tokenizer, document, run.queries);
-  const double query_seconds = seconds();
+  double query_seconds = 0;  // making the queries (also when an earlier fit made them)
+  const auto queries = load_or_make_queries(run.queries_file, model, loaded.tokenizer, document, run.queries, &query_seconds);
+  const double setup_seconds = seconds();
 
   // The teacher's regression targets on the training queries, cached once.
   const int L = c.num_hidden_layers;
@@ -608,7 +633,7 @@ nlohmann::json fit_nectar_run(const FitNectarRun& run) {
     auto params = module.named_parameters();
     for (size_t i = 0; i < params.size(); ++i) params[i].second.copy_(best[i]);
   }
-  const double fit_seconds = seconds();
+  const double fit_seconds = seconds() - setup_seconds;  // target capture and optimisation
   module.save(out);
   io::write_file_atomic(out + "/queries.json", queries.to_json().dump() + "\n");
 

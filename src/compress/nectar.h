@@ -107,6 +107,11 @@ struct NectarQueries {
 };
 NectarQueries make_queries(model::Transformer& model, const text::BpeTokenizer& tokenizer, const DocumentKV& document,
                            const QueryOptions& options);
+// Queries shared by several fits on one document: read from `file` when it exists (checked to be
+// for this model and document), else made and written there ("" = made, not kept). *seconds: the
+// time making them took (when they were made).
+NectarQueries load_or_make_queries(const std::string& file, model::Transformer& model, const text::BpeTokenizer& tokenizer,
+                                   const DocumentKV& document, const QueryOptions& options, double* seconds = nullptr);
 
 // How well `student` stands in for the exact document on queries ids [N, length] (teacher forced).
 struct NectarQuality {
@@ -135,6 +140,7 @@ struct FitNectarRun {
   double lr = 3e-3;
   int warmup = 20, evals = 6;
   QueryOptions queries;
+  std::string queries_file;  // shared queries (load_or_make_queries); "" = made for this fit only
   bool verbose = true;
 };
 nlohmann::json fit_nectar_run(const FitNectarRun& run);

@@ -258,3 +258,51 @@ TEST(Compare, NatslArmReportsTheRoutesItTookAndTheirHeatMap) {
   if (std::system("command -v gnuplot >/dev/null 2>&1") == 0) EXPECT_TRUE(fs::exists(r.dir + "/routing-natsl.png"));
   fs::remove_all(o.out_dir);
 }
+
+TEST(Compare, DocumentExperimentFitsServesAndReportsEveryArm) {
+  SyntheticData d;
+  auto e = compare::builtin_experiment("doc", "tiny");
+  EXPECT_EQ(e.arms.size(), 1u + 2 * (2 + 2 * 3 * 3));  // mha; per document: full, none, 2 archs x 3 rho x 3 losses
+  EXPECT_EQ(e.base.train.seq_len, e.base.model.max_position_embeddings);
+  auto& m = e.base.model;
+  m.vocab_size = 256, m.hidden_size = 32, m.num_hidden_layers = 2, m.num_attention_heads = 4, m.num_key_value_heads = 2;
+  m.head_dim = 16, m.intermediate_size = 48, m.max_position_embeddings = 128;
+  e.arms[0].spec["model"]["num_key_value_heads"] = 2;  // GQA: modules shared by query-head pairs
+  auto& t = e.base.train;
+  t.steps = 4, t.batch_size = 2, t.seq_len = 64, t.eval_every = 4, t.eval_batches = 1, t.checkpoint_every = 4;
+  e.base.data.mqar_max_pairs = 4;
+  auto& s = e.document;
+  s.queries = 16, s.query_length = 16, s.steps = 3, s.batch = 4, s.prompt_tokens = 4, s.new_tokens = 2, s.repeats = 1;
+  auto o = d.options("doc");
+  const std::string file = o.out_dir + "/story.txt";
+  io::write_file_atomic(file, "the cat sat on a mat and the dog ran far. a dog sat on the mat and the cat ran far away.\n");
+  compare::use_document(e, file);
+  compare::select_arms(e, {"story/full-document", "story/no-document", "story/mlp-10%-mixed", "story/quadrature-10%-kl"});
+  ASSERT_EQ(e.arms.size(), 5u);
+  const auto r = compare::run_experiment(e, o);
+  std::map<std::string, nlohmann::json> by;
+  for (const auto& a : r.arms) by[a.name] = a.metrics;
+  EXPECT_NEAR(by["story/full-document"]["kl"].get<double>(), 0.0, 1e-6);
+  EXPECT_GT(by["story/no-document"]["kl"].get<double>(), 1e-4);
+  const double doc_kv = by["story/full-document"]["document_kv_bytes"].get<double>();
+  EXPECT_DOUBLE_EQ(doc_kv, 2.0 * by["story/full-document"]["document_tokens"].get<double>() * 2 * 2 * 16 * 4);
+  for (const std::string arm : {"story/mlp-10%-mixed", "story/quadrature-10%-kl"}) {
+    const auto& a = by[arm];
+    for (const auto* k : {"kl", "kl_challenge", "accuracy_gap", "content_mse", "ttft_ms", "ttft_ms_prefill", "ttft_ms_prefix",
+                          "decode_tok_s", "state_bytes", "fit_s", "module_bytes"})
+      EXPECT_TRUE(a.contains(k)) << arm << " " << k;
+    EXPECT_LE(a["module_bytes"].get<double>(), 0.1 * doc_kv * 1.0001) << arm;
+    // The module's request holds its weights and the request's own KV, not the document's.
+    EXPECT_LT(a["state_bytes_module"].get<double>(), a["state_bytes_prefix"].get<double>()) << arm;
+  }
+  // Quadrature at 10%: p = floor(0.1 n) pairs of 2 d_h f32 each, per layer and KV head.
+  const double n = by["story/full-document"]["document_tokens"].get<double>();
+  EXPECT_DOUBLE_EQ(by["story/quadrature-10%-kl"]["module_bytes"].get<double>(), std::floor(0.1 * n) * 2 * 16 * 2 * 2 * 4);
+  const auto again = compare::run_experiment(e, o);  // cached: nothing refitted, same numbers
+  for (size_t i = 0; i < r.arms.size(); ++i) EXPECT_EQ(again.arms[i].metrics, r.arms[i].metrics) << r.arms[i].name;
+  compare::write_report(again);
+  const std::string report = io::read_file(again.dir + "/report.md");
+  for (const auto& a : again.arms) EXPECT_NE(report.find("| " + a.name + " |"), std::string::npos) << a.name;
+  if (std::system("command -v gnuplot >/dev/null 2>&1") == 0) EXPECT_TRUE(fs::exists(again.dir + "/doc-budget-story.png"));
+  fs::remove_all(o.out_dir);
+}
