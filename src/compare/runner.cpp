@@ -313,7 +313,7 @@ struct Runner {
       r.metrics[std::string("kl") + suffix] = q["kl"];
       r.metrics[std::string("accuracy_gap") + suffix] = q["accuracy_gap"];
       r.metrics[std::string("teacher_accuracy") + suffix] = q["teacher_accuracy"];
-      r.metrics[std::string("alpha_mse") + suffix] = q["alpha_mse"];
+      if (!q["alpha_mse"].is_null()) r.metrics[std::string("alpha_mse") + suffix] = q["alpha_mse"];
       r.metrics[std::string("content_mse") + suffix] = q["content_mse"];
     }
     r.metrics["module_bytes"] = report["module_bytes"];

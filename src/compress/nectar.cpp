@@ -418,7 +418,8 @@ NectarQueries load_or_make_queries(const std::string& file, model::Transformer& 
 // ---- quality ------------------------------------------------------------------------------------------
 
 nlohmann::json NectarQuality::to_json() const {
-  return {{"alpha_mse", alpha_mse}, {"content_mse", content_mse}, {"kl", kl}, {"teacher_accuracy", teacher_accuracy},
+  // No document has no log mass (-inf): its alpha error is not a number worth printing.
+  return {{"alpha_mse", std::isfinite(alpha_mse) ? nlohmann::json(alpha_mse) : nlohmann::json(nullptr)}, {"content_mse", content_mse}, {"kl", kl}, {"teacher_accuracy", teacher_accuracy},
           {"student_accuracy", student_accuracy}, {"accuracy_gap", accuracy_gap()}, {"top1_agreement", top1_agreement},
           {"tokens", tokens}};
 }

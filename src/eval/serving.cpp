@@ -16,12 +16,18 @@ torch::Tensor ids_tensor(const std::vector<int32_t>& ids) {
   return torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong).unsqueeze(0);
 }
 
-// Prompt in, first logits out, then greedy decode: {ttft, decode tok/s}.
-std::pair<double, double> request(model::Transformer& model, model::DecodeState& state, const torch::Tensor& input, int new_tokens) {
+// Prompt in, first logits out, then greedy decode: {ttft, decode tok/s}; the answer in *tokens.
+std::pair<double, double> request(model::Transformer& model, model::DecodeState& state, const torch::Tensor& input, int new_tokens,
+                                  std::vector<int64_t>* tokens) {
+  tokens->clear();
   const double t0 = now();
   auto logits = model->step(input, state);
   const double t1 = now();
-  for (int i = 0; i < new_tokens; ++i) logits = model->step(logits.select(1, logits.size(1) - 1).argmax(-1, true), state);
+  for (int i = 0; i < new_tokens; ++i) {
+    const auto next = logits.select(1, logits.size(1) - 1).argmax(-1, true);
+    tokens->push_back(next.item<int64_t>());
+    logits = model->step(next, state);
+  }
   const double t2 = now();
   return {t1 - t0, new_tokens / std::max(t2 - t1, 1e-9)};
 }
@@ -57,7 +63,7 @@ std::vector<ServingRow> measure_document_serving(model::Transformer& model, cons
     auto state = model->new_state(1);
     best(row, [&] {
       state.clear();
-      return request(model, state, doc_and_prompt, new_tokens);
+      return request(model, state, doc_and_prompt, new_tokens, &row.tokens);
     });
     row.state_bytes = state.bytes();
     rows.push_back(row);
@@ -70,7 +76,7 @@ std::vector<ServingRow> measure_document_serving(model::Transformer& model, cons
     row.setup_seconds = now() - t0;
     best(row, [&] {
       for (auto& layer : state.layers) dynamic_cast<attention::FusedKVCache&>(*layer).truncate(n);
-      return request(model, state, p, new_tokens);
+      return request(model, state, p, new_tokens, &row.tokens);
     });
     row.state_bytes = state.bytes();
     rows.push_back(row);
@@ -82,7 +88,7 @@ std::vector<ServingRow> measure_document_serving(model::Transformer& model, cons
     auto state = model->new_state(1, options);
     best(row, [&] {
       state.clear();
-      return request(model, state, p, new_tokens);
+      return request(model, state, p, new_tokens, &row.tokens);
     });
     row.state_bytes = state.bytes() + module_bytes;
     rows.push_back(row);

@@ -19,6 +19,7 @@ struct ServingRow {
   double ttft_seconds = 0, decode_tokens_per_second = 0;
   double setup_seconds = 0;  // once per document: the prefix cache's prefill (0 otherwise)
   int64_t state_bytes = 0;   // document KV or module weights, plus the request's local KV
+  std::vector<int64_t> tokens;  // the greedy answer (the same in every mode when the module is exact)
   nlohmann::json to_json() const;
 };
 
