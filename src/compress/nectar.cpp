@@ -504,7 +504,10 @@ nlohmann::json fit_nectar_run(const FitNectarRun& run) {
   if (run.verbose) {
     std::fprintf(stderr, "fit nectar: document %s, %lld tokens (%.2f MiB of f32 KV); %s, rho %.3g\n", run.document.c_str(),
                  static_cast<long long>(n), document.bytes() / 1048576.0, run.arch.kind.c_str(), run.rho);
-    std::fprintf(stderr, "fit nectar: making %d queries of %d tokens with the model\n", run.queries.count, run.queries.length);
+    if (run.queries_file.empty() || !io::file_exists(run.queries_file))
+      std::fprintf(stderr, "fit nectar: making %d queries of %d tokens with the model\n", run.queries.count, run.queries.length);
+    else
+      std::fprintf(stderr, "fit nectar: the queries of %s\n", run.queries_file.c_str());
   }
   double query_seconds = 0;  // making the queries (also when an earlier fit made them)
   const auto queries = load_or_make_queries(run.queries_file, model, loaded.tokenizer, document, run.queries, &query_seconds);
