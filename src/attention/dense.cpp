@@ -67,16 +67,28 @@ DenseAttention::DenseAttention(const model::ModelConfig& c, int layer)
   k_proj = register_module("k_proj", nn::linear_no_bias(c.hidden_size, kv_heads_ * head_dim_));
   v_proj = register_module("v_proj", nn::linear_no_bias(c.hidden_size, kv_heads_ * head_dim_));
   o_proj = register_module("o_proj", nn::linear_no_bias(heads_ * head_dim_, c.hidden_size));
+  if (c.qk_norm) {
+    q_norm = register_module("q_norm", nn::RMSNorm(head_dim_, c.rms_norm_eps));
+    k_norm = register_module("k_norm", nn::RMSNorm(head_dim_, c.rms_norm_eps));
+  }
+}
+
+torch::Tensor DenseAttention::queries_pre_rope(const torch::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1);
+  auto q = q_proj(x).view({B, T, heads_, head_dim_});
+  if (q_norm) q = q_norm(q);
+  return q.transpose(1, 2);
 }
 
 std::pair<torch::Tensor, torch::Tensor> DenseAttention::keys_values_pre_rope(const torch::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1);
-  return {k_proj(x).view({B, T, kv_heads_, head_dim_}).transpose(1, 2), v_proj(x).view({B, T, kv_heads_, head_dim_}).transpose(1, 2)};
+  auto k = k_proj(x).view({B, T, kv_heads_, head_dim_});
+  if (k_norm) k = k_norm(k);
+  return {k.transpose(1, 2), v_proj(x).view({B, T, kv_heads_, head_dim_}).transpose(1, 2)};
 }
 
 void DenseAttention::project(const torch::Tensor& x, int64_t start, torch::Tensor& q, torch::Tensor& k, torch::Tensor& v) {
-  const int64_t B = x.size(0), T = x.size(1);
-  q = rope_.apply(q_proj(x).view({B, T, heads_, head_dim_}).transpose(1, 2), start);
+  q = rope_.apply(queries_pre_rope(x), start);
   std::tie(k, v) = keys_values_pre_rope(x);
   k = rope_.apply(k, start);
 }
@@ -150,7 +162,7 @@ torch::Tensor DenseAttention::step_lla(const torch::Tensor& x, LlaLoopCache& cac
   if (store.committed() != start)
     throw Error("LLA decode: loop " + std::to_string(cache.loop()) + " is at position " + std::to_string(start) + " but " +
                 std::to_string(store.committed()) + " tokens are committed; a chunk must run all loops before the next");
-  const auto q_pre = q_proj(x).view({B, T, heads_, head_dim_}).transpose(1, 2);
+  const auto q_pre = queries_pre_rope(x);
   auto q = rope_.apply(q_pre, start);
   auto [k, v] = keys_values_pre_rope(x);
   store.set_pending(cache.loop(), k, v);
@@ -218,6 +230,7 @@ torch::Tensor DenseAttention::step_fused(const torch::Tensor& q, const torch::Te
 }
 
 bool DenseAttention::head_projections(torch::Tensor& wq, torch::Tensor& wk) const {
+  if (q_norm) return false;  // normed queries and keys: no fixed bilinear form per head
   const int64_t d = q_proj->weight.size(1);
   wq = q_proj->weight.detach().view({heads_, head_dim_, d}).transpose(1, 2);  // [H, d, d_h]
   wk = k_proj->weight.detach().view({kv_heads_, head_dim_, d}).transpose(1, 2).repeat_interleave(heads_ / kv_heads_, 0);

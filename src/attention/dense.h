@@ -85,6 +85,8 @@ class DenseAttention : public Mixer {
   torch::Tensor step(const torch::Tensor& x, MixerCache& cache) override;
   double cache_bytes_per_token(kernels::KVType type) const override;
   bool head_projections(torch::Tensor& wq, torch::Tensor& wk) const override;
+  // Queries before RoPE, [B, H, T, d_h].
+  torch::Tensor queries_pre_rope(const torch::Tensor& x);
   // Keys before RoPE and values, [B, Hkv, T, d_h] (what a latent KV codec compresses).
   std::pair<torch::Tensor, torch::Tensor> keys_values_pre_rope(const torch::Tensor& x);
   // Causal attention where query i reads its own exact key and value and, for j < i, the given
@@ -98,6 +100,7 @@ class DenseAttention : public Mixer {
                                        const std::function<DocumentAttention(const torch::Tensor&)>& document);
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  nn::RMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3 (config qk_norm): over each head's d_h before RoPE
 
  private:
   // q: [B, H, T, d_h], k, v: [B, Hkv, T, d_h], RoPE applied from position `start`.

@@ -694,6 +694,19 @@ int main(int argc, char** argv) {
 
   compress::ConvertRun convert_run;
   std::string convert_sources;
+  std::string hf_src, hf_out, hf_model, hf_dtype = "f32";
+  auto* import_cmd = app.add_subcommand("import", "models from other ecosystems");
+  auto* import_hf = import_cmd->add_subcommand("hf", "a Hugging Face Llama or Qwen3 directory (config.json, safetensors or shards, tokenizer.json) -> a kvx model directory");
+  import_hf->add_option("dir", hf_src, "the Hugging Face model directory")->required();
+  import_hf->add_option("--out", hf_out, "kvx model directory to write")->required();
+  import_cmd->require_subcommand(1);
+  auto* export_cmd = app.add_subcommand("export", "models for other ecosystems");
+  auto* export_hf = export_cmd->add_subcommand("hf", "a kvx dense model -> a Hugging Face Llama (or Qwen3, with qk_norm) directory");
+  export_hf->add_option("dir", hf_out, "output directory")->required();
+  export_hf->add_option("--model", hf_model, "model or run directory")->required();
+  export_hf->add_option("--dtype", hf_dtype, "weight type written: f32 (default) | bf16 | f16");
+  export_cmd->require_subcommand(1);
+
   auto* convert_cmd = app.add_subcommand("convert", "post-hoc conversion of trained models");
   auto* convert_lrkv = convert_cmd->add_subcommand("lrkv", "dense (MHA/GQA) -> LRKV: shared K/V = head mean, residuals by truncated SVD; CE before, after, after healing");
   convert_lrkv->add_option("--from", convert_run.from, "model or run directory of a trained dense model")->required();
@@ -927,6 +940,17 @@ int main(int argc, char** argv) {
                       report["kl_vs_teacher"].get<double>());
         std::printf("codec: %s\n", lla_run.out.c_str());
       }
+    }
+    if (import_hf->parsed()) {
+      const auto m = train::import_hf(hf_src, hf_out);
+      const auto& c = m->config();
+      std::printf("imported %s: %d layers, d %d, %d heads (%d KV) of %d%s, vocab %d, %lld parameters -> %s\n", hf_src.c_str(),
+                  c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                  c.qk_norm ? ", q/k norms (Qwen3)" : "", c.vocab_size, static_cast<long long>(m->num_parameters()), hf_out.c_str());
+    }
+    if (export_hf->parsed()) {
+      train::export_hf(hf_model, hf_out, hf_dtype);
+      std::printf("exported %s as a Hugging Face model (%s weights) -> %s\n", hf_model.c_str(), hf_dtype.c_str(), hf_out.c_str());
     }
     if (fit_nectar->parsed()) {
       nectar_run.arch = attention::NectarArch::parse(nectar_run.arch.kind, nectar_depths);

@@ -23,6 +23,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   c.rms_norm_eps = r.get<double>("rms_norm_eps", c.rms_norm_eps);
   c.tie_word_embeddings = r.get<bool>("tie_word_embeddings", c.tie_word_embeddings);
   c.layout = r.get<std::string>("layout", c.layout);
+  c.qk_norm = r.get<bool>("qk_norm", c.qk_norm);
   c.lrkv_rank = r.get<int>("lrkv_rank", c.lrkv_rank);
   c.lrkv_rope = r.get<std::string>("lrkv_rope", c.lrkv_rope);
   c.kv_lora_rank = r.get<int>("kv_lora_rank", c.kv_lora_rank);
@@ -63,6 +64,7 @@ nlohmann::json ModelConfig::to_json() const {
           {"rms_norm_eps", rms_norm_eps},
           {"tie_word_embeddings", tie_word_embeddings},
           {"layout", layout}};
+  if (qk_norm) j["qk_norm"] = true;
   if (loops != 1) j["loops"] = loops;
   if (sandwich_norm) j["sandwich_norm"] = true;
   if (exit_gate) {
@@ -116,6 +118,11 @@ void ModelConfig::validate() const {
   positive(head_dim, "head_dim");
   positive(intermediate_size, "intermediate_size");
   positive(max_position_embeddings, "max_position_embeddings");
+  if (qk_norm)
+    for (const auto& kind : layer_kinds())
+      if (kind != "dense")
+        throw Error("model config: qk_norm (Qwen3's per-head query/key RMSNorm) applies to dense layers only, found '" + kind +
+                    "'; drop qk_norm or use layout dense");
   if (num_attention_heads % num_key_value_heads != 0)
     throw Error("model config: num_key_value_heads (" + std::to_string(num_key_value_heads) +
                 ") must divide num_attention_heads (" + std::to_string(num_attention_heads) +

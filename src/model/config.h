@@ -20,6 +20,7 @@ struct ModelConfig {
   double rms_norm_eps = 1e-5;
   bool tie_word_embeddings = true;
   std::string layout = "dense";     // e.g. "dense*4" or "lrkv*2,dense*2"; see expand_layout
+  bool qk_norm = false;             // Qwen3: RMSNorm over each head's query and key before RoPE (dense layers)
   // LRKV layers (SPEC 1.1): residual rank r (0 <= r <= head_dim) and RoPE mode.
   int lrkv_rank = 16;
   std::string lrkv_rope = "expand";  // expand | shared_rope | pair_aligned

@@ -9,6 +9,7 @@
 
 #include "io/atomic_file.h"
 #include "io/json_config.h"
+#include "model/hf_format.h"
 #include "nn/tensor_io.h"
 #include "util/error.h"
 #include "util/fault.h"
@@ -22,6 +23,33 @@ void save_model_dir(const std::string& dir, const model::Transformer& model, con
   io::write_file_atomic(dir + "/config.json", model->config().to_json().dump(2) + "\n");
   tokenizer.save(dir + "/tokenizer.json");
   nn::save_safetensors(dir + "/model.safetensors", model->state_dict_hf(), {{"format", "pt"}, {"producer", "kvx"}});
+}
+
+model::Transformer import_hf(const std::string& hf_dir, const std::string& out_dir) {
+  const auto config = model::config_from_hf(io::parse_json_file(hf_dir + "/config.json"), hf_dir + "/config.json");
+  if (!io::file_exists(hf_dir + "/tokenizer.json"))
+    throw Error(hf_dir + " has no tokenizer.json; kvx needs the model's tokenizer beside its weights");
+  const auto tokenizer = text::BpeTokenizer::load(hf_dir + "/tokenizer.json");
+  if (tokenizer.vocab_size() > config.vocab_size)
+    throw Error(hf_dir + ": tokenizer.json has " + std::to_string(tokenizer.vocab_size()) + " tokens but config.json's vocab_size is " +
+                std::to_string(config.vocab_size));
+  model::Transformer m(config);
+  m->load_state_dict_hf(model::load_hf_weights(hf_dir, config), hf_dir);
+  save_model_dir(out_dir, m, tokenizer);
+  return m;
+}
+
+void export_hf(const std::string& model_path, const std::string& out_dir, const std::string& dtype) {
+  auto loaded = load_model(model_path);
+  const std::string type = model::hf_dtype_name(dtype);
+  const auto hf = model::config_to_hf(loaded.model->config(), type);
+  const auto scalar = dtype == "bf16" ? torch::kBFloat16 : dtype == "f16" ? torch::kFloat16 : torch::kFloat32;
+  nn::TensorMap tensors;
+  for (const auto& [name, t] : loaded.model->state_dict_hf()) tensors[name] = t.to(scalar).contiguous();
+  io::make_dirs(out_dir);
+  nn::save_safetensors(out_dir + "/model.safetensors", tensors, {{"format", "pt"}, {"producer", "kvx"}});
+  loaded.tokenizer.save(out_dir + "/tokenizer.json");
+  io::write_file_atomic(out_dir + "/config.json", hf.dump(2) + "\n");  // last: a directory with config.json is complete
 }
 
 std::string resolve_model_dir(const std::string& path) {

@@ -33,6 +33,12 @@ void save_model_dir(const std::string& dir, const model::Transformer& model, con
 LoadedModel load_model(const std::string& path);
 std::string resolve_model_dir(const std::string& path);
 
+// Hugging Face interchange (model/hf_format.h): an HF Llama/Qwen3 directory (config.json,
+// safetensors or shards, tokenizer.json) -> a kvx model directory, and a kvx dense model -> an HF
+// directory with weights in `dtype` ("f32", "bf16", "f16"). Both return the model written.
+model::Transformer import_hf(const std::string& hf_dir, const std::string& out_dir);
+void export_hf(const std::string& model_path, const std::string& out_dir, const std::string& dtype = "f32");
+
 void save_checkpoint(const std::string& run_dir, const model::Transformer& model, const text::BpeTokenizer& tokenizer,
                      const AdamW& optimizer, const TrainerState& state, int keep = 2);
 std::string latest_checkpoint(const std::string& run_dir);  // "" if the run has none
