@@ -2,8 +2,6 @@
 
 #include <set>
 
-#include "io/atomic_file.h"
-#include "io/json_config.h"
 #include "util/error.h"
 
 namespace kvx::model {
@@ -94,42 +92,6 @@ nlohmann::json config_to_hf(const ModelConfig& c, const std::string& dtype) {
     j["pretraining_tp"] = 1;
   }
   return j;
-}
-
-nn::TensorMap load_hf_weights(const std::string& dir, const ModelConfig& config) {
-  nn::TensorMap all;
-  const std::string index = dir + "/model.safetensors.index.json";
-  if (io::file_exists(index)) {
-    const auto j = io::parse_json_file(index);
-    if (!j.contains("weight_map") || !j["weight_map"].is_object())
-      throw Error(index + ": no weight_map object; is the index file truncated?");
-    std::set<std::string> files;
-    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) files.insert(it.value().get<std::string>());
-    for (const auto& f : files) {
-      if (f.find('/') != std::string::npos || f.find("..") != std::string::npos)
-        throw Error(index + ": shard name '" + f + "' must be a file in the model directory");
-      for (auto& [name, t] : nn::load_safetensors(dir + "/" + f)) {
-        const auto listed = j["weight_map"].find(name);
-        if (listed == j["weight_map"].end() || *listed != f)
-          throw Error(dir + "/" + f + ": tensor '" + name + "' is not listed for this shard in model.safetensors.index.json");
-        all[name] = t;
-      }
-    }
-    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it)
-      if (!all.count(it.key())) throw Error(index + " lists '" + it.key() + "' but its shard does not hold it (a truncated download?)");
-  } else if (io::file_exists(dir + "/model.safetensors")) {
-    all = nn::load_safetensors(dir + "/model.safetensors");
-  } else {
-    throw Error(dir + " has neither model.safetensors nor model.safetensors.index.json");
-  }
-  for (auto it = all.begin(); it != all.end();) {
-    const bool rope_buffer = it->first.find("rotary_emb.inv_freq") != std::string::npos;
-    const bool tied_head = config.tie_word_embeddings && it->first == "lm_head.weight";
-    it = rope_buffer || tied_head ? all.erase(it) : std::next(it);
-  }
-  for (auto& [name, t] : all)
-    if (!t.is_floating_point()) throw Error(dir + ": tensor '" + name + "' is not floating point (quantised checkpoints are not supported)");
-  return all;
 }
 
 std::string hf_dtype_name(const std::string& s) {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iomanip>
+#include <set>
 #include <sstream>
 
 #include "io/atomic_file.h"
@@ -25,6 +26,49 @@ void save_model_dir(const std::string& dir, const model::Transformer& model, con
   nn::save_safetensors(dir + "/model.safetensors", model->state_dict_hf(), {{"format", "pt"}, {"producer", "kvx"}});
 }
 
+namespace {
+
+// Every tensor of an HF model directory: model.safetensors, or the shards its
+// model.safetensors.index.json names (any float type; load_state_dict_hf converts). A tied model's
+// stored lm_head.weight and older checkpoints' RoPE inv_freq buffers are dropped.
+nn::TensorMap load_hf_weights(const std::string& dir, const model::ModelConfig& config) {
+  nn::TensorMap all;
+  const std::string index = dir + "/model.safetensors.index.json";
+  if (io::file_exists(index)) {
+    const auto j = io::parse_json_file(index);
+    if (!j.contains("weight_map") || !j["weight_map"].is_object())
+      throw Error(index + ": no weight_map object; is the index file truncated?");
+    std::set<std::string> files;
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) files.insert(it.value().get<std::string>());
+    for (const auto& f : files) {
+      if (f.find('/') != std::string::npos || f.find("..") != std::string::npos)
+        throw Error(index + ": shard name '" + f + "' must be a file in the model directory");
+      for (auto& [name, t] : nn::load_safetensors(dir + "/" + f)) {
+        const auto listed = j["weight_map"].find(name);
+        if (listed == j["weight_map"].end() || *listed != f)
+          throw Error(dir + "/" + f + ": tensor '" + name + "' is not listed for this shard in model.safetensors.index.json");
+        all[name] = t;
+      }
+    }
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it)
+      if (!all.count(it.key())) throw Error(index + " lists '" + it.key() + "' but its shard does not hold it (a truncated download?)");
+  } else if (io::file_exists(dir + "/model.safetensors")) {
+    all = nn::load_safetensors(dir + "/model.safetensors");
+  } else {
+    throw Error(dir + " has neither model.safetensors nor model.safetensors.index.json");
+  }
+  for (auto it = all.begin(); it != all.end();) {
+    const bool rope_buffer = it->first.find("rotary_emb.inv_freq") != std::string::npos;
+    const bool tied_head = config.tie_word_embeddings && it->first == "lm_head.weight";
+    it = rope_buffer || tied_head ? all.erase(it) : std::next(it);
+  }
+  for (auto& [name, t] : all)
+    if (!t.is_floating_point()) throw Error(dir + ": tensor '" + name + "' is not floating point (quantised checkpoints are not supported)");
+  return all;
+}
+
+}  // namespace
+
 model::Transformer import_hf(const std::string& hf_dir, const std::string& out_dir) {
   const auto config = model::config_from_hf(io::parse_json_file(hf_dir + "/config.json"), hf_dir + "/config.json");
   if (!io::file_exists(hf_dir + "/tokenizer.json"))
@@ -34,7 +78,7 @@ model::Transformer import_hf(const std::string& hf_dir, const std::string& out_d
     throw Error(hf_dir + ": tokenizer.json has " + std::to_string(tokenizer.vocab_size()) + " tokens but config.json's vocab_size is " +
                 std::to_string(config.vocab_size));
   model::Transformer m(config);
-  m->load_state_dict_hf(model::load_hf_weights(hf_dir, config), hf_dir);
+  m->load_state_dict_hf(load_hf_weights(hf_dir, config), hf_dir);
   save_model_dir(out_dir, m, tokenizer);
   return m;
 }

@@ -15,6 +15,7 @@
 #include "compress/lla_shape.h"
 #include "io/safetensors_format.h"
 #include "model/config.h"
+#include "model/hf_format.h"
 #include "text/bpe.h"
 #include "train/train_config.h"
 #include "util/error.h"
@@ -62,6 +63,16 @@ void json_config(std::string_view bytes) {
 }
 
 inline void model_config(std::string_view bytes) { json_config<model::ModelConfig>(bytes); }
+// A Hugging Face config.json: translated, and what kvx would export for it translated back.
+inline void hf_config(std::string_view bytes) {
+  nlohmann::json j;
+  if (!parse_json(bytes, &j)) return;
+  try {
+    const model::ModelConfig c = model::config_from_hf(j);
+    if (model::config_from_hf(model::config_to_hf(c)).to_json() != c.to_json()) __builtin_trap();
+  } catch (const Error&) {
+  }
+}
 inline void run_config(std::string_view bytes) { json_config<train::RunConfig>(bytes); }
 inline void lla_codec(std::string_view bytes) { json_config<compress::LlaShape>(bytes); }  // lla_codec.json
 

@@ -19,6 +19,7 @@ const std::map<std::string, std::function<void(std::string_view)>>& entries() {
       {"safetensors", kvx::fuzz::safetensors},
       {"tokenizer_json", kvx::fuzz::tokenizer_json},
       {"model_config", kvx::fuzz::model_config},
+      {"hf_config", kvx::fuzz::hf_config},
       {"run_config", kvx::fuzz::run_config},
       {"lla_codec", kvx::fuzz::lla_codec},
   };
