@@ -204,11 +204,12 @@ void print_nectar_splits(const nlohmann::json& j) {
   for (const std::string split : {"test", "challenge"})
     for (const std::string who : {"", "_no_document"}) {
       const auto& r = j[split + who];
-      const std::string alpha = r["alpha_mse"].is_null() ? "n/a" : std::to_string(r["alpha_mse"].get<double>());
+      char alpha[32] = "n/a";
+      if (!r["alpha_mse"].is_null()) std::snprintf(alpha, sizeof alpha, "%.4f", r["alpha_mse"].get<double>());
       std::printf("  %-9s %-12s KL %.4f | token accuracy %.2f%% (full document %.2f%%, gap %+.2f pp) | alpha MSE %s | A MSE %.4f\n",
                   split.c_str(), who.empty() ? "module" : "no document", r["kl"].get<double>(),
                   100 * r["student_accuracy"].get<double>(), 100 * r["teacher_accuracy"].get<double>(),
-                  100 * r["accuracy_gap"].get<double>(), alpha.c_str(), r["content_mse"].get<double>());
+                  100 * r["accuracy_gap"].get<double>(), alpha, r["content_mse"].get<double>());
     }
 }
 

@@ -9,7 +9,9 @@
 //    rare letters/digits outside them count as "other".
 //  - Trained tokenizers use byte-value order for ids 0..255 (HF uses the
 //    bytes_to_unicode character order); loaded files keep their own ids.
-//  - added_tokens are not special-cased (they are ordinary vocab entries);
+//  - added_tokens with lstrip, rstrip or single_word are rejected; the others
+//    are matched in the raw text (HF's non-normalized matching; kvx has no
+//    normalizer, so normalized ones match the same way);
 //    normalizers, non-ByteLevel pre-tokenizers, dropout, byte_fallback,
 //    prefixes/suffixes and ignore_merges are rejected at load time.
 #include "text/bpe.h"
@@ -469,6 +471,29 @@ void BpeTokenizer::encode_range(std::string_view text, std::vector<int32_t>* out
 std::vector<int32_t> BpeTokenizer::encode(std::string_view bytes) const { return encode(bytes, 0); }
 
 std::vector<int32_t> BpeTokenizer::encode(std::string_view bytes, int num_threads) const {
+  if (added_.empty()) return encode_plain(bytes, num_threads);
+  // Cut at the added tokens (leftmost, then longest: added_ is sorted longest first), BPE between.
+  std::vector<int32_t> out;
+  size_t start = 0;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    if (!added_first_byte_[uint8_t(bytes[i])]) continue;
+    for (const auto& a : added_) {
+      if (bytes.compare(i, a.content.size(), a.content) != 0) continue;
+      const auto part = encode_plain(bytes.substr(start, i - start), num_threads);
+      out.insert(out.end(), part.begin(), part.end());
+      out.push_back(a.id);
+      start = i + a.content.size();
+      i = start - 1;
+      break;
+    }
+  }
+  const auto rest = encode_plain(bytes.substr(start), num_threads);
+  out.insert(out.end(), rest.begin(), rest.end());
+  return out;
+}
+
+std::vector<int32_t> BpeTokenizer::encode_plain(std::string_view bytes, int num_threads) const {
+  if (bytes.empty()) return {};
   constexpr size_t kMinChunk = size_t(2) << 20;
   if (num_threads <= 0) {
     num_threads = int(std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()),
@@ -737,7 +762,16 @@ BpeTokenizer BpeTokenizer::train(std::string_view corpus, const BpeTrainOptions&
 std::string BpeTokenizer::to_json() const {
   using ojson = nlohmann::ordered_json;
   ojson vocab = ojson::object();
-  for (int32_t i = 0; i < vocab_size(); ++i) vocab[bytes_to_unicode(token_bytes(i))] = i;
+  std::vector<char> added_only(vocab_size(), 0);
+  ojson added = ojson::array();
+  for (const auto& a : added_) {
+    added_only[a.id] = !a.in_vocab;
+    added.push_back({{"id", a.id}, {"content", a.content}, {"single_word", false}, {"lstrip", false},
+                     {"rstrip", false}, {"normalized", false}, {"special", a.special}});
+  }
+  std::sort(added.begin(), added.end(), [](const ojson& x, const ojson& y) { return x["id"] < y["id"]; });
+  for (int32_t i = 0; i < vocab_size(); ++i)
+    if (!added_only[i]) vocab[bytes_to_unicode(token_bytes(i))] = i;
   ojson merges = ojson::array();
   for (const auto& [a, b] : merges_)
     merges.push_back(bytes_to_unicode(token_bytes(a)) + " " + bytes_to_unicode(token_bytes(b)));
@@ -757,7 +791,7 @@ std::string BpeTokenizer::to_json() const {
   ojson j = {{"version", "1.0"},
              {"truncation", nullptr},
              {"padding", nullptr},
-             {"added_tokens", ojson::array()},
+             {"added_tokens", std::move(added)},
              {"normalizer", nullptr},
              {"pre_tokenizer", std::move(byte_level)},
              {"post_processor", nullptr},
@@ -880,6 +914,45 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
                "\") is not a pair of known tokens whose concatenation is in the vocab");
     t.merges_.emplace_back(il->second, ir->second);
     t.merge_result_.push_back(ix->second);
+  }
+
+  if (is_set(j, "added_tokens")) {
+    const json& added = j["added_tokens"];
+    if (!added.is_array()) bad_json("'added_tokens' is not an array");
+    for (size_t i = 0; i < added.size(); ++i) {
+      const json& a = added[i];
+      const std::string where = "'added_tokens' entry " + std::to_string(i);
+      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") ||
+          !a["content"].is_string())
+        bad_json(where + " needs an integer id and a string content");
+      for (const char* flag : {"single_word", "lstrip", "rstrip"})
+        if (a.value(flag, false)) bad_json(where + " sets " + flag + ", which kvx does not support");
+      AddedToken tok;
+      const int64_t id = a["id"].get<int64_t>();
+      tok.content = a["content"].get<std::string>();
+      tok.special = a.value("special", false);
+      if (tok.content.empty()) bad_json(where + " has empty content");
+      if (id < 0 || id >= (int64_t(1) << 30)) bad_json(where + " has id " + std::to_string(id) + " out of range");
+      tok.id = int32_t(id);
+      if (size_t(id) < n) {
+        if (tokens[id] != tok.content)
+          bad_json(where + " (\"" + tok.content + "\") reuses vocab id " + std::to_string(id) + " of another token");
+        tok.in_vocab = true;
+      } else {
+        if (size_t(id) >= tokens.size()) tokens.resize(id + 1), seen.resize(id + 1, 0);
+        if (seen[id]) bad_json(where + " reuses id " + std::to_string(id));
+        seen[id] = 1;
+        tokens[id] = tok.content;
+      }
+      for (const auto& other : t.added_)
+        if (other.content == tok.content) bad_json(where + " repeats the content \"" + tok.content + "\"");
+      t.added_.push_back(tok);
+    }
+    for (size_t id = n; id < tokens.size(); ++id)
+      if (!seen[id]) bad_json("ids must be dense: " + std::to_string(id) + " is neither in 'model.vocab' nor in 'added_tokens'");
+    std::stable_sort(t.added_.begin(), t.added_.end(),
+                     [](const AddedToken& x, const AddedToken& y) { return x.content.size() > y.content.size(); });
+    for (const auto& a : t.added_) t.added_first_byte_[uint8_t(a.content[0])] = true;
   }
 
   t.tok_bytes_.clear();

@@ -41,7 +41,18 @@ class BpeTokenizer {
   std::string decode(const std::vector<int32_t>& ids) const;
   std::string decode(const int32_t* ids, size_t n) const;
 
-  int vocab_size() const;
+  int vocab_size() const;  // every id, added tokens included
+
+  // Added tokens (tokenizer.json "added_tokens", e.g. <|endoftext|>, <|im_start|>): matched
+  // literally in the raw text before pre-tokenisation, leftmost then longest, never split or
+  // merged; decoded to their content. Ids may lie past the BPE vocabulary (as Qwen's do).
+  struct AddedToken {
+    int32_t id = 0;
+    std::string content;
+    bool special = false;
+    bool in_vocab = false;  // also an entry of model.vocab (GPT-2's <|endoftext|>)
+  };
+  const std::vector<AddedToken>& added_tokens() const { return added_; }
   std::string token_bytes(int32_t id) const;  // raw bytes of a token
   int32_t byte_token(uint8_t b) const { return byte_id_[b]; }
   // Merges in rank order as (left id, right id); merge_result(i) is the produced id.
@@ -59,6 +70,7 @@ class BpeTokenizer {
   static BpeTokenizer from_parsed_json(const void* json);  // nlohmann::json*
   void build_tables();  // rebuilds the pair table from merges_/merge_result_
   void encode_range(std::string_view text, std::vector<int32_t>* out) const;
+  std::vector<int32_t> encode_plain(std::string_view bytes, int num_threads) const;  // no added tokens
   void bpe_word(std::string_view word, std::vector<int32_t>* out) const;
   // (a,b) -> (rank << 32 | result); returns false if (a,b) is not a merge.
   bool find_pair(int32_t a, int32_t b, uint64_t* val) const;
@@ -71,6 +83,8 @@ class BpeTokenizer {
   std::vector<uint64_t> pair_keys_;  // open addressing; empty slot = ~0
   std::vector<uint64_t> pair_vals_;
   uint64_t pair_mask_ = 0;
+  std::vector<AddedToken> added_;  // longest content first
+  bool added_first_byte_[256] = {};
 };
 
 }  // namespace kvx::text

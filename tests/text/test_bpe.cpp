@@ -321,3 +321,37 @@ TEST(Bpe, ThreadedEncodeMatchesSingleThread) {
   for (int threads : {2, 3, 8}) EXPECT_EQ(trained().encode(text, threads), one) << threads;
   EXPECT_EQ(trained().encode(text), one);
 }
+
+// Added tokens (tokenizer.json "added_tokens"): matched in the raw text leftmost-longest, never
+// split, ids past the BPE vocabulary (as Qwen's), one inside it (as GPT-2's <|endoftext|>);
+// saved and loaded back; the options kvx does not implement are refused.
+TEST(Bpe, AddedTokensAreMatchedWholeAndRoundTrip) {
+  auto j = nlohmann::json::parse(kvx::text::BpeTokenizer().to_json());
+  j["model"]["vocab"]["<|endoftext|>"] = 256;  // in the vocab, like GPT-2's
+  j["added_tokens"] = {
+      {{"id", 256}, {"content", "<|endoftext|>"}, {"special", true}},
+      {{"id", 257}, {"content", "<|im_start|>"}, {"special", true}, {"normalized", false}},
+      {{"id", 258}, {"content", "<|im_start|>user"}, {"special", false}},
+      {{"id", 259}, {"content", "<|im_end|>"}, {"special", true}}};
+  const auto t = kvx::text::BpeTokenizer::from_json(j.dump());
+  EXPECT_EQ(t.vocab_size(), 260);
+  const std::string text = "hi<|im_start|>user x<|im_start|>a<|im_end|><|endoftext|><|im_";
+  const auto ids = t.encode(text);
+  std::vector<int32_t> want = {'h', 'i', 258, ' ', 'x', 257, 'a', 259, 256, '<', '|', 'i', 'm', '_'};
+  EXPECT_EQ(ids, want);
+  EXPECT_EQ(t.decode(ids), text);
+  EXPECT_EQ(t.encode(""), std::vector<int32_t>{});
+  const auto again = kvx::text::BpeTokenizer::from_json(t.to_json());
+  EXPECT_EQ(again.encode(text), ids);
+  EXPECT_EQ(again.added_tokens().size(), 4u);
+  const auto bad = [&](const std::function<void(nlohmann::json&)>& edit) {
+    auto k = j;
+    edit(k);
+    EXPECT_THROW(kvx::text::BpeTokenizer::from_json(k.dump()), kvx::Error) << k["added_tokens"].dump();
+  };
+  bad([](nlohmann::json& k) { k["added_tokens"][1]["lstrip"] = true; });
+  bad([](nlohmann::json& k) { k["added_tokens"][3]["id"] = 261; });               // a hole at 259/260
+  bad([](nlohmann::json& k) { k["added_tokens"][1]["content"] = ""; });
+  bad([](nlohmann::json& k) { k["added_tokens"][2]["id"] = 257; });               // the same id twice
+  bad([](nlohmann::json& k) { k["added_tokens"][0]["content"] = "<|other|>"; });  // not its vocab entry
+}
