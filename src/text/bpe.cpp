@@ -261,6 +261,91 @@ void for_each_pretoken(std::string_view text, F&& f) {
   }
 }
 
+// The Llama-3 / Qwen2 pattern (GPT-4's cl100k family), D = 3 (Llama 3) or 1 (Qwen2/3):
+// (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,D}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+// Alternatives are tried in order at each position, as the regex engine does.
+template <class F>
+void for_each_pretoken_gpt4(std::string_view text, int max_digits, F&& f) {
+  const uint8_t* const b = reinterpret_cast<const uint8_t*>(text.data());
+  const uint8_t* const e = b + text.size();
+  const uint8_t* p = b;
+  const auto newline = [](uint8_t c) { return c == '\r' || c == '\n'; };
+  const auto lower = [](uint8_t c) { return uint8_t(c >= 'A' && c <= 'Z' ? c + 32 : c); };
+  const auto emit = [&](const uint8_t* q) {
+    f(p - b, q - b);
+    p = q;
+  };
+  while (p < e) {
+    const uint8_t c = *p;
+    if (c == '\'' && e - p >= 2) {  // contractions, any case
+      const uint8_t c1 = lower(p[1]);
+      int n = 0;
+      if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') n = 2;
+      else if (e - p >= 3 && ((c1 == 'r' && lower(p[2]) == 'e') || (c1 == 'v' && lower(p[2]) == 'e') ||
+                              (c1 == 'l' && lower(p[2]) == 'l')))
+        n = 3;
+      if (n) {
+        emit(p + n);
+        continue;
+      }
+    }
+    int l;
+    const Cls k = classify(p, e, &l);
+    if (k == kLetter) {  // \p{L}+
+      emit(run_end(p + l, e, kLetter));
+      continue;
+    }
+    if (k != kNumber && !newline(c) && p + l < e) {  // [^\r\n\p{L}\p{N}]\p{L}+
+      int l2;
+      if (classify(p + l, e, &l2) == kLetter) {
+        emit(run_end(p + l + l2, e, kLetter));
+        continue;
+      }
+    }
+    if (k == kNumber) {  // \p{N}{1,D}
+      const uint8_t* q = p + l;
+      for (int i = 1; i < max_digits && q < e; ++i) {
+        int l2;
+        if (classify(q, e, &l2) != kNumber) break;
+        q += l2;
+      }
+      emit(q);
+      continue;
+    }
+    {  // ' ?[^\s\p{L}\p{N}]+[\r\n]*'
+      const uint8_t* s = p;
+      int ls = l;
+      if (c == ' ' && p + 1 < e) {
+        int l2;
+        if (classify(p + 1, e, &l2) == kOther) s = p + 1, ls = l2;
+      }
+      if ((s == p ? k : kOther) == kOther) {
+        const uint8_t* q = run_end(s + ls, e, kOther);
+        while (q < e && newline(*q)) ++q;
+        emit(q);
+        continue;
+      }
+    }
+    // Whitespace. \s*[\r\n]+: up to the run's last CR/LF.
+    const uint8_t* w = p;
+    const uint8_t* last_newline = nullptr;
+    const uint8_t* last = p;
+    while (w < e) {
+      int l2;
+      if (classify(w, e, &l2) != kSpace) break;
+      if (newline(*w)) last_newline = w;
+      last = w;
+      w += l2;
+    }
+    if (last_newline) {
+      emit(last_newline + 1);
+      continue;
+    }
+    // \s+(?!\S) leaves the last space before a non-space; \s+ otherwise.
+    emit(w < e && last > p ? last : w);
+  }
+}
+
 // ------------------------------------------------------------ bytes_to_unicode
 
 struct ByteUnicode {
@@ -294,6 +379,13 @@ inline uint64_t pair_hash(uint64_t key) {
   key *= 0x9E3779B97F4A7C15ull;
   return key ^ (key >> 31);
 }
+
+// The split patterns as tokenizer.json spells them (Split pre-tokenizer regexes).
+const char* const kGpt2Regex = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+const char* const kLlama3Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+const char* const kQwen2Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
 const char* kRetrain = "re-train the tokenizer with `kvx tokenizer train`";
 
@@ -440,7 +532,7 @@ void BpeTokenizer::encode_range(std::string_view text, std::vector<int32_t>* out
   constexpr size_t kMaxCached = 256;
   constexpr size_t kMaxEntries = size_t(1) << 20;
   constexpr size_t kMaxArena = size_t(1) << 24;
-  for_each_pretoken(text, [&](size_t b, size_t e) {
+  const auto word = [&](size_t b, size_t e) {
     if (e - b == 1) {
       out->push_back(byte_id_[uint8_t(text[b])]);
       return;
@@ -465,7 +557,11 @@ void BpeTokenizer::encode_range(std::string_view text, std::vector<int32_t>* out
     const size_t len = arena.size() - off;
     cache.emplace(w, (uint64_t(off) << 32) | len);
     out->insert(out->end(), arena.begin() + off, arena.end());
-  });
+  };
+  if (split_digits_ == 0)
+    for_each_pretoken(text, word);
+  else
+    for_each_pretoken_gpt4(text, split_digits_, word);
 }
 
 std::vector<int32_t> BpeTokenizer::encode(std::string_view bytes) const { return encode(bytes, 0); }
@@ -563,6 +659,17 @@ std::vector<std::string_view> BpeTokenizer::pretokenize(std::string_view text) {
   std::vector<std::string_view> out;
   for_each_pretoken(text, [&](size_t b, size_t e) { out.push_back(text.substr(b, e - b)); });
   return out;
+}
+
+std::vector<std::string_view> BpeTokenizer::pre_tokens(std::string_view text) const {
+  if (split_digits_ == 0) return pretokenize(text);
+  std::vector<std::string_view> out;
+  for_each_pretoken_gpt4(text, split_digits_, [&](size_t b, size_t e) { out.push_back(text.substr(b, e - b)); });
+  return out;
+}
+
+std::string BpeTokenizer::split_pattern() const {
+  return split_digits_ == 0 ? "gpt2" : split_digits_ == 3 ? "llama3" : "qwen2";
 }
 
 std::string BpeTokenizer::bytes_to_unicode(std::string_view bytes) {
@@ -788,6 +895,17 @@ std::string BpeTokenizer::to_json() const {
                  {"byte_fallback", false},
                  {"vocab", std::move(vocab)},
                  {"merges", std::move(merges)}};
+  if (split_digits_ != 0) {  // Split(regex) then ByteLevel without its own regex, as Llama 3 / Qwen2 ship it
+    byte_level["use_regex"] = false;
+    byte_level["trim_offsets"] = false;
+    byte_level = {{"type", "Sequence"},
+                  {"pretokenizers",
+                   {{{"type", "Split"},
+                     {"pattern", {{"Regex", split_digits_ == 3 ? kLlama3Regex : kQwen2Regex}}},
+                     {"behavior", "Isolated"},
+                     {"invert", false}},
+                    byte_level}}};
+  }
   ojson j = {{"version", "1.0"},
              {"truncation", nullptr},
              {"padding", nullptr},
@@ -827,15 +945,39 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
   };
   if (is_set(j, "normalizer"))
     bad_json("'normalizer' is not null, kvx supports only plain byte-level BPE", OrRetrain("remove it"));
+  int split_digits = 0;
   if (is_set(j, "pre_tokenizer")) {
-    const json& pt = j["pre_tokenizer"];
-    if (!pt.is_object() || pt.value("type", "") != "ByteLevel")
-      bad_json("'pre_tokenizer' must be of type ByteLevel (GPT-2 split), got " + pt.dump().substr(0, 80),
+    const json* pt = &j["pre_tokenizer"];
+    json byte_level;        // the ByteLevel step of a Sequence
+    bool own_regex = true;  // ByteLevel splits with GPT-2's pattern itself
+    if (pt->is_object() && pt->value("type", "") == "Sequence") {
+      // Split(pattern, Isolated) then ByteLevel(use_regex false): Llama 3, Qwen2/3, or GPT-2's pattern spelled out.
+      const json seq = pt->value("pretokenizers", json::array());
+      if (!seq.is_array() || seq.size() != 2 || !seq[0].is_object() || seq[0].value("type", "") != "Split")
+        bad_json("'pre_tokenizer' Sequence must be [Split, ByteLevel], got " + pt->dump().substr(0, 120));
+      const json& split = seq[0];
+      if (split.value("behavior", "") != "Isolated" || split.value("invert", false))
+        bad_json("'pre_tokenizer' Split must be behavior Isolated, invert false");
+      const std::string regex = split.contains("pattern") && split["pattern"].is_object()
+                                    ? split["pattern"].value("Regex", "")
+                                    : std::string();
+      if (regex == kLlama3Regex) split_digits = 3;
+      else if (regex == kQwen2Regex) split_digits = 1;
+      else if (regex != kGpt2Regex)
+        bad_json("'pre_tokenizer' Split pattern " + json(regex).dump().substr(0, 160) +
+                 " is not one kvx implements (GPT-2's, Llama 3's, Qwen2's)");
+      byte_level = seq[1];
+      pt = &byte_level;
+      own_regex = false;
+    }
+    if (!pt->is_object() || pt->value("type", "") != "ByteLevel")
+      bad_json("'pre_tokenizer' must be ByteLevel (GPT-2 split) or Sequence[Split, ByteLevel], got " + pt->dump().substr(0, 80),
                OrRetrain("use a GPT-2 style tokenizer"));
-    if (pt.value("add_prefix_space", false))
+    if (pt->value("add_prefix_space", false))
       bad_json("'pre_tokenizer.add_prefix_space' = true is not supported", OrRetrain("set it to false"));
-    if (!pt.value("use_regex", true))
-      bad_json("'pre_tokenizer.use_regex' = false is not supported", OrRetrain("set it to true"));
+    if (pt->value("use_regex", true) != own_regex)
+      bad_json(own_regex ? "'pre_tokenizer.use_regex' = false is not supported (nothing would split the text)"
+                         : "a ByteLevel pre-tokenizer after a Split must have use_regex = false");
   }
   if (!j.contains("model") || !j["model"].is_object()) bad_json("missing 'model' object");
   const json& model = j["model"];
@@ -955,6 +1097,7 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
     for (const auto& a : t.added_) t.added_first_byte_[uint8_t(a.content[0])] = true;
   }
 
+  t.split_digits_ = split_digits;
   t.tok_bytes_.clear();
   t.tok_off_.assign(1, 0);
   for (const auto& s : tokens) {

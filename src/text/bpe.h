@@ -3,8 +3,10 @@
 // Base alphabet: all 256 bytes. A freshly constructed or trained tokenizer gives
 // byte b the id b (byte-value order); merged tokens follow in merge order.
 // Loaded tokenizer.json files may use any dense id order (e.g. GPT-2's).
-// Pre-tokenisation is a hand-written GPT-2 split pattern; see bpe.cpp for the
-// (small) deviations from Hugging Face. encode/decode round-trip any bytes.
+// Pre-tokenisation is a hand-written split pattern: GPT-2's (what kvx trains), or the
+// Llama-3 / Qwen2 one when a loaded tokenizer.json names it (a Split pre-tokenizer before a
+// ByteLevel one); see bpe.cpp for the (small) deviations from Hugging Face. encode/decode
+// round-trip any bytes.
 #pragma once
 
 #include <cstddef>
@@ -59,8 +61,11 @@ class BpeTokenizer {
   const std::vector<std::pair<int32_t, int32_t>>& merges() const { return merges_; }
   int32_t merge_result(size_t i) const { return merge_result_[i]; }
 
-  // The pre-tokens of `text` (views into it), for tests and tooling.
+  // The pre-tokens of `text` (views into it) under GPT-2's pattern, and under this tokenizer's own.
   static std::vector<std::string_view> pretokenize(std::string_view text);
+  std::vector<std::string_view> pre_tokens(std::string_view text) const;
+  // "gpt2", "llama3" (digits in runs of up to 3) or "qwen2" (single digits).
+  std::string split_pattern() const;
   // GPT-2's bytes_to_unicode mapping of a byte string (UTF-8), and its inverse.
   // unicode_to_bytes returns false if a character is outside the mapping.
   static std::string bytes_to_unicode(std::string_view bytes);
@@ -84,6 +89,7 @@ class BpeTokenizer {
   std::vector<uint64_t> pair_vals_;
   uint64_t pair_mask_ = 0;
   std::vector<AddedToken> added_;  // longest content first
+  int split_digits_ = 0;           // 0: GPT-2's pattern; 3: Llama 3's; 1: Qwen2's
   bool added_first_byte_[256] = {};
 };
 

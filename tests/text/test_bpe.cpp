@@ -355,3 +355,46 @@ TEST(Bpe, AddedTokensAreMatchedWholeAndRoundTrip) {
   bad([](nlohmann::json& k) { k["added_tokens"][2]["id"] = 257; });               // the same id twice
   bad([](nlohmann::json& k) { k["added_tokens"][0]["content"] = "<|other|>"; });  // not its vocab entry
 }
+
+// The Llama 3 / Qwen2 split pattern (a Split pre-tokenizer before ByteLevel), worked out by hand
+// from the regex: case-insensitive contractions, one leading non-letter joined to a word, digits
+// in runs of at most 3 (Qwen2: 1), punctuation keeping its trailing newlines, whitespace up to
+// its last newline.
+TEST(Bpe, Llama3AndQwen2SplitPatterns) {
+  const std::string llama3 =
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  const std::string qwen2 =
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  const auto with_split = [](const std::string& regex) {
+    auto j = nlohmann::json::parse(kvx::text::BpeTokenizer().to_json());
+    j["pre_tokenizer"] = {{"type", "Sequence"},
+                          {"pretokenizers",
+                           {{{"type", "Split"}, {"pattern", {{"Regex", regex}}}, {"behavior", "Isolated"}, {"invert", false}},
+                            {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}}}};
+    return kvx::text::BpeTokenizer::from_json(j.dump());
+  };
+  const std::string text = "Hello world's (test) 12345 \n\n  foo...\nbar\tbaz  ";
+  const auto strs = [](const std::vector<std::string_view>& v) { return std::vector<std::string>(v.begin(), v.end()); };
+  const auto t3 = with_split(llama3);
+  EXPECT_EQ(t3.split_pattern(), "llama3");
+  EXPECT_EQ(strs(t3.pre_tokens(text)),
+            (std::vector<std::string>{"Hello", " world", "'s", " (", "test", ")", " ", "123", "45", " \n\n", " ", " foo", "...\n",
+                                      "bar", "\tbaz", "  "}));
+  EXPECT_EQ(strs(t3.pre_tokens("IT'S \"quoted\"\r\n")), (std::vector<std::string>{"IT", "'S", " \"", "quoted", "\"\r\n"}));
+  const auto q2 = with_split(qwen2);
+  EXPECT_EQ(q2.split_pattern(), "qwen2");
+  EXPECT_EQ(strs(q2.pre_tokens(" 2024!")), (std::vector<std::string>{" ", "2", "0", "2", "4", "!"}));
+  // GPT-2's own pattern, for contrast, and spelled out as a Split it is the same.
+  EXPECT_EQ(strs(kvx::text::BpeTokenizer::pretokenize(" 2024!")), (std::vector<std::string>{" 2024", "!"}));
+  const auto g = with_split(R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)");
+  EXPECT_EQ(g.split_pattern(), "gpt2");
+  // Saved and loaded, the pattern stays; any bytes round-trip.
+  const auto back = kvx::text::BpeTokenizer::from_json(q2.to_json());
+  EXPECT_EQ(back.split_pattern(), "qwen2");
+  const std::string bytes = "Tab\there, caf\xc3\xa9 42\n\n\xff end";
+  EXPECT_EQ(back.decode(back.encode(bytes)), bytes);
+  size_t joined = 0;
+  for (const auto& p : t3.pre_tokens(bytes)) joined += p.size();
+  EXPECT_EQ(joined, bytes.size());
+  EXPECT_THROW(with_split("\\w+"), kvx::Error);
+}
