@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(cmake make g++ git ccache pkg-config libtorch-dev libopenblas0-pthread libcli11-dev
-          nlohmann-json3-dev libgtest-dev googletest bible-kjv gnuplot-nox fonts-dejavu-core
+          nlohmann-json3-dev libicu-dev libgtest-dev googletest bible-kjv gnuplot-nox fonts-dejavu-core
           libgloo-dev clang libclang-rt-14-dev libomp-dev)  # Gloo headers (c10d); then the sanitizer and fuzzing build
 missing=()
 for p in "${packages[@]}"; do

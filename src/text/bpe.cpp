@@ -9,6 +9,9 @@
 //    rare letters/digits outside them count as "other".
 //  - Trained tokenizers use byte-value order for ids 0..255 (HF uses the
 //    bytes_to_unicode character order); loaded files keep their own ids.
+//  - The only normalizer is NFC (Qwen2/3), applied to the valid UTF-8 runs of the
+//    input before added tokens are matched (HF matches non-normalized added
+//    tokens first; NFC leaves the ASCII special tokens unchanged either way).
 //  - added_tokens with lstrip, rstrip or single_word are rejected; the others
 //    are matched in the raw text (HF's non-normalized matching; kvx has no
 //    normalizer, so normalized ones match the same way);
@@ -28,6 +31,8 @@
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
+#include <unicode/unorm2.h>
+#include <unicode/ustring.h>
 
 #include "io/atomic_file.h"
 #include "util/error.h"
@@ -566,7 +571,60 @@ void BpeTokenizer::encode_range(std::string_view text, std::vector<int32_t>* out
 
 std::vector<int32_t> BpeTokenizer::encode(std::string_view bytes) const { return encode(bytes, 0); }
 
+std::string BpeTokenizer::nfc(std::string_view bytes) {
+  UErrorCode status = U_ZERO_ERROR;
+  const UNormalizer2* nfc = unorm2_getNFCInstance(&status);
+  if (U_FAILURE(status)) throw Error(std::string("ICU NFC normaliser unavailable: ") + u_errorName(status));
+  std::string out;
+  out.reserve(bytes.size());
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  const auto* e = p + bytes.size();
+  std::vector<UChar> in16, out16;
+  while (p < e) {
+    // A maximal valid UTF-8 run; ASCII needs no work.
+    const uint8_t* q = p;
+    bool ascii = true;
+    while (q < e) {
+      if (*q < 0x80) {
+        ++q;
+        continue;
+      }
+      uint32_t cp;
+      const int l = decode_utf8(q, e, &cp);
+      if (l == 0) break;
+      ascii = false;
+      q += l;
+    }
+    if (ascii) {
+      out.append(reinterpret_cast<const char*>(p), q - p);
+    } else {
+      int32_t n16 = 0;
+      status = U_ZERO_ERROR;
+      in16.resize(static_cast<size_t>(q - p) + 1);
+      u_strFromUTF8(in16.data(), int32_t(in16.size()), &n16, reinterpret_cast<const char*>(p), int32_t(q - p), &status);
+      out16.resize(static_cast<size_t>(n16) * 3 + 16);
+      const int32_t m16 = unorm2_normalize(nfc, in16.data(), n16, out16.data(), int32_t(out16.size()), &status);
+      int32_t n8 = 0;
+      std::string run(static_cast<size_t>(m16) * 3 + 4, '\0');
+      u_strToUTF8(run.data(), int32_t(run.size()), &n8, out16.data(), m16, &status);
+      if (U_FAILURE(status)) throw Error(std::string("NFC normalisation failed: ") + u_errorName(status));
+      out.append(run.data(), n8);
+    }
+    p = q;
+    if (p < e && *p >= 0x80) {  // an invalid byte: kept as it is
+      uint32_t cp;
+      if (decode_utf8(p, e, &cp) == 0) out.push_back(char(*p++));
+    }
+  }
+  return out;
+}
+
 std::vector<int32_t> BpeTokenizer::encode(std::string_view bytes, int num_threads) const {
+  if (nfc_) return encode_normalized(nfc(bytes), num_threads);
+  return encode_normalized(bytes, num_threads);
+}
+
+std::vector<int32_t> BpeTokenizer::encode_normalized(std::string_view bytes, int num_threads) const {
   if (added_.empty()) return encode_plain(bytes, num_threads);
   // Cut at the added tokens (leftmost, then longest: added_ is sorted longest first), BPE between.
   std::vector<int32_t> out;
@@ -910,7 +968,7 @@ std::string BpeTokenizer::to_json() const {
              {"truncation", nullptr},
              {"padding", nullptr},
              {"added_tokens", std::move(added)},
-             {"normalizer", nullptr},
+             {"normalizer", nfc_ ? ojson{{"type", "NFC"}} : ojson(nullptr)},
              {"pre_tokenizer", std::move(byte_level)},
              {"post_processor", nullptr},
              {"decoder", std::move(decoder)},
@@ -943,8 +1001,13 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
   auto is_set = [](const json& o, const char* key) {
     return o.contains(key) && !o[key].is_null();
   };
-  if (is_set(j, "normalizer"))
-    bad_json("'normalizer' is not null, kvx supports only plain byte-level BPE", OrRetrain("remove it"));
+  bool nfc = false;
+  if (is_set(j, "normalizer")) {
+    const json& n = j["normalizer"];
+    if (!n.is_object() || n.value("type", "") != "NFC")
+      bad_json("'normalizer' " + n.dump().substr(0, 80) + " is not supported (kvx implements NFC only)", OrRetrain("remove it"));
+    nfc = true;
+  }
   int split_digits = 0;
   if (is_set(j, "pre_tokenizer")) {
     const json* pt = &j["pre_tokenizer"];
@@ -1098,6 +1161,7 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
   }
 
   t.split_digits_ = split_digits;
+  t.nfc_ = nfc;
   t.tok_bytes_.clear();
   t.tok_off_.assign(1, 0);
   for (const auto& s : tokens) {

@@ -66,6 +66,9 @@ class BpeTokenizer {
   std::vector<std::string_view> pre_tokens(std::string_view text) const;
   // "gpt2", "llama3" (digits in runs of up to 3) or "qwen2" (single digits).
   std::string split_pattern() const;
+  // Unicode NFC of the valid UTF-8 runs of `bytes` (other bytes kept): the "NFC" normalizer.
+  static std::string nfc(std::string_view bytes);
+  bool normalizes() const { return nfc_; }
   // GPT-2's bytes_to_unicode mapping of a byte string (UTF-8), and its inverse.
   // unicode_to_bytes returns false if a character is outside the mapping.
   static std::string bytes_to_unicode(std::string_view bytes);
@@ -75,7 +78,8 @@ class BpeTokenizer {
   static BpeTokenizer from_parsed_json(const void* json);  // nlohmann::json*
   void build_tables();  // rebuilds the pair table from merges_/merge_result_
   void encode_range(std::string_view text, std::vector<int32_t>* out) const;
-  std::vector<int32_t> encode_plain(std::string_view bytes, int num_threads) const;  // no added tokens
+  std::vector<int32_t> encode_normalized(std::string_view bytes, int num_threads) const;  // after NFC
+  std::vector<int32_t> encode_plain(std::string_view bytes, int num_threads) const;       // no added tokens
   void bpe_word(std::string_view word, std::vector<int32_t>* out) const;
   // (a,b) -> (rank << 32 | result); returns false if (a,b) is not a merge.
   bool find_pair(int32_t a, int32_t b, uint64_t* val) const;
@@ -90,6 +94,7 @@ class BpeTokenizer {
   uint64_t pair_mask_ = 0;
   std::vector<AddedToken> added_;  // longest content first
   int split_digits_ = 0;           // 0: GPT-2's pattern; 3: Llama 3's; 1: Qwen2's
+  bool nfc_ = false;               // normalizer NFC (Qwen2/3): encode composes the text first
   bool added_first_byte_[256] = {};
 };
 

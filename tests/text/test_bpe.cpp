@@ -398,3 +398,19 @@ TEST(Bpe, Llama3AndQwen2SplitPatterns) {
   EXPECT_EQ(joined, bytes.size());
   EXPECT_THROW(with_split("\\w+"), kvx::Error);
 }
+
+// The NFC normalizer (Qwen2/3): decomposed and composed text encode alike; invalid bytes pass.
+TEST(Bpe, NfcNormalizerComposesBeforeEncoding) {
+  EXPECT_EQ(kvx::text::BpeTokenizer::nfc("cafe\xcc\x81 \xff ok"), "caf\xc3\xa9 \xff ok");
+  EXPECT_EQ(kvx::text::BpeTokenizer::nfc("plain ascii"), "plain ascii");
+  EXPECT_EQ(kvx::text::BpeTokenizer::nfc("\xe1\x84\x80\xe1\x85\xa1"), "\xea\xb0\x80");  // Hangul jamo -> syllable
+  auto j = nlohmann::json::parse(kvx::text::BpeTokenizer().to_json());
+  j["normalizer"] = {{"type", "NFC"}};
+  const auto t = kvx::text::BpeTokenizer::from_json(j.dump());
+  EXPECT_TRUE(t.normalizes());
+  EXPECT_EQ(t.encode("cafe\xcc\x81"), t.encode("caf\xc3\xa9"));
+  EXPECT_EQ(t.decode(t.encode("cafe\xcc\x81\xff")), "caf\xc3\xa9\xff");
+  EXPECT_TRUE(kvx::text::BpeTokenizer::from_json(t.to_json()).normalizes());
+  j["normalizer"] = {{"type", "Lowercase"}};
+  EXPECT_THROW(kvx::text::BpeTokenizer::from_json(j.dump()), kvx::Error);
+}
