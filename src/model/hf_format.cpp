@@ -16,9 +16,7 @@ const std::set<std::string> kKnown = {
     "dtype", "use_cache", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version",
     "pretraining_tp", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"};
 
-}  // namespace
-
-ModelConfig config_from_hf(const nlohmann::json& hf, const std::string& what) {
+ModelConfig translate(const nlohmann::json& hf, const std::string& what) {
   if (!hf.is_object()) throw Error(what + ": not a JSON object");
   const std::string type = hf.value("model_type", "");
   if (type != "llama" && type != "qwen3")
@@ -54,6 +52,16 @@ ModelConfig config_from_hf(const nlohmann::json& hf, const std::string& what) {
   try {
     return ModelConfig::from_json(j);
   } catch (const Error& e) {
+    throw Error(what + ": " + e.what());
+  }
+}
+
+}  // namespace
+
+ModelConfig config_from_hf(const nlohmann::json& hf, const std::string& what) {
+  try {
+    return translate(hf, what);
+  } catch (const nlohmann::json::exception& e) {  // a field of the wrong type (e.g. a numeric model_type)
     throw Error(what + ": " + e.what());
   }
 }
