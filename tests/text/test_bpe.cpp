@@ -414,3 +414,16 @@ TEST(Bpe, NfcNormalizerComposesBeforeEncoding) {
   j["normalizer"] = {{"type", "Lowercase"}};
   EXPECT_THROW(kvx::text::BpeTokenizer::from_json(j.dump()), kvx::Error);
 }
+
+// Letters, numbers and spaces of any script come from the Unicode database: Deseret letters and
+// mathematical digits (outside the common scripts) classify like ASCII ones do.
+TEST(Bpe, CharacterClassesCoverAllOfUnicode) {
+  const auto strs = [](const std::vector<std::string_view>& v) { return std::vector<std::string>(v.begin(), v.end()); };
+  // U+10400 and U+10428 (Deseret letters) join the word; U+1D7CE (MATHEMATICAL BOLD DIGIT ZERO) is a number.
+  EXPECT_EQ(strs(kvx::text::BpeTokenizer::pretokenize("a\xf0\x90\x90\x80\xf0\x90\x90\xa8 x\xf0\x9d\x9f\x8e" "9")),
+            (std::vector<std::string>{"a\xf0\x90\x90\x80\xf0\x90\x90\xa8", " x", "\xf0\x9d\x9f\x8e" "9"}));
+  // U+3000 (ideographic space) is whitespace (only an ASCII space joins the next word in GPT-2's
+  // pattern); U+00B7 (middle dot) is punctuation.
+  EXPECT_EQ(strs(kvx::text::BpeTokenizer::pretokenize("a\xe3\x80\x80\xe3\x80\x80" "b\xc2\xb7")),
+            (std::vector<std::string>{"a", "\xe3\x80\x80", "\xe3\x80\x80", "b", "\xc2\xb7"}));
+}
