@@ -157,7 +157,7 @@ torch::Tensor DenseAttention::step(const torch::Tensor& x, MixerCache& cache) {
 
 torch::Tensor DenseAttention::step_lla(const torch::Tensor& x, LlaLoopCache& cache) {
   // The chunk's own K/V are exact; the history is loop t's reconstruction, rotated after it.
-  const int64_t start = cache.length(), B = x.size(0), T = x.size(1);
+  const int64_t start = cache.length(), T = x.size(1);
   auto& store = cache.store();
   if (store.committed() != start)
     throw Error("LLA decode: loop " + std::to_string(cache.loop()) + " is at position " + std::to_string(start) + " but " +

@@ -93,14 +93,16 @@ torch::Tensor SequenceBuffer::view() const { return data_.defined() ? data_.narr
 
 torch::Tensor token_major_f32(const torch::Tensor& x) { return x.transpose(1, 2).to(torch::kFloat32).contiguous(); }
 
-torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start) {
+torch::Tensor causal_mask(const torch::Tensor& scores, int64_t q_start) {
   const int64_t Tq = scores.size(-2), Tk = scores.size(-1);
-  if (Tq > 1 || q_start + Tq < Tk) {
-    auto qpos = torch::arange(q_start, q_start + Tq, torch::kLong).unsqueeze(1);
-    auto kpos = torch::arange(Tk, torch::kLong).unsqueeze(0);
-    return torch::softmax(scores.masked_fill(kpos > qpos, -std::numeric_limits<double>::infinity()), -1);
-  }
-  return torch::softmax(scores, -1);
+  if (Tq == 1 && q_start + Tq >= Tk) return scores;  // one query that sees every key
+  auto qpos = torch::arange(q_start, q_start + Tq, torch::kLong).unsqueeze(1);
+  auto kpos = torch::arange(Tk, torch::kLong).unsqueeze(0);
+  return scores.masked_fill(kpos > qpos, -std::numeric_limits<double>::infinity());
+}
+
+torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start) {
+  return torch::softmax(causal_mask(scores, q_start), -1);
 }
 
 std::vector<std::string> mixer_kinds() { return {"dense", "lrkv", "mla", "gdn", "natsl"}; }

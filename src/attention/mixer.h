@@ -50,8 +50,9 @@ class SequenceBuffer {
 // kernels read them.
 torch::Tensor token_major_f32(const torch::Tensor& x);
 
-// Causal softmax over scores [..., Tq, Tk] where query i sits at position q_start + i and key j
-// at position j (keys past a query are masked).
+// Scores [..., Tq, Tk] with keys past their query set to -inf, query i at position q_start + i and
+// key j at position j; and the softmax over them.
+torch::Tensor causal_mask(const torch::Tensor& scores, int64_t q_start);
 torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start);
 
 // How a decode cache stores and reads its history.

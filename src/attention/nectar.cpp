@@ -40,9 +40,7 @@ torch::Tensor compose_document_attention(const torch::Tensor& q, const torch::Te
   if (!has_local) return doc.content;
   const int64_t Hkv = local_keys.size(1), Tk = local_keys.size(2), G = H / Hkv;
   const auto qg = q.reshape({B, Hkv, G * T, d});
-  auto scores = (torch::matmul(qg, local_keys.transpose(-1, -2)) * inv_sqrt(d)).view({B, Hkv, G, T, Tk});
-  const auto pos = torch::arange(T).unsqueeze(1) + q_start, key = torch::arange(Tk).unsqueeze(0);
-  scores = scores.masked_fill(key > pos, -INFINITY);
+  const auto scores = causal_mask((torch::matmul(qg, local_keys.transpose(-1, -2)) * inv_sqrt(d)).view({B, Hkv, G, T, Tk}), q_start);
   // One virtual key in front of the local ones: softmax over [alpha, s_loc] is the stable form of Eq. 3.5.
   const auto all = torch::cat({doc.log_mass.view({B, Hkv, G, T, 1}).to(scores.scalar_type()), scores}, -1);
   const auto p = torch::softmax(all, -1);

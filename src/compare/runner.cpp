@@ -232,9 +232,22 @@ struct Runner {
     compress::QueryOptions qo;
     qo.count = d.queries;
     qo.length = d.query_length;
-    const auto document = compress::prefill_document(loaded.model, ids, d.query_length);
+    // The document's KV and its queries only when a metric has to be computed (not for cached ones).
+    std::optional<compress::DocumentKV> document_kv;
+    const auto document = [&]() -> const compress::DocumentKV& {
+      if (!document_kv) document_kv = compress::prefill_document(loaded.model, ids, d.query_length);
+      return *document_kv;
+    };
+    std::optional<compress::NectarQueries> shared_queries;
+    const auto queries = [&]() -> const compress::NectarQueries& {
+      io::make_dirs(doc_dir);
+      if (!shared_queries)
+        shared_queries = compress::load_or_make_queries(queries_file, loaded.model, loaded.tokenizer, document(), qo);
+      return *shared_queries;
+    };
+    const auto& mc = cfg.model;
     r.metrics["document_tokens"] = static_cast<double>(ids.size());
-    r.metrics["document_kv_bytes"] = static_cast<double>(document.bytes());
+    r.metrics["document_kv_bytes"] = 2.0 * ids.size() * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4;
     const auto serving_metrics = [&](const std::vector<eval::ServingRow>& rows) {
       nlohmann::json m;
       for (const auto& row : rows) {
@@ -247,23 +260,19 @@ struct Runner {
     };
     // A request: the first prompt_tokens of the first test query, then new_tokens greedy tokens.
     const auto request_prompt = [&] {
-      io::make_dirs(doc_dir);
-      const auto queries = compress::load_or_make_queries(queries_file, loaded.model, loaded.tokenizer, document, qo);
-      const auto p = queries.test[0].narrow(0, 0, std::min<int64_t>(d.prompt_tokens, queries.test.size(1)));
+      const auto& test = queries().test;
+      const auto p = test[0].narrow(0, 0, std::min<int64_t>(d.prompt_tokens, test.size(1)));
       return std::vector<int32_t>(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + p.numel());
     };
+    // NectarQuality::to_json of the test and challenge splits -> the arm's metrics.
+    const auto add_quality = [](nlohmann::json& m, const nlohmann::json& q, const std::string& suffix) {
+      for (const char* k : {"kl", "accuracy_gap", "teacher_accuracy", "alpha_mse", "content_mse"})
+        if (!q[k].is_null()) m[k + suffix] = q[k];  // no document has no alpha error
+    };
     const auto quality_metrics = [&](const attention::NectarDocument& student) {
-      io::make_dirs(doc_dir);
-      const auto queries = compress::load_or_make_queries(queries_file, loaded.model, loaded.tokenizer, document, qo);
       nlohmann::json m;
-      for (const auto& [split, suffix] : {std::pair{&queries.test, ""}, {&queries.challenge, "_challenge"}}) {
-        const auto q = compress::evaluate_document_module(loaded.model, document, student, *split);
-        m[std::string("kl") + suffix] = q.kl;
-        m[std::string("accuracy_gap") + suffix] = q.accuracy_gap();
-        m[std::string("teacher_accuracy") + suffix] = q.teacher_accuracy;
-        if (std::isfinite(q.alpha_mse)) m[std::string("alpha_mse") + suffix] = q.alpha_mse;
-        m[std::string("content_mse") + suffix] = q.content_mse;
-      }
+      add_quality(m, compress::evaluate_document_module(loaded.model, document(), student, queries().test).to_json(), "");
+      add_quality(m, compress::evaluate_document_module(loaded.model, document(), student, queries().challenge).to_json(), "_challenge");
       return m;
     };
     if (arm.kind == "document") {
@@ -271,7 +280,7 @@ struct Runner {
       if (mode != "full" && mode != "none") throw Error("document arm '" + arm.name + "': mode must be full or none");
       auto m = cached(doc_dir + "/metrics-document-" + metrics_key(r.key, what) + ".json", [&] {
         say(label + ": " + (mode == "full" ? "the exact document: quality and serving" : "no document: quality"));
-        auto q = quality_metrics(mode == "full" ? *document.exact(cfg.model) : *compress::no_document(cfg.model, document.tokens()));
+        auto q = quality_metrics(mode == "full" ? *document().exact(cfg.model) : *compress::no_document(cfg.model, document().tokens()));
         if (mode == "full") {
           q.update(serving_metrics(eval::measure_document_serving(loaded.model, ids, nullptr, 0, request_prompt(), d.new_tokens, d.repeats)));
           q["state_bytes"] = q["state_bytes_prefix"];
@@ -307,15 +316,9 @@ struct Runner {
       say(label + ": fitting the Nectar module into " + module_dir);
       compress::fit_nectar_run(run);  // report.json last: its presence marks a finished fit
     }
-    const auto report = nlohmann::json::parse(io::read_file(module_dir + "/report.json"));
-    for (const auto& [split, suffix] : {std::pair{"test", ""}, {"challenge", "_challenge"}}) {
-      const auto& q = report["splits"][split];
-      r.metrics[std::string("kl") + suffix] = q["kl"];
-      r.metrics[std::string("accuracy_gap") + suffix] = q["accuracy_gap"];
-      r.metrics[std::string("teacher_accuracy") + suffix] = q["teacher_accuracy"];
-      if (!q["alpha_mse"].is_null()) r.metrics[std::string("alpha_mse") + suffix] = q["alpha_mse"];
-      r.metrics[std::string("content_mse") + suffix] = q["content_mse"];
-    }
+    const auto report = io::parse_json_file(module_dir + "/report.json");
+    add_quality(r.metrics, report["splits"]["test"], "");
+    add_quality(r.metrics, report["splits"]["challenge"], "_challenge");
     r.metrics["module_bytes"] = report["module_bytes"];
     r.metrics["budget_fraction"] = report["budget_fraction"];
     const double fit_s = report["query_seconds"].get<double>() + report["fit_seconds"].get<double>();

@@ -11,6 +11,7 @@
 
 #include "attention/dense.h"
 #include "io/atomic_file.h"
+#include "io/json_config.h"
 #include "model/sampling.h"
 #include "nn/tensor_io.h"
 #include "text/corpus.h"
@@ -95,7 +96,7 @@ DocumentKV prefill_document(model::Transformer& model, const std::vector<int32_t
   attention::CacheOptions reference;
   reference.reference = true;
   auto state = model->new_state(1, reference);
-  const auto ids = torch::tensor(std::vector<int64_t>(document.begin(), document.end()), torch::kLong).unsqueeze(0);
+  const auto ids = model::token_batch(document);
   for (int64_t s = 0; s < n; s += 256) model->step(ids.narrow(1, s, std::min<int64_t>(256, n - s)), state);
   DocumentKV kv;
   kv.ids = document;
@@ -219,13 +220,7 @@ void DocumentModule::save(const std::string& dir) const {
 DocumentModule DocumentModule::load(const std::string& dir, const model::Transformer& model) {
   if (!io::file_exists(dir + "/nectar.json"))
     throw Error(dir + " is not a Nectar module directory (no nectar.json); make one with kvx fit nectar");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(io::read_file(dir + "/nectar.json"));
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(dir + "/nectar.json: " + e.what());
-  }
-  const auto config = NectarModuleConfig::from_json(j);
+  const auto config = NectarModuleConfig::from_json(io::parse_json_file(dir + "/nectar.json"));
   const auto& c = model->config();
   const auto fingerprint = model_fingerprint(model);
   if (config.model != c.to_json() || config.model_fingerprint != fingerprint)
@@ -393,9 +388,11 @@ NectarQueries make_queries(model::Transformer& model, const text::BpeTokenizer& 
 
 NectarQueries load_or_make_queries(const std::string& file, model::Transformer& model, const text::BpeTokenizer& tokenizer,
                                    const DocumentKV& document, const QueryOptions& options, double* seconds) {
-  const auto fingerprint = model_fingerprint(model), document_hash = tokens_fingerprint(document.ids);
+  // The file records whose queries they are (hashing every weight: only when there is a file).
+  const auto fingerprint = file.empty() ? std::string() : model_fingerprint(model);
+  const auto document_hash = tokens_fingerprint(document.ids);
   if (!file.empty() && io::file_exists(file)) {
-    const auto j = nlohmann::json::parse(io::read_file(file));
+    const auto j = io::parse_json_file(file);
     if (j.at("model_fingerprint") != fingerprint || j.at("document_hash") != document_hash)
       throw Error(file + " holds queries for another model or document; delete it or give another file");
     auto queries = NectarQueries::from_json(j.at("splits"));
@@ -516,12 +513,12 @@ nlohmann::json fit_nectar_run(const FitNectarRun& run) {
   // The teacher's regression targets on the training queries, cached once.
   const int L = c.num_hidden_layers;
   const auto x_all = queries.train.narrow(1, 0, queries.train.size(1) - 1);
+  const auto teacher_document = document.exact(c);
   std::vector<std::vector<torch::Tensor>> q_parts(L), a_parts(L), c_parts(L);
   {
     torch::NoGradGuard no_grad;
-    const auto exact = document.exact(c);
     for (int64_t b0 = 0; b0 < x_all.size(0); b0 += 32)
-      forward_after_document(model, *exact, x_all.narrow(0, b0, std::min<int64_t>(32, x_all.size(0) - b0)),
+      forward_after_document(model, *teacher_document, x_all.narrow(0, b0, std::min<int64_t>(32, x_all.size(0) - b0)),
                              [&](int l, const torch::Tensor& q, const DocumentAttention& r) {
                                q_parts[l].push_back(q);
                                a_parts[l].push_back(r.log_mass);
@@ -572,7 +569,7 @@ nlohmann::json fit_nectar_run(const FitNectarRun& run) {
       torch::Tensor teacher;
       {
         torch::NoGradGuard no_grad;
-        teacher = torch::log_softmax(forward_after_document(model, *document.exact(c), x), -1);
+        teacher = torch::log_softmax(forward_after_document(model, *teacher_document, x), -1);
       }
       const auto lp = torch::log_softmax(forward_after_document(model, *student, x), -1);
       kl = (teacher.exp() * (teacher - lp)).sum() / tokens;
@@ -668,7 +665,7 @@ nlohmann::json evaluate_module_dir(model::Transformer& model, const text::BpeTok
   const auto ids = read_document(tokenizer, path);
   if (tokens_fingerprint(ids) != module.config.document_hash)
     throw Error("the document " + path + " is not the one the module in " + module_dir + " was fitted on (its tokens differ)");
-  const auto queries = NectarQueries::from_json(nlohmann::json::parse(io::read_file(module_dir + "/queries.json")));
+  const auto queries = NectarQueries::from_json(io::parse_json_file(module_dir + "/queries.json"));
   const auto document = prefill_document(model, ids, queries.test.size(1));
   nlohmann::json r = {{"module", module_dir}, {"document", path}, {"document_tokens", document.tokens()},
                       {"module_bytes", module.bytes()}, {"document_kv_bytes", document.bytes()}};

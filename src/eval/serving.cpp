@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "attention/dense.h"
+#include "model/sampling.h"
 #include "util/error.h"
 
 namespace kvx::eval {
@@ -11,10 +12,6 @@ namespace kvx::eval {
 namespace {
 
 double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
-
-torch::Tensor ids_tensor(const std::vector<int32_t>& ids) {
-  return torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong).unsqueeze(0);
-}
 
 // Prompt in, first logits out, then greedy decode: {ttft, decode tok/s}; the answer in *tokens.
 std::pair<double, double> request(model::Transformer& model, model::DecodeState& state, const torch::Tensor& input, int new_tokens,
@@ -44,10 +41,10 @@ std::vector<ServingRow> measure_document_serving(model::Transformer& model, cons
                                                  const std::vector<int32_t>& prompt, int new_tokens, int repeats) {
   if (document.empty() || prompt.empty()) throw Error("document serving: the document and the prompt must be non-empty");
   torch::NoGradGuard no_grad;
-  const auto doc = ids_tensor(document), p = ids_tensor(prompt);
+  const auto doc = model::token_batch(document), p = model::token_batch(prompt);
   std::vector<int32_t> joined = document;
   joined.insert(joined.end(), prompt.begin(), prompt.end());
-  const auto doc_and_prompt = ids_tensor(joined);
+  const auto doc_and_prompt = model::token_batch(joined);
   const int64_t n = static_cast<int64_t>(document.size());
   std::vector<ServingRow> rows;
   const auto best = [&](ServingRow& row, const std::function<std::pair<double, double>()>& one) {

@@ -6,6 +6,10 @@
 
 namespace kvx::model {
 
+torch::Tensor token_batch(const std::vector<int32_t>& ids) {
+  return torch::tensor(std::vector<int64_t>(ids.begin(), ids.end()), torch::kLong).unsqueeze(0);
+}
+
 int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& opt, std::mt19937_64& rng) {
   auto l = logits.to(torch::kFloat64).contiguous();
   if (opt.temperature <= 0) return l.argmax().item<int64_t>();
@@ -42,7 +46,7 @@ GenerateResult generate(Transformer& model, const std::vector<int32_t>& prompt, 
   GenerateResult r;
   auto state = model->new_state(1, cache);
   auto t0 = std::chrono::steady_clock::now();
-  auto ids = torch::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), torch::kLong).unsqueeze(0);
+  auto ids = token_batch(prompt);
   auto logits = model->step(ids, state);
   auto t1 = std::chrono::steady_clock::now();
   for (int i = 0; i < max_new; ++i) {

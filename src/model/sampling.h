@@ -17,6 +17,9 @@ struct SamplingOptions {
   double top_p = 0.95;
 };
 
+// Token ids -> a [1, n] int64 batch of one.
+torch::Tensor token_batch(const std::vector<int32_t>& ids);
+
 // logits: [V]. Deterministic given the rng state.
 int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& opt, std::mt19937_64& rng);
 
