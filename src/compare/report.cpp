@@ -35,6 +35,16 @@ std::string cell(const nlohmann::json& metrics, const Column& c) {
   return buf;
 }
 
+// A line's points in order of x.
+eval::Series sorted_by_x(const eval::Series& s) {
+  std::vector<size_t> order(s.x.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t i, size_t j) { return s.x[i] < s.x[j]; });
+  eval::Series sorted{s.title, {}, {}};
+  for (size_t i : order) sorted.x.push_back(s.x[i]), sorted.y.push_back(s.y[i]);
+  return sorted;
+}
+
 std::vector<Column> columns_for(const ExperimentResult& r) {
   std::vector<Column> all = {
       {"kv_bytes_per_token", "KV bytes/token", "int"}, {"kv_pct_of_mha", "% of MHA", "%.1f"},
@@ -152,14 +162,7 @@ std::string write_report(const ExperimentResult& r) {
       f.title = family;
       f.x.push_back(x), f.y.push_back(y);
     }
-    for (auto& [name, f] : families) {  // lines run in order of compression
-      std::vector<size_t> order(f.x.size());
-      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-      std::sort(order.begin(), order.end(), [&](size_t i, size_t j) { return f.x[i] < f.x[j]; });
-      eval::Series sorted{f.title, {}, {}};
-      for (size_t i : order) sorted.x.push_back(f.x[i]), sorted.y.push_back(f.y[i]);
-      kl.insert(kl.begin(), sorted);
-    }
+    for (auto& [name, f] : families) kl.insert(kl.begin(), sorted_by_x(f));  // lines run in order of compression
     plot("loop-budget.png", "looped model cache vs fidelity: " + tag, "compression of the persistent cache (x)",
          "KL(teacher || student), nats/token (log scale, floor 1e-6)", kl, true);
   }
@@ -185,12 +188,8 @@ std::string write_report(const ExperimentResult& r) {
       std::vector<eval::Series> lines;
       double lo = 1e30, hi = 0;
       for (auto& [name, f] : families) {
-        std::vector<size_t> order(f.x.size());
-        for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-        std::sort(order.begin(), order.end(), [&](size_t i, size_t j) { return f.x[i] < f.x[j]; });
-        eval::Series sorted{f.title, {}, {}};
-        for (size_t i : order) sorted.x.push_back(f.x[i]), sorted.y.push_back(f.y[i]), lo = std::min(lo, f.x[i]), hi = std::max(hi, f.x[i]);
-        lines.push_back(sorted);
+        lines.push_back(sorted_by_x(f));
+        lo = std::min(lo, lines.back().x.front()), hi = std::max(hi, lines.back().x.back());
       }
       if (none.count(doc)) lines.push_back({"no document", {lo, hi}, {none[doc], none[doc]}});
       plot("doc-budget-" + doc + ".png", "Nectar on " + doc + ": " + tag, "module size (% of the document's f32 KV)",

@@ -38,12 +38,11 @@ ModelConfig translate(const nlohmann::json& hf, const std::string& what) {
   if (hf.contains("layer_types"))
     for (const auto& t : hf["layer_types"])
       refuse_unless(t == "full_attention", "layer_types", "every layer must be full_attention");
-  nlohmann::json j = hf;
-  for (const auto& k : kKnown)
-    if (k != "vocab_size" && k != "hidden_size" && k != "intermediate_size" && k != "num_hidden_layers" &&
-        k != "num_attention_heads" && k != "num_key_value_heads" && k != "head_dim" && k != "max_position_embeddings" &&
-        k != "rms_norm_eps" && k != "rope_theta" && k != "tie_word_embeddings")
-      j.erase(k);
+  nlohmann::json j = nlohmann::json::object();  // the fields that carry over under the same names
+  for (const char* k : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                        "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                        "tie_word_embeddings"})
+    if (hf.contains(k)) j[k] = hf[k];
   if (!hf.contains("tie_word_embeddings")) j["tie_word_embeddings"] = false;  // transformers' default for both
   if (type == "qwen3" && !hf.contains("head_dim")) j["head_dim"] = 128;      // Qwen3Config's default
   j["model_type"] = "kvx";
