@@ -14,13 +14,21 @@ const std::set<std::string> kKnown = {
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
     "tie_word_embeddings", "hidden_act", "attention_bias", "attention_dropout", "mlp_bias", "rope_scaling", "torch_dtype",
     "dtype", "use_cache", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version",
-    "pretraining_tp", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"};
+    "pretraining_tp", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+    "total_ut_steps", "early_exit_threshold", "auto_map"};
+
+// Ouro's default loop count and exit threshold (OuroConfig), and the gate bias kvx writes for a
+// looped model without an exit gate: lambda = sigmoid(-30) ~ 1e-13 per loop, so every token
+// reaches cumulative exit probability 1 only at the last loop, as kvx computes it.
+constexpr int kOuroDefaultLoops = 4;
+constexpr double kOuroDefaultThreshold = 1.0;
 
 ModelConfig translate(const nlohmann::json& hf, const std::string& what) {
   if (!hf.is_object()) throw Error(what + ": not a JSON object");
   const std::string type = hf.value("model_type", "");
-  if (type != "llama" && type != "qwen3")
-    throw Error(what + ": model_type '" + type + "' is not supported (kvx imports llama and qwen3 dense models)");
+  if (type != "llama" && type != "qwen3" && type != "ouro")
+    throw Error(what + ": model_type '" + type + "' is not supported (kvx imports llama and qwen3 dense models and "
+                "ouro looped ones)");
   for (auto it = hf.begin(); it != hf.end(); ++it)
     if (!kKnown.count(it.key()))
       throw Error(what + ": field '" + it.key() + "' is not supported by kvx's " + type +
@@ -38,6 +46,9 @@ ModelConfig translate(const nlohmann::json& hf, const std::string& what) {
   if (hf.contains("layer_types"))
     for (const auto& t : hf["layer_types"])
       refuse_unless(t == "full_attention", "layer_types", "every layer must be full_attention");
+  if (type != "ouro")
+    for (const char* k : {"total_ut_steps", "early_exit_threshold"})
+      if (hf.contains(k)) throw Error(what + ": " + k + " belongs to looped (ouro) models, not " + type);
   nlohmann::json j = nlohmann::json::object();  // the fields that carry over under the same names
   for (const char* k : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
@@ -48,6 +59,12 @@ ModelConfig translate(const nlohmann::json& hf, const std::string& what) {
   j["model_type"] = "kvx";
   j["layout"] = "dense";
   if (type == "qwen3") j["qk_norm"] = true;
+  if (type == "ouro") {  // SPEC 1.3: the stack runs total_ut_steps times; sandwich norms and the exit gate
+    j["loops"] = hf.value("total_ut_steps", kOuroDefaultLoops);
+    j["sandwich_norm"] = true;
+    j["exit_gate"] = true;
+    j["exit_threshold"] = hf.value("early_exit_threshold", kOuroDefaultThreshold);
+  }
   try {
     return ModelConfig::from_json(j);
   } catch (const Error& e) {
@@ -69,10 +86,13 @@ nlohmann::json config_to_hf(const ModelConfig& c, const std::string& dtype) {
   for (const auto& kind : c.layer_kinds())
     if (kind != "dense")
       throw Error("Hugging Face export covers dense (MHA/GQA/MQA) models; this one has '" + kind + "' layers");
-  if (c.loops != 1) throw Error("Hugging Face export of looped models is not implemented (this model runs " + std::to_string(c.loops) + " loops)");
-  const bool qwen3 = c.qk_norm;
-  nlohmann::json j = {{"architectures", {qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
-                      {"model_type", qwen3 ? "qwen3" : "llama"},
+  const bool looped = c.loops > 1, qwen3 = c.qk_norm;
+  if (looped && (qwen3 || !c.sandwich_norm))
+    throw Error(std::string("a looped model exports in Ouro's layout, which has sandwich norms and no q/k norms; this one ") +
+                (qwen3 ? "has q/k norms" : "has no sandwich norms (train it with \"sandwich_norm\": true)"));
+  const std::string type = looped ? "ouro" : qwen3 ? "qwen3" : "llama";
+  nlohmann::json j = {{"architectures", {looped ? "OuroForCausalLM" : qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
+                      {"model_type", type},
                       {"vocab_size", c.vocab_size},
                       {"hidden_size", c.hidden_size},
                       {"intermediate_size", c.intermediate_size},
@@ -91,7 +111,14 @@ nlohmann::json config_to_hf(const ModelConfig& c, const std::string& dtype) {
                       {"initializer_range", 0.02},
                       {"use_cache", true},
                       {"torch_dtype", dtype}};
-  if (qwen3) {
+  if (looped) {
+    j["total_ut_steps"] = c.loops;
+    j["early_exit_threshold"] = c.exit_gate ? c.exit_threshold : kOuroDefaultThreshold;
+    // Ouro's modelling code is not in transformers; these resolve to the published implementation.
+    j["auto_map"] = {{"AutoConfig", "ByteDance/Ouro-1.4B--configuration_ouro.OuroConfig"},
+                     {"AutoModelForCausalLM", "ByteDance/Ouro-1.4B--modeling_ouro.OuroForCausalLM"}};
+  }
+  if (qwen3 || looped) {
     j["use_sliding_window"] = false;
     j["sliding_window"] = nullptr;
   } else {
@@ -107,5 +134,7 @@ std::string hf_dtype_name(const std::string& s) {
   if (s == "f16") return "float16";
   throw Error("unknown weight type '" + s + "' (valid: f32, bf16, f16)");
 }
+
+double hf_never_exit_gate_bias() { return -30.0; }
 
 }  // namespace kvx::model

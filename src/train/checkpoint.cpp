@@ -90,6 +90,11 @@ void export_hf(const std::string& model_path, const std::string& out_dir, const 
   const auto scalar = dtype == "bf16" ? torch::kBFloat16 : dtype == "f16" ? torch::kFloat16 : torch::kFloat32;
   nn::TensorMap tensors;
   for (const auto& [name, t] : loaded.model->state_dict_hf()) tensors[name] = t.to(scalar).contiguous();
+  const auto& c = loaded.model->config();
+  if (c.loops > 1 && !c.exit_gate) {  // Ouro's layout always has a gate: one that never exits early
+    tensors["model.early_exit_gate.weight"] = torch::zeros({1, c.hidden_size}, scalar);
+    tensors["model.early_exit_gate.bias"] = torch::full({1}, model::hf_never_exit_gate_bias(), scalar);
+  }
   io::make_dirs(out_dir);
   nn::save_safetensors(out_dir + "/model.safetensors", tensors, {{"format", "pt"}, {"producer", "kvx"}});
   loaded.tokenizer.save(out_dir + "/tokenizer.json");

@@ -10,6 +10,7 @@
 #include "io/atomic_file.h"
 #include "io/json_config.h"
 #include "model/hf_format.h"
+#include "nn/tensor_io.h"
 #include "support/fixtures.h"
 #include "support/naive.h"
 #include "train/checkpoint.h"
@@ -85,6 +86,66 @@ TEST(HfFormat, ExportThenImportIsTheSameModel) {
   EXPECT_TRUE(torch::equal(logits(back), logits(m)));
   EXPECT_THROW(train::export_hf(dir + "/kvx", dir + "/bad", "fp8"), Error);
   std::filesystem::remove_all(dir);
+}
+
+// Looped models travel in Ouro's layout (model_type "ouro": total_ut_steps, sandwich norms, the
+// exit gate and early_exit_threshold). A model without a gate gets one that never exits early.
+TEST(HfFormat, LoopedModelsRoundTripInOurosLayout) {
+  const auto dir = kvx::testing::temp_dir("hf_ouro");
+  for (const bool gate : {true, false})
+    for (const int kv : {4, 2}) {
+      auto c = small(false, false, kv);
+      c.loops = 3;
+      c.sandwich_norm = true;
+      c.exit_gate = gate;
+      c.exit_threshold = 0.7;
+      c.validate();
+      auto m = random_model(c, 11 + kv);
+      train::save_model_dir(dir + "/kvx", m, text::BpeTokenizer());
+      train::export_hf(dir + "/kvx", dir + "/hf", "f32");
+      const auto hf = io::parse_json_file(dir + "/hf/config.json");
+      EXPECT_EQ(hf["model_type"], "ouro");
+      EXPECT_EQ(hf["architectures"][0], "OuroForCausalLM");
+      EXPECT_EQ(hf["total_ut_steps"], 3);
+      EXPECT_DOUBLE_EQ(hf["early_exit_threshold"].get<double>(), gate ? 0.7 : 1.0);
+      auto back = train::import_hf(dir + "/hf", dir + "/back");
+      const auto& bc = back->config();
+      EXPECT_EQ(bc.loops, 3);
+      EXPECT_TRUE(bc.sandwich_norm && bc.exit_gate);
+      // Gated: the same exits; ungated: the never-exit gate reads the last loop, as the original does.
+      EXPECT_TRUE(torch::equal(logits(back), logits(m))) << "gate " << gate << " kv " << kv;
+      if (!gate) {
+        const auto w = nn::load_safetensors(dir + "/hf/model.safetensors");
+        EXPECT_TRUE(torch::equal(w.at("model.early_exit_gate.weight"), torch::zeros({1, c.hidden_size})));
+        EXPECT_EQ(w.at("model.early_exit_gate.bias").item<float>(), -30.0f);
+      }
+    }
+  std::filesystem::remove_all(dir);
+}
+
+// What Ouro-1.4B's config.json declares becomes kvx's looped config (values from the published
+// model: 24 layers x 4 loops, MHA 16 x 128, rope_theta 1e6, untied head).
+TEST(HfFormat, OuroConfigTranslates) {
+  nlohmann::json hf = {{"architectures", {"OuroForCausalLM"}}, {"model_type", "ouro"}, {"vocab_size", 49152},
+                       {"hidden_size", 2048}, {"intermediate_size", 5632}, {"num_hidden_layers", 24},
+                       {"num_attention_heads", 16}, {"num_key_value_heads", 16}, {"head_dim", 128},
+                       {"max_position_embeddings", 65536}, {"rms_norm_eps", 1e-6}, {"rope_theta", 1000000.0},
+                       {"rope_scaling", nullptr}, {"tie_word_embeddings", false}, {"hidden_act", "silu"},
+                       {"total_ut_steps", 4}, {"early_exit_threshold", 1.0}, {"use_sliding_window", false},
+                       {"sliding_window", 4096}, {"max_window_layers", 28}, {"torch_dtype", "bfloat16"},
+                       {"auto_map", {{"AutoConfig", "configuration_ouro.OuroConfig"}}}};
+  const auto c = model::config_from_hf(hf);
+  EXPECT_EQ(c.loops, 4);
+  EXPECT_TRUE(c.sandwich_norm);
+  EXPECT_TRUE(c.exit_gate);
+  EXPECT_DOUBLE_EQ(c.exit_threshold, 1.0);
+  EXPECT_EQ(c.num_hidden_layers, 24);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  hf.erase("total_ut_steps");
+  EXPECT_EQ(model::config_from_hf(hf).loops, 4);  // OuroConfig's default
+  hf["use_sliding_window"] = true;
+  EXPECT_THROW(model::config_from_hf(hf), Error);
 }
 
 TEST(HfFormat, ShardedCheckpointsLoadAndBrokenOnesAreRefused) {
@@ -216,8 +277,16 @@ TEST(HfFormat, ConfigsKvxCannotHonourAreRefusedByName) {
   lrkv.layout = "lrkv";
   EXPECT_THROW(model::config_to_hf(lrkv), Error);
   auto looped = small(false, true, 4);
-  looped.loops = 2;
+  looped.loops = 2;  // Ouro's layout has sandwich norms; a looped model without them has no HF form
   EXPECT_THROW(model::config_to_hf(looped), Error);
+  looped.sandwich_norm = true;
+  looped.qk_norm = true;
+  EXPECT_THROW(model::config_to_hf(looped), Error);
+  refused("total_ut_steps", 4, "total_ut_steps");  // a looped field on a llama config
+  auto ouro = base;
+  ouro["model_type"] = "ouro";
+  ouro["early_exit_step"] = 2;  // a fixed exit loop: not what kvx computes
+  EXPECT_THROW(model::config_from_hf(ouro), Error);
   auto bad = small(false, true, 4);
   bad.layout = "mla";
   bad.qk_norm = true;
