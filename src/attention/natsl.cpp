@@ -5,17 +5,14 @@
 #include <string>
 
 #include "kernels/decode_attention.h"
+#include "nn/tensor_io.h"
 #include "util/error.h"
 
 namespace kvx::attention {
 
-namespace {
+using nn::shape_of;
 
-std::string shape_of(const torch::Tensor& t) {
-  std::string s = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + "]";
-}
+namespace {
 
 int64_t blocks_of(int64_t T, int64_t block) { return (T + block - 1) / block; }
 

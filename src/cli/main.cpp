@@ -15,6 +15,7 @@
 #include "compare/runner.h"
 #include "eval/analyze.h"
 #include "eval/bench.h"
+#include "eval/commands.h"
 #include "eval/evaluate.h"
 #include "io/atomic_file.h"
 #include "io/json_config.h"
@@ -26,20 +27,13 @@
 #include "train/dataset.h"
 #include "train/trainer.h"
 #include "util/error.h"
+#include "util/strings.h"
 #include "util/threads.h"
 
 using namespace kvx;
 
 namespace {
 
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ','))
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
 
 // A number from a command-line list; anything else names the option.
 double parse_number(const std::string& s, const std::string& option) {
@@ -142,62 +136,25 @@ train::TrainSummary cmd_train(const TrainCliArgs& a) {
 }
 
 // --- kvx generate -------------------------------------------------------------------------------
-struct GenerateArgs {
-  std::string model, prompt;
-  int max_new = 100;
-  double temperature = 0.8, top_p = 0.95;
-  uint64_t seed = 0;
-  std::string kv_cache = "f32", evict;
-  bool reference = false;
-  std::string lla;  // a codec directory (kvx fit lla): history stored as cross-loop codes
-  bool lla_absorbed = false;
-  int share_kv_layers = 1;
-  std::string document_module;  // kvx fit nectar: the document's KV replaced by a module
+struct GenerateArgs : eval::GenerateRequest {
+  std::string model;
 };
-std::string cmd_generate(const GenerateArgs& a, bool print) {
+void cmd_generate(const GenerateArgs& a) {
   auto m = train::load_model(a.model);
-  auto prompt = m.tokenizer.encode(a.prompt);
-  if (prompt.empty()) throw Error("--prompt is empty; give some text to continue");
-  model::require_memory(model::inference_memory(m.model->config(), 1, static_cast<int64_t>(prompt.size()),
-                                                static_cast<int64_t>(prompt.size()) + a.max_new, m.model->kv_bytes_per_token()),
-                        model::available_memory_bytes(), "kvx generate", "shorten the prompt or lower --max-new");
-  auto cache = attention::CacheOptions::parse(a.kv_cache, a.evict, a.reference);
-  if (!a.lla.empty()) cache.lla = compress::LlaCodec::load(a.lla, m.model->config()).decode_set();
-  cache.lla_absorbed = a.lla_absorbed;
-  cache.share_kv_layers = a.share_kv_layers;
-  if (!a.document_module.empty()) {
-    const auto module = compress::DocumentModule::load(a.document_module, m.model);
-    cache.document = module.decode_set();
-    std::fprintf(stderr, "[document module %s: %lld document tokens answered by %.1f KiB of module weights, no document KV]\n",
-                 a.document_module.c_str(), static_cast<long long>(module.config.document_tokens), module.bytes() / 1024.0);
-  }
-  std::string out;
-  if (print) std::cout << a.prompt << std::flush;
-  auto r = model::generate(m.model, prompt, a.max_new, {a.temperature, a.top_p}, a.seed, [&](int32_t id) {
-    std::string piece = m.tokenizer.token_bytes(id);
-    out += piece;
-    if (print) std::cout << piece << std::flush;
-  }, cache);
-  if (print) std::cout << "\n";
-  std::fprintf(stderr, "[%zu prompt tokens, %zu generated | prefill %.1f ms, decode %.1f tokens/s | KV cache (%s) %lld bytes = %.0f bytes/token]\n",
-               prompt.size(), r.tokens.size(), r.prefill_seconds * 1e3,
-               r.tokens.size() > 1 ? (r.tokens.size() - 1) / std::max(r.decode_seconds, 1e-9) : 0.0,
-               cache.describe().c_str(), static_cast<long long>(r.cache_bytes), r.cache_bytes_per_token);
-  return out;
+  std::cout << a.prompt << std::flush;
+  auto r = eval::generate_text(m, a, [](const std::string& piece) { std::cout << piece << std::flush; });
+  std::cout << "\n";
+  const auto& s = r.stats;
+  std::fprintf(stderr, "[%lld prompt tokens, %zu generated | prefill %.1f ms, decode %.1f tokens/s | KV cache (%s) %lld bytes = %.0f bytes/token]\n",
+               static_cast<long long>(r.prompt_tokens), s.tokens.size(), s.prefill_seconds * 1e3,
+               s.tokens.size() > 1 ? (s.tokens.size() - 1) / std::max(s.decode_seconds, 1e-9) : 0.0, r.cache.c_str(),
+               static_cast<long long>(s.cache_bytes), s.cache_bytes_per_token);
 }
 
 // --- kvx eval -----------------------------------------------------------------------------------
-struct EvalArgs {
-  std::string model, split = "test", data_dir, sources = "brown,kjv";
-  int max_windows = 0, seq_len = 0, batch = 8;
+struct EvalArgs : eval::EvalRequest {
+  std::string model;
   bool json = false;
-  std::string kv_cache, evict;  // set: also evaluate through this decode cache
-  std::string lla;              // set: also evaluate through these cross-loop codes, one token per step
-  bool lla_absorbed = false;
-  int share_kv_layers = 1;
-  std::string mqar;             // set: MQAR accuracy at these pair counts
-  int mqar_symbols = 0, mqar_sequences = 64;
-  std::string document_module, document;  // set: a Nectar module on its held-out query splits
 };
 // The test and challenge rows of a Nectar report (module and no-document), one line each.
 void print_nectar_splits(const nlohmann::json& j) {
@@ -213,105 +170,46 @@ void print_nectar_splits(const nlohmann::json& j) {
     }
 }
 
-nlohmann::json cmd_eval_document_module(const EvalArgs& a) {
-  auto m = train::load_model(a.model);
-  const auto j = compress::evaluate_module_dir(m.model, m.tokenizer, a.document_module, a.document);
-  if (a.json) {
-    std::cout << j.dump(2) << "\n";
-    return j;
-  }
+void print_document_module_eval(const std::string& module_dir, const nlohmann::json& j) {
   std::printf("Nectar module %s: %lld document tokens, module %.1f KiB vs the document's f32 KV %.1f KiB (%.2f%%)\n",
-              a.document_module.c_str(), static_cast<long long>(j["document_tokens"].get<int64_t>()),
+              module_dir.c_str(), static_cast<long long>(j["document_tokens"].get<int64_t>()),
               j["module_bytes"].get<double>() / 1024, j["document_kv_bytes"].get<double>() / 1024,
               100 * j["module_bytes"].get<double>() / j["document_kv_bytes"].get<double>());
   print_nectar_splits(j);
-  return j;
 }
 
-nlohmann::json cmd_eval(const EvalArgs& a) {
-  if (!a.document_module.empty()) return cmd_eval_document_module(a);
+void cmd_eval(const EvalArgs& a) {
   auto m = train::load_model(a.model);
-  const std::string dir = data_dir_or_default(a.data_dir);
-  auto sources = split_list(a.sources);
-  auto split = text::parse_split(a.split);
-  const int seq_len = a.seq_len > 0 ? a.seq_len : m.model->config().max_position_embeddings;
-  if (seq_len > m.model->config().max_position_embeddings)
-    throw Error("--seq-len " + std::to_string(seq_len) + " exceeds the model's context limit of " +
-                std::to_string(m.model->config().max_position_embeddings));
-  model::require_memory(model::inference_memory(m.model->config(), a.batch, seq_len, seq_len, m.model->kv_bytes_per_token()),
-                        model::available_memory_bytes(), "kvx eval", "lower --seq-len or --batch");
-  auto tokens = train::load_split_tokens(dir, sources, m.tokenizer, split);
-  auto train_tokens = train::load_split_tokens(dir, sources, m.tokenizer, text::Split::Train);
-  int windows = static_cast<int>((tokens.tokens.size() - 1) / seq_len);
-  if (a.max_windows > 0) windows = std::min(windows, a.max_windows);
-  auto batches = train::evaluation_batches(tokens.tokens, windows, a.batch, seq_len);
-  auto t0 = std::chrono::steady_clock::now();
-  auto q = eval::evaluate_lm(m.model, batches, m.tokenizer);
-  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  auto u = eval::unigram_quality(train_tokens.tokens, m.model->config().vocab_size, batches, m.tokenizer);
-  nlohmann::json j = {{"model", m.dir},
-                      {"split", text::split_name(split)},
-                      {"sources", sources},
-                      {"seq_len", seq_len},
-                      {"tokens", q.tokens},
-                      {"bytes", q.bytes},
-                      {"cross_entropy", q.cross_entropy},
-                      {"perplexity", q.perplexity},
-                      {"bits_per_byte", q.bits_per_byte},
-                      {"unigram_cross_entropy", u.cross_entropy},
-                      {"unigram_bits_per_byte", u.bits_per_byte},
-                      {"kv_bytes_per_token", m.model->kv_bytes_per_token()},
-                      {"kv_cache", "f32"},
-                      {"parameters", m.model->num_parameters()},
-                      {"seconds", secs}};
-  if (!a.kv_cache.empty() || !a.evict.empty() || !a.lla.empty() || a.share_kv_layers > 1) {
-    auto cache = attention::CacheOptions::parse(a.kv_cache.empty() ? "f32" : a.kv_cache, a.evict, false);
-    if (!a.lla.empty()) cache.lla = compress::LlaCodec::load(a.lla, m.model->config()).decode_set();
-    cache.lla_absorbed = a.lla_absorbed;
-    cache.share_kv_layers = a.share_kv_layers;
-    // Codes are committed after a token's loops: one token per step, so history is read from codes.
-    auto c = eval::evaluate_lm_cached(m.model, batches, m.tokenizer, cache, cache.lla ? 1 : 0);
-    j["cache"] = {{"kv_cache", cache.describe()},
-                  {"bytes_per_token", c.cache_bytes_per_token},
-                  {"cross_entropy", c.quality.cross_entropy},
-                  {"bits_per_byte", c.quality.bits_per_byte},
-                  {"kl_vs_f32", c.kl_vs_full},
-                  {"top1_agreement", c.top1_agreement}};
-  }
-  if (!a.mqar.empty()) {
-    std::vector<int> pairs;
-    for (const auto& p : split_list(a.mqar)) pairs.push_back(std::stoi(p));
-    nlohmann::json acc = nlohmann::json::array();
-    for (const auto& p : eval::mqar_accuracy(m.model, pairs, a.mqar_sequences, seq_len, a.mqar_symbols, 1234))
-      acc.push_back({{"pairs", p.pairs}, {"accuracy", p.accuracy}, {"queries", p.queries}});
-    j["mqar_accuracy"] = acc;
-  }
+  const auto j = eval::evaluate_model(m, a);
   if (a.json) {
     std::cout << j.dump(2) << "\n";
-  } else {
-    std::printf("%s on %s (%lld tokens, %lld bytes, windows of %d):\n", m.dir.c_str(), text::split_name(split).c_str(),
-                static_cast<long long>(q.tokens), static_cast<long long>(q.bytes), seq_len);
-    std::printf("  cross-entropy   %.4f nats/token   (unigram baseline %.4f)\n", q.cross_entropy, u.cross_entropy);
-    std::printf("  perplexity      %.2f\n", q.perplexity);
-    std::printf("  bits per byte   %.4f             (unigram baseline %.4f)\n", q.bits_per_byte, u.bits_per_byte);
-    std::printf("  KV cache        %.0f bytes/token (f32, all layers)\n", m.model->kv_bytes_per_token());
-    if (j.contains("mqar_accuracy")) {
-      std::printf("  MQAR accuracy  ");
-      for (const auto& p : j["mqar_accuracy"])
-        std::printf(" %d pairs: %.1f%%", p["pairs"].get<int>(), 100 * p["accuracy"].get<double>());
-      std::printf("\n");
-    }
-    if (j.contains("cache")) {
-      const auto& c = j["cache"];
-      std::printf("through the %s decode cache (%.0f bytes/token held):\n", c["kv_cache"].get<std::string>().c_str(),
-                  c["bytes_per_token"].get<double>());
-      std::printf("  cross-entropy   %.4f nats/token   (%+.4f vs f32 full forward)\n", c["cross_entropy"].get<double>(),
-                  c["cross_entropy"].get<double>() - q.cross_entropy);
-      std::printf("  KL(f32 || cache) %.5f nats/token, top-1 agreement %.2f%%\n", c["kl_vs_f32"].get<double>(),
-                  100 * c["top1_agreement"].get<double>());
-    }
+    return;
   }
-  return j;
+  if (!a.document_module.empty()) return print_document_module_eval(a.document_module, j);
+  std::printf("%s on %s (%lld tokens, %lld bytes, windows of %d):\n", m.dir.c_str(), j["split"].get<std::string>().c_str(),
+              static_cast<long long>(j["tokens"].get<int64_t>()), static_cast<long long>(j["bytes"].get<int64_t>()),
+              j["seq_len"].get<int>());
+  const double ce = j["cross_entropy"].get<double>();
+  std::printf("  cross-entropy   %.4f nats/token   (unigram baseline %.4f)\n", ce, j["unigram_cross_entropy"].get<double>());
+  std::printf("  perplexity      %.2f\n", j["perplexity"].get<double>());
+  std::printf("  bits per byte   %.4f             (unigram baseline %.4f)\n", j["bits_per_byte"].get<double>(),
+              j["unigram_bits_per_byte"].get<double>());
+  std::printf("  KV cache        %.0f bytes/token (f32, all layers)\n", j["kv_bytes_per_token"].get<double>());
+  if (j.contains("mqar_accuracy")) {
+    std::printf("  MQAR accuracy  ");
+    for (const auto& p : j["mqar_accuracy"])
+      std::printf(" %d pairs: %.1f%%", p["pairs"].get<int>(), 100 * p["accuracy"].get<double>());
+    std::printf("\n");
+  }
+  if (j.contains("cache")) {
+    const auto& c = j["cache"];
+    std::printf("through the %s decode cache (%.0f bytes/token held):\n", c["kv_cache"].get<std::string>().c_str(),
+                c["bytes_per_token"].get<double>());
+    std::printf("  cross-entropy   %.4f nats/token   (%+.4f vs f32 full forward)\n", c["cross_entropy"].get<double>(),
+                c["cross_entropy"].get<double>() - ce);
+    std::printf("  KL(f32 || cache) %.5f nats/token, top-1 agreement %.2f%%\n", c["kl_vs_f32"].get<double>(),
+                100 * c["top1_agreement"].get<double>());
+  }
 }
 
 // --- kvx bench decode ----------------------------------------------------------------------------
@@ -563,7 +461,7 @@ void cmd_demo(const std::string& out, const std::string& data_dir) {
   g.prompt = "And it came to pass";
   g.max_new = 60;
   std::cout << "\n== sample from the MHA arm (temperature 0.8, top-p 0.95) ==\n";
-  cmd_generate(g, true);
+  cmd_generate(g);
   std::printf("\ndemo finished in %.0f s; reports under %s/\n",
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), out.c_str());
 }
@@ -697,12 +595,12 @@ int main(int argc, char** argv) {
   std::string convert_sources;
   std::string hf_src, hf_out, hf_model, hf_dtype = "f32";
   auto* import_cmd = app.add_subcommand("import", "models from other ecosystems");
-  auto* import_hf = import_cmd->add_subcommand("hf", "a Hugging Face Llama or Qwen3 directory (config.json, safetensors or shards, tokenizer.json) -> a kvx model directory");
+  auto* import_hf = import_cmd->add_subcommand("hf", "a Hugging Face Llama, Qwen3 or Ouro (looped) directory (config.json, safetensors or shards, tokenizer.json) -> a kvx model directory");
   import_hf->add_option("dir", hf_src, "the Hugging Face model directory")->required();
   import_hf->add_option("--out", hf_out, "kvx model directory to write")->required();
   import_cmd->require_subcommand(1);
   auto* export_cmd = app.add_subcommand("export", "models for other ecosystems");
-  auto* export_hf = export_cmd->add_subcommand("hf", "a kvx dense model -> a Hugging Face Llama (or Qwen3, with qk_norm) directory");
+  auto* export_hf = export_cmd->add_subcommand("hf", "a kvx dense model -> a Hugging Face Llama (Qwen3 with qk_norm; Ouro when looped) directory");
   export_hf->add_option("dir", hf_out, "output directory")->required();
   export_hf->add_option("--model", hf_model, "model or run directory")->required();
   export_hf->add_option("--dtype", hf_dtype, "weight type written: f32 (default) | bf16 | f16");
@@ -795,7 +693,7 @@ int main(int argc, char** argv) {
       std::printf("wrote %s (%d tokens)\n", tok_out.c_str(), tok.vocab_size());
     }
     if (train_cmd->parsed()) cmd_train(tr);
-    if (gen_cmd->parsed()) cmd_generate(gen, true);
+    if (gen_cmd->parsed()) cmd_generate(gen);
     if (eval_cmd->parsed()) cmd_eval(ev);
     if (bench_train->parsed() && std::getenv("KVX_RANK")) {  // a data-parallel worker of the launcher below
       const auto cfg = train::preset(bench_preset);

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "io/json_config.h"
 #include "text/corpus.h"
 #include "util/error.h"
 
@@ -286,6 +287,58 @@ nlohmann::json lla_fit_spec(const Arm& arm) {
   j.erase("evict");
   j.erase("absorbed");
   return j;
+}
+
+void apply_patch(Experiment& e, const nlohmann::json& patch) {
+  if (!patch.is_object()) throw Error("an experiment patch must be a JSON object (got " + patch.dump().substr(0, 80) + ")");
+  nlohmann::json j = e.to_json();
+  j.merge_patch(patch);
+  io::JsonReader r(j, "experiment patch");
+  Experiment out = e;
+  out.name = r.get<std::string>("name", e.name);
+  out.preset = r.get<std::string>("preset", e.preset);
+  out.base = train::RunConfig::from_json(r.sub("base"));
+  {
+    io::JsonReader v(r.sub("eval"), "experiment patch: eval");
+    auto& s = out.eval;
+    s.test_windows = v.get("test_windows", s.test_windows);
+    s.context_multiples = v.get("context_multiples", s.context_multiples);
+    s.long_context_tokens = v.get("long_context_tokens", s.long_context_tokens);
+    s.mqar_pairs = v.get("mqar_pairs", s.mqar_pairs);
+    s.mqar_sequences = v.get("mqar_sequences", s.mqar_sequences);
+    s.decode_contexts = v.get("decode_contexts", s.decode_contexts);
+    s.decode_seconds = v.get("decode_seconds", s.decode_seconds);
+    s.prefill_contexts = v.get("prefill_contexts", s.prefill_contexts);
+    const auto capacity = v.get<std::vector<int64_t>>("capacity", {0, s.capacity_mib});
+    if (capacity.size() != 2) throw Error("experiment patch: eval.capacity is [tokens, MiB]");
+    s.capacity_tokens = capacity[0], s.capacity_mib = capacity[1];
+    v.finish();
+  }
+  if (r.has("document")) {
+    io::JsonReader d(r.sub("document"), "experiment patch: document");
+    auto& s = out.document;
+    s.queries = d.get("queries", s.queries);
+    s.query_length = d.get("query_length", s.query_length);
+    s.steps = d.get("steps", s.steps);
+    s.batch = d.get("batch", s.batch);
+    s.lr = d.get("lr", s.lr);
+    s.max_tokens = d.get("max_tokens", s.max_tokens);
+    s.prompt_tokens = d.get("prompt_tokens", s.prompt_tokens);
+    s.new_tokens = d.get("new_tokens", s.new_tokens);
+    s.repeats = d.get("repeats", s.repeats);
+    d.finish();
+  }
+  out.groups = r.get("groups", e.groups);
+  out.arms.clear();
+  for (const auto& a : r.require<nlohmann::json>("arms")) {
+    io::JsonReader ar(a, "experiment patch: arm");
+    Arm arm{ar.require<std::string>("name"), ar.require<std::string>("kind"), ar.get("spec", nlohmann::json::object())};
+    ar.finish();
+    out.arms.push_back(std::move(arm));
+  }
+  r.finish();
+  out.base.validate();
+  e = std::move(out);
 }
 
 void use_document(Experiment& e, const std::string& path) {

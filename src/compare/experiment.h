@@ -87,6 +87,11 @@ attention::CacheOptions arm_cache(const Arm& arm);
 // An lla arm's codec settings (what its fit depends on: not its eviction or read mode).
 nlohmann::json lla_fit_spec(const Arm& arm);
 const Arm& find_arm(const Experiment& e, const std::string& name);
+// Changes an experiment by a JSON merge patch (RFC 7386) on its to_json() form, e.g.
+// {"base": {"train": {"steps": 6}}, "groups": ["quality"], "arms": [...]} (an array replaces the
+// whole array). Settings to_json leaves out keep their values; unknown keys are refused by name.
+void apply_patch(Experiment& e, const nlohmann::json& patch);
+
 // The doc experiment on one given document file instead of its two built-in ones.
 void use_document(Experiment& e, const std::string& path);
 

@@ -8,6 +8,13 @@
 
 namespace kvx::nn {
 
+std::string shape_of(const torch::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+
 namespace {
 io::DType to_io(torch::ScalarType t) {
   switch (t) {

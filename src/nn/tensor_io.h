@@ -7,6 +7,9 @@
 
 namespace kvx::nn {
 
+// "[2, 3, 4]": a tensor's shape for error messages.
+std::string shape_of(const torch::Tensor& t);
+
 using TensorMap = std::map<std::string, torch::Tensor>;
 
 void save_safetensors(const std::string& path, const TensorMap& tensors,

@@ -306,3 +306,28 @@ TEST(Compare, DocumentExperimentFitsServesAndReportsEveryArm) {
   if (std::system("command -v gnuplot >/dev/null 2>&1") == 0) EXPECT_TRUE(fs::exists(again.dir + "/doc-budget-story.png"));
   fs::remove_all(o.out_dir);
 }
+
+// Experiments change by JSON merge patches on their to_json() form (kvx.compare's patch).
+TEST(Compare, PatchesChangeWhatTheyNameAndRefuseUnknownKeys) {
+  for (const auto& name : compare::experiment_names()) {
+    auto e = compare::builtin_experiment(name, "tiny");
+    const auto before = e.to_json();
+    const auto prefill = e.eval.prefill_contexts;
+    compare::apply_patch(e, nlohmann::json::object());
+    EXPECT_EQ(e.to_json(), before) << name;
+    EXPECT_EQ(e.eval.prefill_contexts, prefill) << name;  // not in to_json: kept
+  }
+  auto e = compare::builtin_experiment("posthoc", "tiny");
+  compare::apply_patch(e, {{"base", {{"train", {{"steps", 7}}}}}, {"eval", {{"capacity", {64, 8}}}},
+                           {"arms", {{{"name", "a"}, {"kind", "train"}}}}});
+  EXPECT_EQ(e.base.train.steps, 7);
+  EXPECT_EQ(e.eval.capacity_tokens, 64);
+  EXPECT_EQ(e.eval.capacity_mib, 8);
+  ASSERT_EQ(e.arms.size(), 1u);
+  EXPECT_EQ(e.arms[0].spec, nlohmann::json::object());
+  EXPECT_EQ(e.base.model.hidden_size, compare::builtin_experiment("posthoc", "tiny").base.model.hidden_size);
+  for (const auto& bad : {nlohmann::json{{"no_such_key", 1}}, nlohmann::json{{"eval", {{"test_windowz", 3}}}},
+                          nlohmann::json{{"arms", {{{"kind", "train"}}}}}, nlohmann::json{{"base", {{"train", {{"steps", -1}}}}}},
+                          nlohmann::json::array()})
+    EXPECT_THROW(compare::apply_patch(e, bad), Error) << bad.dump();
+}

@@ -1,0 +1,105 @@
+#include "eval/commands.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include "compress/lla_codec.h"
+#include "compress/nectar.h"
+#include "eval/evaluate.h"
+#include "model/memory.h"
+#include "text/corpus.h"
+#include "train/dataset.h"
+#include "util/error.h"
+#include "util/strings.h"
+
+namespace kvx::eval {
+
+GenerateOutput generate_text(train::LoadedModel& m, const GenerateRequest& r,
+                             const std::function<void(const std::string&)>& on_piece) {
+  auto prompt = m.tokenizer.encode(r.prompt);
+  if (r.max_new < 0) throw Error("max_new must be >= 0 (it is " + std::to_string(r.max_new) + ")");
+  model::require_memory(model::inference_memory(m.model->config(), 1, static_cast<int64_t>(prompt.size()),
+                                                static_cast<int64_t>(prompt.size()) + r.max_new, m.model->kv_bytes_per_token()),
+                        model::available_memory_bytes(), "generation", "shorten the prompt or lower max_new");
+  auto cache = attention::CacheOptions::parse(r.kv_cache, r.evict, r.reference);
+  if (!r.lla.empty()) cache.lla = compress::LlaCodec::load(r.lla, m.model->config()).decode_set();
+  cache.lla_absorbed = r.lla_absorbed;
+  cache.share_kv_layers = r.share_kv_layers;
+  if (!r.document_module.empty()) {
+    const auto module = compress::DocumentModule::load(r.document_module, m.model);
+    cache.document = module.decode_set();
+    std::fprintf(stderr, "[document module %s: %lld document tokens answered by %.1f KiB of module weights, no document KV]\n",
+                 r.document_module.c_str(), static_cast<long long>(module.config.document_tokens), module.bytes() / 1024.0);
+  }
+  GenerateOutput out;
+  out.prompt_tokens = static_cast<int64_t>(prompt.size());
+  out.cache = cache.describe();
+  out.stats = model::generate(m.model, prompt, r.max_new, {r.temperature, r.top_p}, r.seed, [&](int32_t id) {
+    std::string piece = m.tokenizer.token_bytes(id);
+    out.text += piece;
+    if (on_piece) on_piece(piece);
+  }, cache);
+  return out;
+}
+
+nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
+  if (!r.document_module.empty()) return compress::evaluate_module_dir(m.model, m.tokenizer, r.document_module, r.document);
+  const std::string dir = r.data_dir.empty() ? text::default_data_dir() : r.data_dir;
+  auto sources = split_list(r.sources);
+  auto split = text::parse_split(r.split);
+  const int seq_len = r.seq_len > 0 ? r.seq_len : m.model->config().max_position_embeddings;
+  if (seq_len > m.model->config().max_position_embeddings)
+    throw Error("seq_len " + std::to_string(seq_len) + " exceeds the model's context limit of " +
+                std::to_string(m.model->config().max_position_embeddings) + "; give a shorter one");
+  model::require_memory(model::inference_memory(m.model->config(), r.batch, seq_len, seq_len, m.model->kv_bytes_per_token()),
+                        model::available_memory_bytes(), "evaluation", "lower seq_len or batch");
+  auto tokens = train::load_split_tokens(dir, sources, m.tokenizer, split);
+  auto train_tokens = train::load_split_tokens(dir, sources, m.tokenizer, text::Split::Train);
+  int windows = static_cast<int>((tokens.tokens.size() - 1) / seq_len);
+  if (r.max_windows > 0) windows = std::min(windows, r.max_windows);
+  auto batches = train::evaluation_batches(tokens.tokens, windows, r.batch, seq_len);
+  auto t0 = std::chrono::steady_clock::now();
+  auto q = evaluate_lm(m.model, batches, m.tokenizer);
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  auto u = unigram_quality(train_tokens.tokens, m.model->config().vocab_size, batches, m.tokenizer);
+  nlohmann::json j = {{"model", m.dir},
+                      {"split", text::split_name(split)},
+                      {"sources", sources},
+                      {"seq_len", seq_len},
+                      {"tokens", q.tokens},
+                      {"bytes", q.bytes},
+                      {"cross_entropy", q.cross_entropy},
+                      {"perplexity", q.perplexity},
+                      {"bits_per_byte", q.bits_per_byte},
+                      {"unigram_cross_entropy", u.cross_entropy},
+                      {"unigram_bits_per_byte", u.bits_per_byte},
+                      {"kv_bytes_per_token", m.model->kv_bytes_per_token()},
+                      {"kv_cache", "f32"},
+                      {"parameters", m.model->num_parameters()},
+                      {"seconds", secs}};
+  if (!r.kv_cache.empty() || !r.evict.empty() || !r.lla.empty() || r.share_kv_layers > 1) {
+    auto cache = attention::CacheOptions::parse(r.kv_cache.empty() ? "f32" : r.kv_cache, r.evict, false);
+    if (!r.lla.empty()) cache.lla = compress::LlaCodec::load(r.lla, m.model->config()).decode_set();
+    cache.lla_absorbed = r.lla_absorbed;
+    cache.share_kv_layers = r.share_kv_layers;
+    // Codes are committed after a token's loops: one token per step, so history is read from codes.
+    auto c = evaluate_lm_cached(m.model, batches, m.tokenizer, cache, cache.lla ? 1 : 0);
+    j["cache"] = {{"kv_cache", cache.describe()},
+                  {"bytes_per_token", c.cache_bytes_per_token},
+                  {"cross_entropy", c.quality.cross_entropy},
+                  {"bits_per_byte", c.quality.bits_per_byte},
+                  {"kl_vs_f32", c.kl_vs_full},
+                  {"top1_agreement", c.top1_agreement}};
+  }
+  if (!r.mqar.empty()) {
+    std::vector<int> pairs;
+    for (const auto& p : split_list(r.mqar)) pairs.push_back(std::stoi(p));
+    nlohmann::json acc = nlohmann::json::array();
+    for (const auto& p : mqar_accuracy(m.model, pairs, r.mqar_sequences, seq_len, r.mqar_symbols, 1234))
+      acc.push_back({{"pairs", p.pairs}, {"accuracy", p.accuracy}, {"queries", p.queries}});
+    j["mqar_accuracy"] = acc;
+  }
+  return j;
+}
+
+}  // namespace kvx::eval
