@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 packages=(cmake make g++ git ccache pkg-config libtorch-dev libopenblas0-pthread libcli11-dev
           nlohmann-json3-dev libicu-dev libgtest-dev googletest bible-kjv gnuplot-nox fonts-dejavu-core
-          libgloo-dev clang libclang-rt-14-dev libomp-dev)  # Gloo headers (c10d); then the sanitizer and fuzzing build
+          libgloo-dev clang libclang-rt-14-dev libomp-dev  # Gloo headers (c10d); then the sanitizer and fuzzing build
+          pybind11-dev python3-dev python3-numpy python3-torch python3-pytest)  # the Python module and its tests
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
