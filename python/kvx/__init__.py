@@ -14,7 +14,7 @@ from ._kvx import KvxError  # noqa: E402
 from . import ops  # noqa: E402
 from .ops import _numpy  # noqa: E402
 
-__all__ = ["KvxError", "Model", "load", "train", "preset", "presets", "experiment", "experiments", "compare",
+__all__ = ["KvxError", "Tokenizer", "Model", "load", "train", "preset", "presets", "experiment", "experiments", "compare",
            "import_hf", "export_hf", "ops"]
 
 
@@ -22,11 +22,41 @@ def _ids(ids):
     return [int(i) for i in _numpy(ids).reshape(-1)] if not isinstance(ids, (list, tuple)) else [int(i) for i in ids]
 
 
+class Tokenizer:
+    """A byte-level BPE tokenizer.json: kvx's own, or a Hugging Face model's (merges, added and special
+    tokens, the GPT-2 / Llama 3 / Qwen2 split patterns, NFC)."""
+
+    def __init__(self, path_or_native):
+        self._t = path_or_native if isinstance(path_or_native, _kvx.Tokenizer) else _kvx.Tokenizer(os.fspath(path_or_native))
+
+    @staticmethod
+    def train(vocab, sources=("brown", "kjv"), data_dir=None):
+        """A BPE of `vocab` tokens (the 256 bytes included) on the corpora's training split."""
+        return Tokenizer(_kvx.Tokenizer.train(vocab, list(sources), os.fspath(data_dir) if data_dir else ""))
+
+    @property
+    def vocab_size(self):
+        return self._t.vocab_size
+
+    def encode(self, text):
+        return self._t.encode(text)
+
+    def decode(self, ids):
+        return self._t.decode(_ids(ids)).decode("utf-8", errors="replace")
+
+    def save(self, path):
+        self._t.save(os.fspath(path))
+
+    def to_json(self):
+        return self._t.to_json()
+
+
 class Model:
     """A kvx model directory (or a run directory: its latest checkpoint) and its tokenizer."""
 
     def __init__(self, path):
         self._m = _kvx.Model(os.fspath(path))
+        self._tokenizer = Tokenizer(self._m.tokenizer)
 
     @property
     def dir(self):
@@ -45,11 +75,15 @@ class Model:
         """Decode-cache bytes per token, all layers, for a cache element type (f32, bf16, q8, q4)."""
         return self._m.kv_bytes_per_token(kv_cache)
 
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
     def encode(self, text):
-        return self._m.encode(text)
+        return self._tokenizer.encode(text)
 
     def decode(self, ids):
-        return self._m.decode(_ids(ids)).decode("utf-8", errors="replace")
+        return self._tokenizer.decode(ids)
 
     def logits(self, ids):
         """Next-token logits [n, vocab] of a token sequence (a list, array or tensor of ids)."""

@@ -9,7 +9,9 @@
 #include "eval/commands.h"
 #include "model/sampling.h"
 #include "python/arrays.h"
+#include "text/corpus.h"
 #include "train/checkpoint.h"
+#include "train/dataset.h"
 #include "train/trainer.h"
 #include "util/error.h"
 #include "util/threads.h"
@@ -21,6 +23,31 @@ void register_ops(py::module_& m);
 namespace {
 
 using namespace pybind11::literals;
+
+// A tokenizer.json (kvx's byte-level BPE, or a Hugging Face model's of that kind).
+class Tokenizer {
+ public:
+  explicit Tokenizer(text::BpeTokenizer t) : t_(std::move(t)) {}
+  static Tokenizer load(const std::string& path) { return Tokenizer(text::BpeTokenizer::load(path)); }
+  // Trained on the corpora's training split (cached under data_dir/tokenizers, as kvx train does).
+  static Tokenizer train(int vocab, const std::vector<std::string>& sources, const std::string& data_dir) {
+    py::gil_scoped_release unlocked;
+    return Tokenizer(train::load_or_train_tokenizer(data_dir.empty() ? text::default_data_dir() : data_dir, sources, vocab));
+  }
+  std::vector<int32_t> encode(const std::string& text) const { return t_.encode(text); }
+  py::bytes decode(const std::vector<int32_t>& ids) const {
+    for (int32_t id : ids)
+      if (id < 0 || id >= t_.vocab_size())
+        throw Error("token id " + std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(t_.vocab_size()) + ")");
+    return py::bytes(t_.decode(ids));
+  }
+  int vocab_size() const { return t_.vocab_size(); }
+  void save(const std::string& path) const { t_.save(path); }
+  std::string to_json() const { return t_.to_json(); }
+
+ private:
+  text::BpeTokenizer t_;
+};
 
 // A loaded model and its tokenizer.
 class Model {
@@ -35,17 +62,7 @@ class Model {
   double kv_bytes_per_token(const std::string& kv_cache) const {
     return m_.model->kv_bytes_per_token(kernels::parse_kv_type(kv_cache));
   }
-  std::vector<int32_t> encode(const std::string& text) const { return m_.tokenizer.encode(text); }
-  py::bytes decode(const std::vector<int32_t>& ids) const {
-    std::string out;
-    for (int32_t id : ids) {
-      if (id < 0 || id >= m_.model->config().vocab_size)
-        throw Error("token id " + std::to_string(id) + " is outside the vocabulary [0, " +
-                    std::to_string(m_.model->config().vocab_size) + ")");
-      out += m_.tokenizer.token_bytes(id);
-    }
-    return py::bytes(out);
-  }
+  Tokenizer tokenizer() const { return Tokenizer(m_.tokenizer); }
   // Next-token logits [n, vocab] for a sequence of ids, in one forward pass.
   py::array logits(const std::vector<int32_t>& ids) {
     if (ids.empty()) throw Error("logits: the sequence is empty; give at least one token id");
@@ -187,14 +204,23 @@ PYBIND11_MODULE(_kvx, m) {
       .def_readwrite("document_module", &eval::EvalRequest::document_module)
       .def_readwrite("document", &eval::EvalRequest::document);
 
+  py::class_<Tokenizer>(m, "Tokenizer")
+      .def(py::init(&Tokenizer::load), "path"_a)
+      .def_static("train", &Tokenizer::train, "vocab"_a, "sources"_a = std::vector<std::string>{"brown", "kjv"},
+                  "data_dir"_a = "")
+      .def("encode", &Tokenizer::encode, "text"_a)
+      .def("decode", &Tokenizer::decode, "ids"_a)
+      .def_property_readonly("vocab_size", &Tokenizer::vocab_size)
+      .def("save", &Tokenizer::save, "path"_a)
+      .def("to_json", &Tokenizer::to_json);
+
   py::class_<Model>(m, "Model")
       .def(py::init<const std::string&>(), "path"_a)
       .def_property_readonly("dir", &Model::dir)
       .def_property_readonly("config", &Model::config)
       .def_property_readonly("parameters", &Model::parameters)
       .def("kv_bytes_per_token", &Model::kv_bytes_per_token, "kv_cache"_a = "f32")
-      .def("encode", &Model::encode, "text"_a)
-      .def("decode", &Model::decode, "ids"_a)
+      .def_property_readonly("tokenizer", &Model::tokenizer)
       .def("logits", &Model::logits, "ids"_a)
       .def("generate", &Model::generate, "request"_a)
       .def("evaluate", &Model::evaluate, "request"_a);
