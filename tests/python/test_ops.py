@@ -137,6 +137,14 @@ def test_lrkv_factored_matches_expanded(rank):
     for reference in (False, True):
         np.testing.assert_allclose(ops.lrkv_attention(q, ks, vs, rk, rv, bk, bv, reference=reference), want,
                                    rtol=1e-3, atol=1e-4)
+    if rank % 32 == 0:  # quantised latents: the fused kernel against the reference over the same blocks
+        for cache, tol in (("bf16", 1e-4), ("q8", 2e-2)):
+            fused = ops.lrkv_attention(q, ks, vs, rk, rv, bk, bv, kv_cache=cache)
+            ref = ops.lrkv_attention(q, ks, vs, rk, rv, bk, bv, kv_cache=cache, reference=True)
+            np.testing.assert_allclose(fused, ref, rtol=tol, atol=tol)
+            assert np.abs(fused - want).max() < 0.1
+    with pytest.raises(kvx.KvxError, match="multiple of 32"):
+        ops.lrkv_decode(q, randn(H, 8), ks, vs, randn(L, H, 8), randn(L, H, 8), kv_cache="q8")
     with pytest.raises(kvx.KvxError, match="exceeds head_dim"):
         big = d + 1
         ops.lrkv_decode(q, randn(H, big), ks, vs, randn(L, H, big), randn(L, H, big))
@@ -269,6 +277,17 @@ def test_nectar_split_and_composition_equal_full_attention(heads, kv_heads):
         ops.nectar_exact(q, doc_k[:, :, :0], doc_v[:, :, :0])
 
 
+def test_tokenizer_and_listing_bindings(tmp_path):
+    assert set(kvx.experiments()) >= {"arch", "posthoc", "decode", "doc"}
+    tok = kvx.Tokenizer.train(256)  # bytes only: no merges
+    assert tok.encode("Ab") == [65, 98] and tok.vocab_size == 256
+    tok.save(tmp_path / "t.json")
+    assert kvx.Tokenizer(tmp_path / "t.json").encode("héllo") == tok.encode("héllo")
+    assert tok.decode(tok.encode("héllo")) == "héllo"
+    with pytest.raises(kvx.KvxError, match="outside the vocabulary"):
+        tok.decode([300])
+
+
 def test_lla_codec_roundtrip_and_encode():
     G, W, r = 2, 12, 12
     mu = randn(G, W, dtype=np.float64)
@@ -308,3 +327,62 @@ def test_lla_store_reads_match_reconstructed_attention(two_d):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(kvx.KvxError, match="needs"):
         ops.LlaStore(keys, values, loops + 1, Hkv, d, two_d=two_d)
+
+
+def attend_masked(q, keys, vals, visible, scale):
+    """q [B, H, n, d], keys/vals [B, Hkv, L, d] fp64, visible[i]: the key indices query i sees;
+    scale: a number, or scores(h, i) giving query (h, i)'s scaled scores over its visible keys."""
+    B, H, n, d = q.shape
+    G = H // vals.shape[1]
+    out = np.zeros(q.shape)
+    for b in range(B):
+        for h in range(H):
+            for i in range(n):
+                s = scale(h, i) if callable(scale) else keys[b, h // G, visible[i]] @ q[b, h, i] * scale
+                a = np.exp(s - s.max())
+                out[b, h, i] = a @ vals[b, h // G, visible[i]] / a.sum()
+    return out
+
+
+def test_lla_store_eviction_and_absorbed_reads():
+    loops, Hkv, H, d, r = 2, 2, 4, 32, 16
+    codec = lambda: ops.LlaCodec(0.1 * randn(Hkv, loops * d), 0.2 * randn(Hkv, loops * d, r), 0.2 * randn(Hkv, loops * d, r))
+    keys, values = codec(), codec()
+    q_pre, k_pre, v = randn(1, H, 3, d), randn(1, Hkv, 3, d), randn(1, Hkv, 3, d)
+    q, k = ops.rope(q_pre, 6), ops.rope(k_pre, 6)
+    hist = [(randn(1, Hkv, 6, d), randn(1, Hkv, 6, d)) for _ in range(loops)]
+    # Sink 2 + window 4: the query at position 6 + i sees positions 0, 1 and 3 + i .. 6 + i.
+    store = ops.LlaStore(keys, values, loops, Hkv, d, sink=2, window=4)
+    for t, (hk_in, hv_in) in enumerate(hist):
+        store.set_pending(t, hk_in, hv_in)
+    store.commit()
+    got = store.attend(0, q, k, v)
+    full = ops.LlaStore(keys, values, loops, Hkv, d)  # the same codes without eviction, for reference
+    for t, (hk_in, hv_in) in enumerate(hist):
+        full.set_pending(t, hk_in, hv_in)
+    full.commit()
+    full_k, full_v = full.history(0)
+    keys_all = np.concatenate([rope_reference(full_k.astype(np.float64), 0), k], 2)
+    vals_all = np.concatenate([full_v, v], 2).astype(np.float64)
+    visible = [[0, 1] + list(range(3 + i, 7 + i)) for i in range(3)]
+    want = attend_masked(q.astype(np.float64), keys_all, vals_all, visible, 1 / np.sqrt(d))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # Absorbed: history keys scored without RoPE (q_pre . k^), the chunk's own keys exactly.
+    absorbed = ops.LlaStore(keys, values, loops, Hkv, d, absorbed=True)
+    for t, (hk_in, hv_in) in enumerate(hist):
+        absorbed.set_pending(t, hk_in, hv_in)
+    absorbed.commit()
+    got = absorbed.attend(1, q, k, v, q_pre=q_pre)
+    hk1, hv1 = absorbed.history(1)
+    vals_all = np.concatenate([hv1, v], 2).astype(np.float64)
+    scores = np.zeros((H, 3), dtype=object)
+    for h in range(H):
+        for i in range(3):
+            hist_s = hk1[0, h // 2].astype(np.float64) @ q_pre[0, h, i]
+            tail_s = k[0, h // 2, : i + 1].astype(np.float64) @ q[0, h, i]
+            scores[h, i] = np.concatenate([hist_s, tail_s]) / np.sqrt(d)
+    want = attend_masked(q.astype(np.float64), None, vals_all, [list(range(7 + i)) for i in range(3)],
+                         lambda h, i: scores[h, i])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(kvx.KvxError, match="q_pre"):
+        absorbed.attend(1, q, k, v)
