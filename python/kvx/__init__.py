@@ -18,6 +18,11 @@ __all__ = ["KvxError", "Tokenizer", "Model", "load", "train", "preset", "presets
            "import_hf", "export_hf", "ops"]
 
 
+def _names(x):
+    """A name or a sequence of names -> a list of names."""
+    return [x] if isinstance(x, str) else list(x)
+
+
 def _ids(ids):
     return [int(i) for i in _numpy(ids).reshape(-1)] if not isinstance(ids, (list, tuple)) else [int(i) for i in ids]
 
@@ -32,7 +37,7 @@ class Tokenizer:
     @staticmethod
     def train(vocab, sources=("brown", "kjv"), data_dir=None):
         """A BPE of `vocab` tokens (the 256 bytes included) on the corpora's training split."""
-        return Tokenizer(_kvx.Tokenizer.train(vocab, list(sources), os.fspath(data_dir) if data_dir else ""))
+        return Tokenizer(_kvx.Tokenizer.train(vocab, _names(sources), os.fspath(data_dir) if data_dir else ""))
 
     @property
     def vocab_size(self):
@@ -112,7 +117,7 @@ class Model:
         or a Nectar document module's report."""
         r = _kvx.EvalRequest()
         r.split, r.seq_len, r.max_windows, r.batch = split, seq_len, max_windows, batch
-        r.sources = sources if isinstance(sources, str) else ",".join(sources)
+        r.sources = ",".join(_names(sources))
         r.data_dir = os.fspath(data_dir) if data_dir else ""
         r.kv_cache, r.evict = kv_cache or "", evict or ""
         r.lla, r.lla_absorbed, r.share_kv_layers = os.fspath(lla) if lla else "", lla_absorbed, share_kv_layers
@@ -157,7 +162,7 @@ def experiments():
 def experiment(name, preset="tiny", patch=None, arms=(), document=None):
     """A built-in comparison experiment as a dict: its base run config, evaluation settings,
     metric groups and arms, after an optional merge patch and arm selection."""
-    return _kvx.experiment(name, preset, patch, list(arms), os.fspath(document) if document else "")
+    return _kvx.experiment(name, preset, patch, _names(arms), os.fspath(document) if document else "")
 
 
 def compare(name, preset="tiny", patch=None, arms=(), document=None, out_dir="runs/compare", data_dir=None,
@@ -165,12 +170,12 @@ def compare(name, preset="tiny", patch=None, arms=(), document=None, out_dir="ru
     """Run a comparison experiment (what `kvx compare NAME` runs): trains or reuses each arm, computes
     its metrics (cached by content hash), writes report.md and plots under out_dir. Returns
     results.json's content plus "report" (the markdown table) and "dir"."""
-    return _kvx.compare(name, preset, patch, list(arms), os.fspath(document) if document else "",
+    return _kvx.compare(name, preset, patch, _names(arms), os.fspath(document) if document else "",
                         os.fspath(out_dir), os.fspath(data_dir) if data_dir else "", verbose)
 
 
 def import_hf(hf_dir, out):
-    """A Hugging Face Llama/Qwen3 directory -> a kvx model directory; returns the loaded model."""
+    """A Hugging Face Llama, Qwen3 or Ouro (looped) directory -> a kvx model directory; returns the loaded model."""
     _kvx.import_hf(os.fspath(hf_dir), os.fspath(out))
     return Model(out)
 

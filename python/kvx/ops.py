@@ -14,6 +14,7 @@ libtorch operators:
   causal_attention, rope, gdn (recurrent | chunked | fused), natsl_routes, natsl_softmax,
   natsl_gdn, nectar_exact, nectar_compose, LlaCodec
 """
+import functools
 import sys
 
 import numpy as np
@@ -57,17 +58,17 @@ def _like(template, out):
 
 
 def _operator(fn):
+    @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         inputs = list(args) + list(kwargs.values())
         out = fn(*[_numpy(a) if _array_like(a) else a for a in args],
                  **{k: _numpy(v) if _array_like(v) else v for k, v in kwargs.items()})
         return _like(inputs, out)
-    wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
     return wrapped
 
 
 def _array_like(x):
-    return isinstance(x, (np.ndarray, list)) or _is_torch(x)
+    return isinstance(x, (np.ndarray, list, tuple)) or _is_torch(x)
 
 
 @_operator
@@ -95,7 +96,7 @@ def lrkv_attention(q, k_shared, v_shared, r_k, r_v, b_k, b_v, kv_cache="f32", re
     qb = np.einsum("hd,hdr->hr", qn, bk)
     out_s, out_r = _kvx.lrkv_decode(qn, qb, _numpy(k_shared), _numpy(v_shared), _numpy(r_k), _numpy(r_v), None,
                                     kv_cache, reference, threads)
-    return _like([q, k_shared, b_k], out_s + np.einsum("hr,hdr->hd", out_r, bv).astype(np.float32))
+    return _like([q, k_shared, v_shared, r_k, r_v, b_k, b_v], out_s + np.einsum("hr,hdr->hd", out_r, bv).astype(np.float32))
 
 
 @_operator
@@ -115,7 +116,7 @@ def mla_attention(q_nope, q_rope, c, k_rope, w_uk, w_uv, kv_cache="f32", referen
     qa = np.concatenate([np.einsum("hd,hdc->hc", qn, uk), qr], axis=1).astype(np.float32)
     rows = np.concatenate([cn, kr], axis=1).astype(np.float32)
     out = _kvx.mla_decode(qa, rows, 1.0 / np.sqrt(d_h + d_r), kv_cache, reference, threads)
-    return _like([q_nope, c], np.einsum("hc,hdc->hd", out[:, :d_c], uv).astype(np.float32))
+    return _like([q_nope, q_rope, c, k_rope, w_uk, w_uv], np.einsum("hc,hdc->hd", out[:, :d_c], uv).astype(np.float32))
 
 
 @_operator
@@ -224,10 +225,12 @@ class LlaStore:
         self._s.commit()
 
     def attend(self, loop, q, k, v, q_pre=None):
-        """Loop `loop`'s attention for the chunk: q [B, H, n, d] at positions committed .. + n - 1
-        over the reconstructed history and the chunk's own k, v [B, Hkv, n, d] (causal)."""
-        return _like([q, k], self._s.attend(loop, _numpy(q), _numpy(k), _numpy(v), _numpy(q_pre)))
+        """Loop `loop`'s attention for the chunk through the fused kernel: q [B, H, n, d] (RoPE applied,
+        at positions committed .. committed + n - 1) over the history rebuilt from the codes and the
+        chunk's own k (RoPE applied), v [B, Hkv, n, d], causally. An absorbed store also needs q_pre,
+        q before RoPE. The plain reference is history() with causal_attention (tests/python)."""
+        return _like([q, k, v, q_pre], self._s.attend(loop, _numpy(q), _numpy(k), _numpy(v), _numpy(q_pre)))
 
     def history(self, loop):
-        """Loop `loop`'s reconstructed history (k^, v^) [B, Hkv, committed, d], k^ before RoPE."""
+        """Loop `loop`'s reconstructed history (k^, v^) [B, Hkv, committed, d] as NumPy, k^ before RoPE."""
         return self._s.history(loop)

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "nn/tensor_io.h"
 #include "util/error.h"
 
 namespace kvx::attention {
@@ -78,11 +79,26 @@ void LlaLayerStore::clear() {
 }
 
 void LlaLayerStore::set_pending(int loop, const torch::Tensor& k, const torch::Tensor& v) {
+  if (loop < 0 || loop >= loops_)
+    throw Error("LLA: loop " + std::to_string(loop) + " is outside the model's " + std::to_string(loops_) + " loops");
+  if (k.dim() != 4 || k.size(1) != kv_heads_ || k.size(3) != head_dim_ || v.sizes() != k.sizes())
+    throw Error("LLA: a chunk's keys and values are [batch, " + std::to_string(kv_heads_) + " KV heads, tokens, " +
+                std::to_string(head_dim_) + "], both the same; got k " + nn::shape_of(k) + ", v " + nn::shape_of(v));
+  for (const auto& other : pending_k_)  // every loop of a chunk holds the same tokens
+    if (other.defined() && other.sizes() != k.sizes())
+      throw Error("LLA: loop " + std::to_string(loop) + "'s chunk is " + nn::shape_of(k) + " but another loop's is " +
+                  nn::shape_of(other) + "; the loops of a chunk run over the same tokens");
+  const auto kc = codes_k_.view();
+  if (kc.defined() && kc.size(0) != k.size(0))
+    throw Error("LLA: the chunk has batch " + std::to_string(k.size(0)) + " but the store holds codes for batch " +
+                std::to_string(kc.size(0)));
   pending_k_.at(loop) = k.detach();
   pending_v_.at(loop) = v.detach();
 }
 
 std::pair<torch::Tensor, torch::Tensor> LlaLayerStore::history(int loop) const {
+  if (loop < 0 || loop >= loops_)
+    throw Error("LLA: loop " + std::to_string(loop) + " is outside the model's " + std::to_string(loops_) + " loops");
   if (committed_ == 0) return {};
   // Reconstruct-on-read: the codes are the only history (x^_t = c W_up,t^T + mu_t).
   return {keys_.decode_loop(codes_k_.view().transpose(1, 2), loop, loops_, head_dim_),
@@ -123,6 +139,16 @@ kernels::LlaDecodeArgs LlaLayerStore::read_args(int loop, int64_t position, int6
 
 torch::Tensor LlaLayerStore::attend(int loop, const torch::Tensor& q, const torch::Tensor& q_pre, const torch::Tensor& k,
                                     const torch::Tensor& v, const std::vector<double>& inv_freq) const {
+  if (loop < 0 || loop >= loops_)
+    throw Error("LLA: loop " + std::to_string(loop) + " is outside the model's " + std::to_string(loops_) + " loops");
+  const auto kc = codes_k_.view();
+  if (q.dim() != 4 || q.size(3) != head_dim_ || q.size(1) % kv_heads_ != 0 || k.dim() != 4 || k.size(0) != q.size(0) ||
+      k.size(1) != kv_heads_ || k.size(2) != q.size(2) || k.size(3) != head_dim_ || v.sizes() != k.sizes() ||
+      (absorbed_ && (!q_pre.defined() || q_pre.sizes() != q.sizes())) || (kc.defined() && kc.size(0) != q.size(0)))
+    throw Error("LLA read: expected q (and q_pre for an absorbed read) [batch, heads, tokens, " + std::to_string(head_dim_) +
+                "] and the chunk's k, v [batch, " + std::to_string(kv_heads_) + " KV heads, tokens, " +
+                std::to_string(head_dim_) + "] with the store's batch; got q " + nn::shape_of(q) + ", k " + nn::shape_of(k) +
+                ", v " + nn::shape_of(v) + (kc.defined() ? ", store batch " + std::to_string(kc.size(0)) : ""));
   const auto qt = token_major_f32(q), kt = token_major_f32(k), vt = token_major_f32(v);  // [B, n, heads, d_h]
   const auto qp = absorbed_ ? token_major_f32(q_pre) : torch::Tensor();
   const int64_t B = qt.size(0), n = qt.size(1), H = qt.size(2), d = head_dim_, row = kv_heads_ * d;

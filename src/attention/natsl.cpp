@@ -18,7 +18,7 @@ int64_t blocks_of(int64_t T, int64_t block) { return (T + block - 1) / block; }
 
 void check_routes(const torch::Tensor& routes, int64_t B, int64_t T, int64_t block, const char* what) {
   if (block < 1) throw Error(std::string(what) + ": the block size must be >= 1, got " + std::to_string(block));
-  if (routes.dim() != 3 || routes.size(0) != B || routes.size(1) != blocks_of(T, block))
+  if (routes.dim() != 3 || routes.size(0) != B || routes.size(1) != blocks_of(T, block) || routes.size(2) < 1)
     throw Error(std::string(what) + ": routes must be [B, ceil(T / block), H] = [" + std::to_string(B) + ", " +
                 std::to_string(blocks_of(T, block)) + ", H], got " + shape_of(routes));
 }

@@ -44,6 +44,8 @@ GenerateOutput generate_text(train::LoadedModel& m, const GenerateRequest& r,
 
 nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
   if (!r.document_module.empty()) return compress::evaluate_module_dir(m.model, m.tokenizer, r.document_module, r.document);
+  if (r.batch < 1) throw Error("batch must be >= 1 (got " + std::to_string(r.batch) + ")");
+  if (r.max_windows < 0) throw Error("max_windows must be >= 0 (0: all windows; got " + std::to_string(r.max_windows) + ")");
   const std::string dir = r.data_dir.empty() ? text::default_data_dir() : r.data_dir;
   auto sources = split_list(r.sources);
   auto split = text::parse_split(r.split);
@@ -93,7 +95,16 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
   }
   if (!r.mqar.empty()) {
     std::vector<int> pairs;
-    for (const auto& p : split_list(r.mqar)) pairs.push_back(std::stoi(p));
+    for (const auto& p : split_list(r.mqar)) {
+      size_t used = 0;
+      int n = 0;
+      try {
+        n = std::stoi(p, &used);
+      } catch (const std::exception&) {
+      }
+      if (used != p.size() || n < 1) throw Error("mqar: '" + p + "' is not a pair count; give positive integers, e.g. 1,4,16");
+      pairs.push_back(n);
+    }
     nlohmann::json acc = nlohmann::json::array();
     for (const auto& p : mqar_accuracy(m.model, pairs, r.mqar_sequences, seq_len, r.mqar_symbols, 1234))
       acc.push_back({{"pairs", p.pairs}, {"accuracy", p.accuracy}, {"queries", p.queries}});

@@ -47,8 +47,10 @@ ModelConfig translate(const nlohmann::json& hf, const std::string& what) {
     for (const auto& t : hf["layer_types"])
       refuse_unless(t == "full_attention", "layer_types", "every layer must be full_attention");
   if (type != "ouro")
-    for (const char* k : {"total_ut_steps", "early_exit_threshold"})
-      if (hf.contains(k)) throw Error(what + ": " + k + " belongs to looped (ouro) models, not " + type);
+    for (const char* k : {"total_ut_steps", "early_exit_threshold", "auto_map"})
+      if (hf.contains(k))
+        throw Error(what + ": " + k + " is not supported for " + type + " (looped ouro models only; auto_map there names "
+                    "Ouro's own code, anywhere else custom code kvx does not run)");
   nlohmann::json j = nlohmann::json::object();  // the fields that carry over under the same names
   for (const char* k : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
@@ -90,6 +92,9 @@ nlohmann::json config_to_hf(const ModelConfig& c, const std::string& dtype) {
   if (looped && (qwen3 || !c.sandwich_norm))
     throw Error(std::string("a looped model exports in Ouro's layout, which has sandwich norms and no q/k norms; this one ") +
                 (qwen3 ? "has q/k norms" : "has no sandwich norms (train it with \"sandwich_norm\": true)"));
+  if (!looped && (c.sandwich_norm || c.exit_gate))
+    throw Error("sandwich norms and the exit gate belong to looped (Ouro) models; Llama and Qwen3 have neither, so this "
+                "one-loop model has no Hugging Face form");
   const std::string type = looped ? "ouro" : qwen3 ? "qwen3" : "llama";
   nlohmann::json j = {{"architectures", {looped ? "OuroForCausalLM" : qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
                       {"model_type", type},

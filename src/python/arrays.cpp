@@ -30,20 +30,20 @@ py::array copy_tensor(const torch::Tensor& t) {
 
 }  // namespace
 
-torch::Tensor to_tensor(const py::array& a, bool keep_double) {
+torch::Tensor to_tensor(const py::array& a) {
   const char kind = a.dtype().kind();
-  if (kind == 'f') {
-    if (keep_double && a.dtype().itemsize() == 8) return copy_array<double>(a, torch::kFloat64);
-    return copy_array<float>(a, torch::kFloat32);
-  }
+  if (kind == 'f') return to_float(a);
   if (kind == 'i' || kind == 'u') return copy_array<int64_t>(a, torch::kInt64);
   if (kind == 'b') return copy_array<bool>(a, torch::kBool);
-  throw Error("expected a numeric array (float32/float64, integers or bools), got dtype kind '" + std::string(1, kind) + "'");
+  throw Error("expected a numeric array (floats, integers or bools), got dtype kind '" + std::string(1, kind) + "'");
 }
 
-std::optional<torch::Tensor> to_tensor(const std::optional<py::array>& a, bool keep_double) {
-  if (!a) return std::nullopt;
-  return to_tensor(*a, keep_double);
+torch::Tensor to_float(const py::array& a, bool keep_double) {
+  const char kind = a.dtype().kind();
+  if (kind != 'f' && kind != 'i' && kind != 'u' && kind != 'b')
+    throw Error("expected a numeric array, got dtype kind '" + std::string(1, kind) + "'");
+  if (keep_double && kind == 'f' && a.dtype().itemsize() == 8) return copy_array<double>(a, torch::kFloat64);
+  return copy_array<float>(a, torch::kFloat32);
 }
 
 py::array to_array(const torch::Tensor& t) {

@@ -15,10 +15,11 @@ namespace kvx::python {
 
 namespace py = pybind11;
 
-// A copy of `a` as a tensor: float64 stays float64, other floats become float32 (keep_double
-// false: always float32, for the f32 kernels), integers int64, bools bool.
-torch::Tensor to_tensor(const py::array& a, bool keep_double = true);
-std::optional<torch::Tensor> to_tensor(const std::optional<py::array>& a, bool keep_double = true);
+// A copy of `a` as a tensor: integers int64, bools bool (index arguments such as routes).
+torch::Tensor to_tensor(const py::array& a);
+// A copy of `a` as a float operand: float64 stays float64 when keep_double, anything else
+// (other floats, integers, bools) becomes float32; keep_double false: always float32 (the f32 kernels).
+torch::Tensor to_float(const py::array& a, bool keep_double = true);
 py::array to_array(const torch::Tensor& t);  // a NumPy copy (float32/float64/int64/bool)
 
 // Shape checks that name the argument: rank, and sizes (-1: any).

@@ -3,6 +3,8 @@
 // (ops.cpp). kvx::Error becomes kvx.KvxError, a ValueError.
 #include <pybind11/stl.h>
 
+#include <mutex>
+
 #include "compare/experiment.h"
 #include "compare/report.h"
 #include "compare/runner.h"
@@ -76,6 +78,7 @@ class Model {
     torch::Tensor out;
     {
       py::gil_scoped_release unlocked;
+      std::lock_guard<std::mutex> lock(busy_);
       torch::NoGradGuard ng;
       m_.model->eval();
       out = m_.model->forward(model::token_batch(ids))[0];
@@ -86,6 +89,7 @@ class Model {
     eval::GenerateOutput o;
     {
       py::gil_scoped_release unlocked;
+      std::lock_guard<std::mutex> lock(busy_);
       o = eval::generate_text(m_, r);
     }
     const auto& s = o.stats;
@@ -97,6 +101,7 @@ class Model {
     nlohmann::json j;
     {
       py::gil_scoped_release unlocked;
+      std::lock_guard<std::mutex> lock(busy_);
       j = eval::evaluate_model(m_, r);
     }
     return to_python(j);
@@ -104,6 +109,7 @@ class Model {
 
  private:
   train::LoadedModel m_;
+  std::mutex busy_;  // one computation at a time: the model's caches (RoPE tables, train/eval mode) are shared
 };
 
 train::RunConfig run_config(const std::string& preset, const py::object& patch) {

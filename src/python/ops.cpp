@@ -43,7 +43,12 @@ void append_rows(kernels::KVStore& store, const Tensor& k, const Tensor* v) {
     store.append(k.data_ptr<float>() + t * row, v ? v->data_ptr<float>() + t * row : nullptr);
 }
 
-Tensor f32(const py::array& a) { return to_tensor(a, false); }
+Tensor f32(const py::array& a) { return to_float(a, false); }
+
+// q [heads, width] of a single-token kernel: at least one head of positive width.
+void require_heads(const Tensor& q) {
+  if (q.size(0) < 1 || q.size(1) < 1) throw Error("q must hold at least one head of positive width, got shape " + nn::shape_of(q));
+}
 
 // --- fused decode kernels ---------------------------------------------------------------------
 
@@ -53,6 +58,7 @@ py::array decode_attention(const py::array& q_in, const py::array& k_in, const p
   const auto q = f32(q_in), k = f32(k_in), v = f32(v_in);
   require_shape(q, "q", {-1, -1}, "[heads, head_dim]");
   const int64_t H = q.size(0), d = q.size(1);
+  require_heads(q);
   require_shape(k, "k", {-1, -1, d}, "[tokens, kv_heads, head_dim] with q's head_dim " + std::to_string(d));
   require_shape(v, "v", {k.size(0), k.size(1), d}, "k's shape " + nn::shape_of(k));
   const int64_t Hkv = k.size(1);
@@ -89,6 +95,7 @@ py::tuple lrkv_decode(const py::array& q_in, std::optional<py::array> qb_in, con
   const auto q = f32(q_in), ks = f32(ks_in), vs = f32(vs_in);
   require_shape(q, "q", {-1, -1}, "[heads, head_dim]");
   const int64_t H = q.size(0), d = q.size(1);
+  require_heads(q);
   require_shape(ks, "k_shared", {-1, d}, "[tokens, head_dim]");
   require_shape(vs, "v_shared", {ks.size(0), d}, "k_shared's shape " + nn::shape_of(ks));
   if (ks.size(0) == 0) throw Error("k_shared holds no tokens; give at least one row");
@@ -136,10 +143,15 @@ py::array mla_decode(const py::array& q_in, const py::array& latents_in, std::op
   const auto q = f32(q_in), c = f32(latents_in);
   require_shape(q, "q", {-1, -1}, "[heads, d_c + d_R] (q_h W_UK,h beside the rotated q_R,h)");
   const int64_t H = q.size(0), W = q.size(1);
+  require_heads(q);
   require_shape(c, "latents", {-1, W}, "[tokens, d_c + d_R] rows [c | k_R] as wide as q");
   if (c.size(0) == 0) throw Error("latents holds no tokens; give at least one row");
   if (!scale) throw Error("mla_decode needs the scale: 1/sqrt(d_h + d_R) of the model, not of the latent width");
-  kernels::KVStore store(kernels::parse_kv_type(kv_cache), 1, static_cast<int>(W), {}, 256, /*values_are_keys=*/true);
+  const auto type = kernels::parse_kv_type(kv_cache);
+  if ((type == kernels::KVType::Q8 || type == kernels::KVType::Q4) && W % 32 != 0)
+    throw Error("a " + kv_cache + " cache quantises the latent rows [c | k_R] in blocks of 32, so d_c + d_R must be a "
+                "multiple of 32 (it is " + std::to_string(W) + "); use f32 or bf16");
+  kernels::KVStore store(type, 1, static_cast<int>(W), {}, 256, /*values_are_keys=*/true);
   append_rows(store, c, nullptr);
   auto out = torch::empty({H, W}, torch::kFloat32);
   const float s = static_cast<float>(*scale);
@@ -153,7 +165,7 @@ py::array mla_decode(const py::array& q_in, const py::array& latents_in, std::op
 // --- libtorch operators -------------------------------------------------------------------------
 
 py::array causal_attention(const py::array& q_in, const py::array& k_in, const py::array& v_in, int64_t q_start) {
-  const auto q = to_tensor(q_in), k = to_tensor(k_in).to(q.scalar_type()), v = to_tensor(v_in).to(q.scalar_type());
+  const auto q = to_float(q_in), k = to_float(k_in).to(q.scalar_type()), v = to_float(v_in).to(q.scalar_type());
   require_shape(q, "q", {-1, -1, -1, -1}, "[batch, heads, tokens, head_dim]");
   require_shape(k, "k", {q.size(0), -1, -1, q.size(3)}, "[batch, kv_heads, tokens, head_dim] matching q");
   require_shape(v, "v", {q.size(0), k.size(1), k.size(2), -1}, "[batch, kv_heads, tokens, value_dim] matching k");
@@ -167,7 +179,7 @@ py::array causal_attention(const py::array& q_in, const py::array& k_in, const p
 }
 
 py::array rope(const py::array& x_in, int64_t start, double theta) {
-  const auto x = to_tensor(x_in);
+  const auto x = to_float(x_in);
   if (x.dim() < 2 || x.size(-1) % 2 != 0)
     throw Error("x must be [..., tokens, head_dim] with an even head_dim, got shape " + nn::shape_of(x));
   if (start < 0) throw Error("start must be >= 0 (got " + std::to_string(start) + ")");
@@ -184,10 +196,10 @@ GdnArgs gdn_args(const py::array& q_in, const py::array& k_in, const py::array& 
                  const py::array& beta_in, std::optional<double> scale, std::optional<py::array> state_in,
                  bool keep_double = true) {
   GdnArgs a;
-  a.q = to_tensor(q_in, keep_double);
+  a.q = to_float(q_in, keep_double);
   const auto type = a.q.scalar_type();
-  a.k = to_tensor(k_in).to(type), a.v = to_tensor(v_in).to(type), a.g = to_tensor(g_in).to(type);
-  a.beta = to_tensor(beta_in).to(type);
+  a.k = to_float(k_in).to(type), a.v = to_float(v_in).to(type), a.g = to_float(g_in).to(type);
+  a.beta = to_float(beta_in).to(type);
   require_shape(a.q, "q", {-1, -1, -1, -1}, "[batch, heads, tokens, key_dim] (L2-normalised)");
   const int64_t B = a.q.size(0), H = a.q.size(1), T = a.q.size(2), K = a.q.size(3);
   require_shape(a.k, "k", {B, H, T, K}, "q's shape " + nn::shape_of(a.q));
@@ -195,7 +207,7 @@ GdnArgs gdn_args(const py::array& q_in, const py::array& k_in, const py::array& 
   require_shape(a.g, "g", {B, H, T}, "[batch, heads, tokens] (log decay, <= 0)");
   require_shape(a.beta, "beta", {B, H, T}, "[batch, heads, tokens]");
   if (state_in) {
-    a.state = to_tensor(*state_in).to(type);
+    a.state = to_float(*state_in).to(type);
     require_shape(a.state, "state", {B, H, K, a.v.size(3)}, "[batch, heads, key_dim, value_dim]");
   }
   a.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(K));
@@ -227,7 +239,7 @@ py::tuple gdn(const py::array& q, const py::array& k, const py::array& v, const 
 }
 
 py::array natsl_routes(const py::array& probs_in, double fraction, int64_t max_blocks, bool last_forced) {
-  const auto probs = to_tensor(probs_in);
+  const auto probs = to_float(probs_in);
   if (!(fraction >= 0 && fraction <= 1)) throw Error("fraction must be in [0, 1] (got " + std::to_string(fraction) + ")");
   Tensor counts;
   return to_array(attention::choose_routes(probs, {fraction, max_blocks}, counts, 0, last_forced).argmax(-1));
@@ -243,7 +255,7 @@ Tensor route_mask(const py::array& routes_in, int64_t branch) {
 
 py::array natsl_softmax(const py::array& q_in, const py::array& k_in, const py::array& v_in, const py::array& routes,
                         int64_t block, std::optional<double> scale) {
-  const auto q = to_tensor(q_in), k = to_tensor(k_in).to(q.scalar_type()), v = to_tensor(v_in).to(q.scalar_type());
+  const auto q = to_float(q_in), k = to_float(k_in).to(q.scalar_type()), v = to_float(v_in).to(q.scalar_type());
   if (block < 1) throw Error("block must be >= 1 (got " + std::to_string(block) + ")");
   torch::NoGradGuard ng;
   const double s = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
@@ -262,9 +274,12 @@ py::tuple natsl_gdn(const py::array& q, const py::array& k, const py::array& v, 
 }
 
 py::tuple nectar_exact(const py::array& q_in, const py::array& k_in, const py::array& v_in) {
-  const auto q = to_tensor(q_in), k = to_tensor(k_in).to(q.scalar_type()), v = to_tensor(v_in).to(q.scalar_type());
+  const auto q = to_float(q_in), k = to_float(k_in).to(q.scalar_type()), v = to_float(v_in).to(q.scalar_type());
   require_shape(q, "q", {-1, -1, -1, -1}, "[batch, heads, tokens, head_dim] (rotated)");
   require_shape(k, "doc_k", {-1, -1, -1, q.size(3)}, "[batch or 1, kv_heads, doc_tokens, head_dim]");
+  if (k.size(0) != 1 && k.size(0) != q.size(0))
+    throw Error("doc_k's batch must be 1 (one document for every query row) or q's " + std::to_string(q.size(0)) + ", got " +
+                nn::shape_of(k));
   require_shape(v, "doc_v", {k.size(0), k.size(1), k.size(2), q.size(3)}, "doc_k's shape " + nn::shape_of(k));
   if (k.size(2) == 0) throw Error("the document is empty (doc_k holds no tokens)");
   if (k.size(1) == 0 || q.size(1) % k.size(1) != 0)
@@ -276,14 +291,14 @@ py::tuple nectar_exact(const py::array& q_in, const py::array& k_in, const py::a
 
 py::array nectar_compose(const py::array& q_in, std::optional<py::array> k_in, std::optional<py::array> v_in,
                          const py::array& log_mass_in, const py::array& content_in, int64_t q_start) {
-  const auto q = to_tensor(q_in);
+  const auto q = to_float(q_in);
   const auto type = q.scalar_type();
   require_shape(q, "q", {-1, -1, -1, -1}, "[batch, heads, tokens, head_dim] (rotated)");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), d = q.size(3);
   Tensor k, v;
   if (k_in.has_value() != v_in.has_value()) throw Error("give local_k and local_v together, or neither (no local tokens)");
   if (k_in) {
-    k = to_tensor(*k_in).to(type), v = to_tensor(*v_in).to(type);
+    k = to_float(*k_in).to(type), v = to_float(*v_in).to(type);
     require_shape(k, "local_k", {B, -1, -1, d}, "[batch, kv_heads, local_tokens, head_dim]");
     require_shape(v, "local_v", {B, k.size(1), k.size(2), d}, "local_k's shape " + nn::shape_of(k));
     if (k.size(1) == 0 || H % k.size(1) != 0) throw Error("q's heads must be a multiple of local_k's KV heads");
@@ -293,7 +308,7 @@ py::array nectar_compose(const py::array& q_in, std::optional<py::array> k_in, s
   } else if (q_start != 0) {
     throw Error("q_start applies to local tokens; without local_k it must be 0");
   }
-  attention::DocumentAttention doc{to_tensor(log_mass_in).to(type), to_tensor(content_in).to(type)};
+  attention::DocumentAttention doc{to_float(log_mass_in).to(type), to_float(content_in).to(type)};
   require_shape(doc.log_mass, "log_mass", {B, H, T}, "[batch, heads, tokens] (alpha)");
   require_shape(doc.content, "content", {B, H, T, d}, "[batch, heads, tokens, head_dim] (A)");
   torch::NoGradGuard ng;
@@ -303,7 +318,7 @@ py::array nectar_compose(const py::array& q_in, std::optional<py::array> k_in, s
 // --- LLA ----------------------------------------------------------------------------------------
 
 attention::LlaCodecPart codec_part(const py::array& mu, const py::array& down, const py::array& up, const std::string& what) {
-  attention::LlaCodecPart p{to_tensor(mu), to_tensor(down), to_tensor(up)};
+  attention::LlaCodecPart p{to_float(mu), to_float(down), to_float(up)};
   p.down = p.down.to(p.mu.scalar_type()), p.up = p.up.to(p.mu.scalar_type());
   require_shape(p.mu, what + " mu", {-1, -1}, "[groups, width]");
   require_shape(p.down, what + " down", {p.mu.size(0), p.mu.size(1), -1}, "[groups, width, rank]");
@@ -325,7 +340,7 @@ class LlaCodec {
 
  private:
   Tensor checked(const py::array& a, int64_t last) const {
-    auto t = to_tensor(a).to(part_.mu.scalar_type());
+    auto t = to_float(a).to(part_.mu.scalar_type());
     if (t.dim() < 2 || t.size(-2) != part_.mu.size(0) || t.size(-1) != last)
       throw Error("expected [..., " + std::to_string(part_.mu.size(0)) + " groups, " + std::to_string(last) + "], got " +
                   nn::shape_of(t));
@@ -345,7 +360,10 @@ class LlaStore {
  public:
   LlaStore(const LlaCodec& keys, const LlaCodec& values, int loops, int kv_heads, int head_dim, bool two_d, bool absorbed,
            int64_t sink, int64_t window, double rope_theta, int threads)
-      : rope_(nn::Rope(head_dim, rope_theta)) {
+      : rope_(nn::Rope(std::max(head_dim, 2), rope_theta)) {
+    if (loops < 1 || kv_heads < 1 || head_dim < 2 || head_dim % 2 != 0)
+      throw Error("an LLA store needs loops >= 1, kv_heads >= 1 and an even head_dim >= 2 (got loops " + std::to_string(loops) +
+                  ", kv_heads " + std::to_string(kv_heads) + ", head_dim " + std::to_string(head_dim) + ")");
     attention::LlaCodecSet set;
     set.loops = loops, set.kv_heads = kv_heads, set.head_dim = head_dim, set.two_d = two_d;
     const int64_t width = static_cast<int64_t>(loops) * head_dim * (two_d ? kv_heads : 1);
@@ -361,26 +379,17 @@ class LlaStore {
     o.lla_absorbed = absorbed;
     o.threads = threads;
     store_ = std::make_unique<attention::LlaLayerStore>(set, 0, o);
-    heads_ = kv_heads, head_dim_ = head_dim, absorbed_ = absorbed;
   }
   // Loop `loop`'s keys (before RoPE) and values of the chunk in flight: [B, kv_heads, n, head_dim].
-  void set_pending(int loop, const py::array& k, const py::array& v) {
-    store_->set_pending(loop, chunk(k, "k"), chunk(v, "v"));
-  }
+  void set_pending(int loop, const py::array& k, const py::array& v) { store_->set_pending(loop, f32(k), f32(v)); }
   void commit() { store_->commit(); }
   // q [B, H, n, d] (RoPE'd at positions committed .. committed + n - 1); k, v the chunk's
   // [B, kv_heads, n, d]; q_pre (absorbed reads) q before RoPE.
-  py::array attend(int loop, const py::array& q_in, const py::array& k, const py::array& v, std::optional<py::array> q_pre) {
-    const auto q = to_tensor(q_in, false);
-    require_shape(q, "q", {-1, -1, -1, head_dim_}, "[batch, heads, tokens, head_dim]");
-    if (q.size(1) % heads_ != 0) throw Error("q's heads must be a multiple of the store's KV heads");
-    const auto kt = chunk(k, "k"), vt = chunk(v, "v");
-    if (kt.size(2) != q.size(2) || kt.size(0) != q.size(0)) throw Error("k must hold the same batch and tokens as q");
+  py::array attend(int loop, const py::array& q, const py::array& k, const py::array& v, std::optional<py::array> q_pre) {
     Tensor qp;
-    if (q_pre) qp = to_tensor(*q_pre, false);
-    if (absorbed_ && !qp.defined()) throw Error("an absorbed store needs q_pre (the queries before RoPE)");
+    if (q_pre) qp = f32(*q_pre);
     torch::NoGradGuard ng;
-    return to_array(store_->attend(loop, q, qp, kt, vt, rope_.inv_freq()));
+    return to_array(store_->attend(loop, f32(q), qp, f32(k), f32(v), rope_.inv_freq()));  // shapes checked by the store
   }
   py::tuple history(int loop) const {
     auto [k, v] = store_->history(loop);
@@ -391,15 +400,8 @@ class LlaStore {
   int64_t bytes() const { return store_->bytes(); }
 
  private:
-  Tensor chunk(const py::array& a, const char* name) const {
-    auto t = to_tensor(a, false);
-    require_shape(t, name, {-1, heads_, -1, head_dim_}, "[batch, kv_heads, tokens, head_dim]");
-    return t;
-  }
   std::unique_ptr<attention::LlaLayerStore> store_;
   nn::Rope rope_;
-  int64_t heads_ = 0, head_dim_ = 0;
-  bool absorbed_ = false;
 };
 
 }  // namespace

@@ -283,6 +283,10 @@ TEST(HfFormat, ConfigsKvxCannotHonourAreRefusedByName) {
   looped.qk_norm = true;
   EXPECT_THROW(model::config_to_hf(looped), Error);
   refused("total_ut_steps", 4, "total_ut_steps");  // a looped field on a llama config
+  refused("auto_map", {{"AutoModelForCausalLM", "custom.Model"}}, "auto_map");  // custom code kvx would not run
+  auto sandwich = small(false, true, 4);  // one loop with Ouro's norms: neither Llama nor Ouro
+  sandwich.sandwich_norm = true;
+  EXPECT_THROW(model::config_to_hf(sandwich), Error);
   auto ouro = base;
   ouro["model_type"] = "ouro";
   ouro["early_exit_step"] = 2;  // a fixed exit loop: not what kvx computes

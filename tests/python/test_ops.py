@@ -245,6 +245,14 @@ def test_natsl_routes_budget_and_branches():
         s = k[0, 0, visible] @ q[0, 0, t] / 2
         a = np.exp(s - s.max())
         np.testing.assert_allclose(got[0, 0, t], a @ v[0, 0, visible] / a.sum(), rtol=1e-10, atol=1e-10)
+    # Head 1 keeps blocks 0 and 1 but not 2: block 3's queries see blocks 0, 1 and their own.
+    np.testing.assert_allclose(got[:, 1, :9], want[:, 1, :9], rtol=1e-10, atol=1e-10)
+    visible = [0, 1, 2, 3, 4, 5, 9]
+    s = k[0, 1, visible] @ q[0, 1, 9] / 2
+    a = np.exp(s - s.max())
+    np.testing.assert_allclose(got[0, 1, 9], a @ v[0, 1, visible] / a.sum(), rtol=1e-10, atol=1e-10)
+    with pytest.raises(kvx.KvxError, match="routes must be"):
+        ops.natsl_softmax(q, k, v, np.zeros((1, 4, 0), dtype=np.int64), block=3)
     # GDN branch: every block committed is plain GDN; blocks and the recurrent reference agree.
     qg, kg, vg, gg, bg = gdn_inputs(1, 2, 10, 4, 3, np.float64)
     all_gdn = np.ones((1, 4, 2), dtype=np.int64)
@@ -386,3 +394,52 @@ def test_lla_store_eviction_and_absorbed_reads():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(kvx.KvxError, match="q_pre"):
         absorbed.attend(1, q, k, v)
+
+
+def test_lla_store_batches_and_refuses_malformed_chunks():
+    loops, Hkv, H, d, r = 2, 1, 2, 32, 8
+    keys = ops.LlaCodec(0.1 * randn(Hkv, loops * d), 0.2 * randn(Hkv, loops * d, r), 0.2 * randn(Hkv, loops * d, r))
+    values = ops.LlaCodec(0.1 * randn(Hkv, loops * d), 0.2 * randn(Hkv, loops * d, r), 0.2 * randn(Hkv, loops * d, r))
+    store = ops.LlaStore(keys, values, loops, Hkv, d)
+    for t in range(loops):
+        store.set_pending(t, randn(2, Hkv, 4, d), randn(2, Hkv, 4, d))
+    store.commit()
+    q, k, v = randn(2, H, 2, d), randn(2, Hkv, 2, d), randn(2, Hkv, 2, d)
+    got = store.attend(1, q, k, v)
+    hk, hv = store.history(1)
+    for b in range(2):  # each batch row reads its own codes
+        want = causal_reference(q[b:b + 1].astype(np.float64),
+                                np.concatenate([rope_reference(hk[b:b + 1].astype(np.float64), 0), k[b:b + 1]], 2),
+                                np.concatenate([hv[b:b + 1], v[b:b + 1]], 2).astype(np.float64), q_start=4)
+        np.testing.assert_allclose(got[b:b + 1], want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(kvx.KvxError, match="store batch 2"):
+        store.attend(1, q[:1], k[:1], v[:1])
+    with pytest.raises(kvx.KvxError, match="LLA read"):
+        store.attend(1, q, k, v[:, :, :1])
+    with pytest.raises(kvx.KvxError, match="outside the model's 2 loops"):
+        store.attend(2, q, k, v)
+    with pytest.raises(kvx.KvxError, match="outside the model's 2 loops"):
+        store.history(-1)
+    with pytest.raises(kvx.KvxError, match="both the same"):
+        store.set_pending(0, randn(2, Hkv, 3, d), randn(2, Hkv, 2, d))
+    with pytest.raises(kvx.KvxError, match="batch 1"):
+        store.set_pending(1, randn(1, Hkv, 3, d), randn(1, Hkv, 3, d))
+    store.set_pending(0, randn(2, Hkv, 3, d), randn(2, Hkv, 3, d))
+    with pytest.raises(kvx.KvxError, match="same tokens"):
+        store.set_pending(1, randn(2, Hkv, 2, d), randn(2, Hkv, 2, d))
+    absorbed = ops.LlaStore(keys, values, loops, Hkv, d, absorbed=True)
+    with pytest.raises(kvx.KvxError, match="q_pre"):
+        absorbed.attend(0, q, k, v, q_pre=q[:, :, :1])
+    with pytest.raises(kvx.KvxError, match="even head_dim"):
+        ops.LlaStore(keys, values, loops, 0, d)
+
+
+def test_integer_and_list_inputs_are_floats():
+    q = [[1, 0], [0, 1]]
+    k = [[[1, 0]], [[0, 1]]]
+    v = [[[2, 0]], [[0, 4]]]
+    out = ops.decode_attention(np.array(q, dtype=np.float32), np.array(k, dtype=np.float32), np.array(v, dtype=np.float32))
+    np.testing.assert_allclose(ops.decode_attention(q, k, v), out)
+    np.testing.assert_allclose(ops.rope(np.ones((2, 4), dtype=np.int64), 1), rope_reference(np.ones((2, 4)), 1), rtol=1e-6)
+    with pytest.raises(kvx.KvxError, match="at least one head"):
+        ops.decode_attention(np.zeros((0, 32)), randn(3, 1, 32), randn(3, 1, 32))
