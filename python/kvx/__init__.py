@@ -97,15 +97,34 @@ class Model:
 
     def generate(self, prompt, max_new=100, temperature=0.8, top_p=0.95, seed=0, kv_cache="f32", evict=None,
                  reference=False, lla=None, lla_absorbed=False, share_kv_layers=1, document_module=None,
-                 return_stats=False):
+                 return_stats=False, stream=None):
         """Continue `prompt` through the decode cache (temperature 0: greedy). Returns the text, or
-        with return_stats a dict: text, tokens, prompt_tokens, prefill/decode seconds, cache bytes."""
+        with return_stats a dict: text, tokens, prompt_tokens, prefill/decode seconds, cache bytes.
+        stream: a callable given each new piece of text as it is generated (pieces split inside a
+        UTF-8 character arrive whole with the next one)."""
         r = _kvx.GenerateRequest()
         r.prompt, r.max_new, r.temperature, r.top_p, r.seed = prompt, max_new, temperature, top_p, seed
         r.kv_cache, r.evict, r.reference = kv_cache, evict or "", reference
         r.lla, r.lla_absorbed, r.share_kv_layers = os.fspath(lla) if lla else "", lla_absorbed, share_kv_layers
         r.document_module = os.fspath(document_module) if document_module else ""
-        out = self._m.generate(r)
+        on_piece = None
+        if stream is not None:
+            pending = bytearray()
+
+            def on_piece(piece):
+                pending.extend(piece)
+                try:
+                    text = pending.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    if e.reason != "unexpected end of data":
+                        text = pending.decode("utf-8", errors="replace")
+                    else:
+                        return  # a character continues in the next token
+                pending.clear()
+                stream(text)
+        out = self._m.generate(r, on_piece)
+        if stream is not None and pending:
+            stream(pending.decode("utf-8", errors="replace"))
         out["text"] = out["text"].decode("utf-8", errors="replace")
         return out if return_stats else out["text"]
 

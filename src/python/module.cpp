@@ -85,12 +85,19 @@ class Model {
     }
     return to_array(out);
   }
-  py::dict generate(const eval::GenerateRequest& r) {
+  // on_piece (or None): called with each generated token's bytes as it is produced.
+  py::dict generate(const eval::GenerateRequest& r, const py::object& on_piece) {
     eval::GenerateOutput o;
+    std::function<void(const std::string&)> stream;
+    if (!on_piece.is_none())
+      stream = [&on_piece](const std::string& piece) {
+        py::gil_scoped_acquire locked;
+        on_piece(py::bytes(piece));  // a Python exception here ends the generation and is re-raised
+      };
     {
       py::gil_scoped_release unlocked;
       std::lock_guard<std::mutex> lock(busy_);
-      o = eval::generate_text(m_, r);
+      o = eval::generate_text(m_, r, stream);
     }
     const auto& s = o.stats;
     return py::dict("text"_a = py::bytes(o.text), "tokens"_a = s.tokens, "prompt_tokens"_a = o.prompt_tokens,
@@ -228,7 +235,7 @@ PYBIND11_MODULE(_kvx, m) {
       .def("kv_bytes_per_token", &Model::kv_bytes_per_token, "kv_cache"_a = "f32")
       .def_property_readonly("tokenizer", &Model::tokenizer)
       .def("logits", &Model::logits, "ids"_a)
-      .def("generate", &Model::generate, "request"_a)
+      .def("generate", &Model::generate, "request"_a, "on_piece"_a = py::none())
       .def("evaluate", &Model::evaluate, "request"_a);
 
   m.def("preset", [](const std::string& name) { return to_python(train::preset(name).to_json()); }, "name"_a);

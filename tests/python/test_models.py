@@ -61,6 +61,14 @@ def test_generate_options_and_errors(micro_model):
     q8 = micro_model.generate("Jesus wept", max_new=5, kv_cache="q8", evict="sink=2,window=6", return_stats=True)
     assert q8["cache"].startswith("q8") and q8["cache_bytes_per_token"] == micro_model.kv_bytes_per_token("q8")
     assert isinstance(micro_model.generate("Jesus wept", max_new=3, seed=3), str)
+    pieces = []
+    text = micro_model.generate("Jesus wept", max_new=12, temperature=0, stream=pieces.append)
+    assert "".join(pieces) == text and len(pieces) >= 1
+
+    def stop(piece):
+        raise KeyboardInterrupt("stop")
+    with pytest.raises(KeyboardInterrupt):
+        micro_model.generate("Jesus wept", max_new=12, stream=stop)
     with pytest.raises(kvx.KvxError, match="prompt is empty"):
         micro_model.generate("", max_new=3)
     with pytest.raises(kvx.KvxError, match="f32"):
