@@ -43,6 +43,11 @@ std::pair<torch::Tensor, torch::Tensor> loop_panels(const LlaCodecPart& part, in
   return {up.transpose(1, 2).to(torch::kFloat32).contiguous().detach(), mu.to(torch::kFloat32).contiguous().detach()};
 }
 
+void check_loop(int loop, int loops) {
+  if (loop < 0 || loop >= loops)
+    throw Error("LLA: loop " + std::to_string(loop) + " is outside the model's " + std::to_string(loops) + " loops");
+}
+
 }  // namespace
 
 LlaLayerStore::LlaLayerStore(const LlaCodecSet& codec, int layer, const CacheOptions& options)
@@ -79,8 +84,7 @@ void LlaLayerStore::clear() {
 }
 
 void LlaLayerStore::set_pending(int loop, const torch::Tensor& k, const torch::Tensor& v) {
-  if (loop < 0 || loop >= loops_)
-    throw Error("LLA: loop " + std::to_string(loop) + " is outside the model's " + std::to_string(loops_) + " loops");
+  check_loop(loop, loops_);
   if (k.dim() != 4 || k.size(1) != kv_heads_ || k.size(3) != head_dim_ || v.sizes() != k.sizes())
     throw Error("LLA: a chunk's keys and values are [batch, " + std::to_string(kv_heads_) + " KV heads, tokens, " +
                 std::to_string(head_dim_) + "], both the same; got k " + nn::shape_of(k) + ", v " + nn::shape_of(v));
@@ -97,8 +101,7 @@ void LlaLayerStore::set_pending(int loop, const torch::Tensor& k, const torch::T
 }
 
 std::pair<torch::Tensor, torch::Tensor> LlaLayerStore::history(int loop) const {
-  if (loop < 0 || loop >= loops_)
-    throw Error("LLA: loop " + std::to_string(loop) + " is outside the model's " + std::to_string(loops_) + " loops");
+  check_loop(loop, loops_);
   if (committed_ == 0) return {};
   // Reconstruct-on-read: the codes are the only history (x^_t = c W_up,t^T + mu_t).
   return {keys_.decode_loop(codes_k_.view().transpose(1, 2), loop, loops_, head_dim_),
@@ -139,8 +142,7 @@ kernels::LlaDecodeArgs LlaLayerStore::read_args(int loop, int64_t position, int6
 
 torch::Tensor LlaLayerStore::attend(int loop, const torch::Tensor& q, const torch::Tensor& q_pre, const torch::Tensor& k,
                                     const torch::Tensor& v, const std::vector<double>& inv_freq) const {
-  if (loop < 0 || loop >= loops_)
-    throw Error("LLA: loop " + std::to_string(loop) + " is outside the model's " + std::to_string(loops_) + " loops");
+  check_loop(loop, loops_);
   const auto kc = codes_k_.view();
   if (q.dim() != 4 || q.size(3) != head_dim_ || q.size(1) % kv_heads_ != 0 || k.dim() != 4 || k.size(0) != q.size(0) ||
       k.size(1) != kv_heads_ || k.size(2) != q.size(2) || k.size(3) != head_dim_ || v.sizes() != k.sizes() ||

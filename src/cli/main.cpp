@@ -34,7 +34,6 @@ using namespace kvx;
 
 namespace {
 
-
 // A number from a command-line list; anything else names the option.
 double parse_number(const std::string& s, const std::string& option) {
   try {

@@ -14,6 +14,20 @@
 
 namespace kvx::eval {
 
+namespace {
+
+// The decode cache a request names: element type, eviction, LLA codes, CLA sharing.
+attention::CacheOptions cache_options(const train::LoadedModel& m, const std::string& type, const std::string& evict,
+                                      bool reference, const std::string& lla, bool lla_absorbed, int share_kv_layers) {
+  auto cache = attention::CacheOptions::parse(type, evict, reference);
+  if (!lla.empty()) cache.lla = compress::LlaCodec::load(lla, m.model->config()).decode_set();
+  cache.lla_absorbed = lla_absorbed;
+  cache.share_kv_layers = share_kv_layers;
+  return cache;
+}
+
+}  // namespace
+
 GenerateOutput generate_text(train::LoadedModel& m, const GenerateRequest& r,
                              const std::function<void(const std::string&)>& on_piece) {
   auto prompt = m.tokenizer.encode(r.prompt);
@@ -21,10 +35,7 @@ GenerateOutput generate_text(train::LoadedModel& m, const GenerateRequest& r,
   model::require_memory(model::inference_memory(m.model->config(), 1, static_cast<int64_t>(prompt.size()),
                                                 static_cast<int64_t>(prompt.size()) + r.max_new, m.model->kv_bytes_per_token()),
                         model::available_memory_bytes(), "generation", "shorten the prompt or lower max_new");
-  auto cache = attention::CacheOptions::parse(r.kv_cache, r.evict, r.reference);
-  if (!r.lla.empty()) cache.lla = compress::LlaCodec::load(r.lla, m.model->config()).decode_set();
-  cache.lla_absorbed = r.lla_absorbed;
-  cache.share_kv_layers = r.share_kv_layers;
+  auto cache = cache_options(m, r.kv_cache, r.evict, r.reference, r.lla, r.lla_absorbed, r.share_kv_layers);
   if (!r.document_module.empty()) {
     const auto module = compress::DocumentModule::load(r.document_module, m.model);
     cache.document = module.decode_set();
@@ -80,10 +91,8 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
                       {"parameters", m.model->num_parameters()},
                       {"seconds", secs}};
   if (!r.kv_cache.empty() || !r.evict.empty() || !r.lla.empty() || r.share_kv_layers > 1) {
-    auto cache = attention::CacheOptions::parse(r.kv_cache.empty() ? "f32" : r.kv_cache, r.evict, false);
-    if (!r.lla.empty()) cache.lla = compress::LlaCodec::load(r.lla, m.model->config()).decode_set();
-    cache.lla_absorbed = r.lla_absorbed;
-    cache.share_kv_layers = r.share_kv_layers;
+    auto cache = cache_options(m, r.kv_cache.empty() ? "f32" : r.kv_cache, r.evict, false, r.lla, r.lla_absorbed,
+                               r.share_kv_layers);
     // Codes are committed after a token's loops: one token per step, so history is read from codes.
     auto c = evaluate_lm_cached(m.model, batches, m.tokenizer, cache, cache.lla ? 1 : 0);
     j["cache"] = {{"kv_cache", cache.describe()},

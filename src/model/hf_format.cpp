@@ -17,9 +17,7 @@ const std::set<std::string> kKnown = {
     "pretraining_tp", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
     "total_ut_steps", "early_exit_threshold", "auto_map"};
 
-// Ouro's default loop count and exit threshold (OuroConfig), and the gate bias kvx writes for a
-// looped model without an exit gate: lambda = sigmoid(-30) ~ 1e-13 per loop, so every token
-// reaches cumulative exit probability 1 only at the last loop, as kvx computes it.
+// Ouro's default loop count and exit threshold (OuroConfig).
 constexpr int kOuroDefaultLoops = 4;
 constexpr double kOuroDefaultThreshold = 1.0;
 
@@ -139,7 +137,5 @@ std::string hf_dtype_name(const std::string& s) {
   if (s == "f16") return "float16";
   throw Error("unknown weight type '" + s + "' (valid: f32, bf16, f16)");
 }
-
-double hf_never_exit_gate_bias() { return -30.0; }
 
 }  // namespace kvx::model

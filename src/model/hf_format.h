@@ -19,8 +19,9 @@ ModelConfig config_from_hf(const nlohmann::json& hf, const std::string& what = "
 nlohmann::json config_to_hf(const ModelConfig& config, const std::string& dtype = "float32");
 
 // The exit-gate bias written for a looped model that has no gate (its weight is zero): the gate
-// then never exits before the last loop, which is what such a model computes.
-double hf_never_exit_gate_bias();
+// then never exits before the last loop (lambda = sigmoid(-30) ~ 1e-13 per loop), which is what
+// such a model computes.
+constexpr double kHfNeverExitGateBias = -30.0;
 
 // "f32" | "bf16" | "f16" -> the torch_dtype name; anything else is an error listing those.
 std::string hf_dtype_name(const std::string& short_name);

@@ -178,6 +178,11 @@ py::array causal_attention(const py::array& q_in, const py::array& k_in, const p
   return to_array(attention::causal_attention(q, k, v, q_start));
 }
 
+py::array l2_normalize(const py::array& x) {
+  torch::NoGradGuard ng;
+  return to_array(attention::l2_normalize(to_float(x)));
+}
+
 py::array rope(const py::array& x_in, int64_t start, double theta) {
   const auto x = to_float(x_in);
   if (x.dim() < 2 || x.size(-1) % 2 != 0)
@@ -415,6 +420,7 @@ void register_ops(py::module_& m) {
         "kv_cache"_a = "f32", "reference"_a = false, "threads"_a = 0);
   m.def("mla_decode", &mla_decode, "q"_a, "latents"_a, "scale"_a, "kv_cache"_a = "f32", "reference"_a = false, "threads"_a = 0);
   m.def("causal_attention", &causal_attention, "q"_a, "k"_a, "v"_a, "q_start"_a = 0);
+  m.def("l2_normalize", &l2_normalize, "x"_a);
   m.def("rope", &rope, "x"_a, "start"_a = 0, "theta"_a = 10000.0);
   m.def("gdn", &gdn, "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "scale"_a = none, "state"_a = none, "form"_a = "chunked",
         "chunk"_a = 64, "threads"_a = 0);

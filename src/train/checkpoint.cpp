@@ -93,7 +93,7 @@ void export_hf(const std::string& model_path, const std::string& out_dir, const 
   const auto& c = loaded.model->config();
   if (c.loops > 1 && !c.exit_gate) {  // Ouro's layout always has a gate: one that never exits early
     tensors["model.early_exit_gate.weight"] = torch::zeros({1, c.hidden_size}, scalar);
-    tensors["model.early_exit_gate.bias"] = torch::full({1}, model::hf_never_exit_gate_bias(), scalar);
+    tensors["model.early_exit_gate.bias"] = torch::full({1}, model::kHfNeverExitGateBias, scalar);
   }
   io::make_dirs(out_dir);
   nn::save_safetensors(out_dir + "/model.safetensors", tensors, {{"format", "pt"}, {"producer", "kvx"}});
