@@ -42,9 +42,8 @@ KVX_INLINE int imin(int a, int b) { return a < b ? a : b; }
 KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // ---------------------------------------------------------------------------------------------
-// Row readers: key(row, scales, j, a, b) = group j (values 32j .. 32j + 31) as vectors a, b
-// (q8/q4 times their block scale; val(): f32/bf16/q8 without a scale).
-// q8/q4 `row` points past the fp16 scales.
+// Row readers: val(row, j, a, b) = group j (values 32j .. 32j + 31) as vectors a, b; q8/q4
+// without their block scale, `row` pointing past the fp16 scales.
 
 struct F32Row {
   static constexpr bool kQuant = false, kPerm = false;
@@ -53,7 +52,6 @@ struct F32Row {
     a = _mm512_loadu_ps(p);
     b = _mm512_loadu_ps(p + 16);
   }
-  static KVX_INLINE void key(const uint8_t* row, const float*, int j, __m512& a, __m512& b) { val(row, j, a, b); }
 };
 
 struct BF16Row {
@@ -63,59 +61,25 @@ struct BF16Row {
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
   }
-  static KVX_INLINE void key(const uint8_t* row, const float*, int j, __m512& a, __m512& b) { val(row, j, a, b); }
 };
 
-// q8/q4 keys use integer dot products against the query quantised to 32-blocks of int8 (VNNI
-// vpdpbusd: unsigned x signed bytes, 4 per int32 lane). A vector covers kVecBlocks blocks of
-// the row's codes; codes(row, c, nb, k) loads vector c as unsigned bytes, dot(k, qc) adds the
-// products to the query vector's bias (see query_int below), giving sum(code * q) per lane.
-// q8: code + 128 (xor 0x80), bias -128 * sum(q); q4: the nibbles n (low nibbles = even
-// positions, high = odd), bias -8 * sum(q); both in the same lanes as the query bytes.
+// q8/q4 values: codes as floats, without the block scale (folded into the attention weights).
+// q8/q4 keys are read by token_scores below, in integers.
 struct Q8Row {
-  static constexpr bool kQuant = true, kPerm = false;
-  static constexpr int kVecBlocks = 2, kQBytes = 192;  // per query vector: codes, bias, scales
-  static KVX_INLINE void codes(const uint8_t* row, int c, int nb, __m512i* k) {
-    const int bytes = 32 * (nb - 2 * c);
-    const __mmask64 m = bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
-    k[0] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, row + 64 * c), _mm512_set1_epi8(static_cast<char>(0x80)));
-  }
-  static KVX_INLINE __m512i dot(const __m512i* k, const uint8_t* qc) {
-    return _mm512_dpbusd_epi32(_mm512_loadu_si512(qc + 64), k[0], _mm512_loadu_si512(qc));
-  }
+  static constexpr bool kQuant = true, kPerm = false, kNibbles = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const uint8_t* p = row + 32 * j;
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
   }
-  static KVX_INLINE void key(const uint8_t* row, const float* scale, int j, __m512& a, __m512& b) {
-    val(row, j, a, b);
-    const __m512 d = _mm512_set1_ps(scale[j]);
-    a = _mm512_mul_ps(a, d);
-    b = _mm512_mul_ps(b, d);
-  }
 };
 
 struct Q4Row {
-  static constexpr bool kQuant = true, kPerm = true;
-  static constexpr int kVecBlocks = 4, kQBytes = 256;  // per query vector: even and odd codes, bias, scales
-  static KVX_INLINE void codes(const uint8_t* row, int c, int nb, __m512i* k) {
-    const int bytes = 16 * (nb - 4 * c);
-    const __mmask64 m = bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
-    const __m512i b = _mm512_maskz_loadu_epi8(m, row + 64 * c), lo4 = _mm512_set1_epi8(0x0f);
-    k[0] = _mm512_and_si512(b, lo4);
-    k[1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4);
-  }
-  static KVX_INLINE __m512i dot(const __m512i* k, const uint8_t* qc) {
-    const __m512i x = _mm512_dpbusd_epi32(_mm512_loadu_si512(qc + 128), k[0], _mm512_loadu_si512(qc));
-    return _mm512_dpbusd_epi32(x, k[1], _mm512_loadu_si512(qc + 64));
-  }
-  // d (n - 8) by table lookup: the 16 possible values of the block, indexed by the nibble
-  // (vpermps reads the low 4 bits of each lane).
-  static KVX_INLINE void key(const uint8_t* row, const float* scale, int j, __m512& a, __m512& b) {
+  static constexpr bool kQuant = true, kPerm = true, kNibbles = true;
+  // n - 8 by table lookup (vpermps reads the low 4 bits of each lane): even positions, odd positions.
+  static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
-    const __m512 table = _mm512_mul_ps(_mm512_set1_ps(scale[j]),
-                                       _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     a = _mm512_permutexvar_ps(w, table);
     b = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), table);
   }
@@ -178,22 +142,21 @@ struct Prefetch {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Scores: s[g * kRow + t] = q_g . k_t for GB queries x TB rows (GB * TB = 16); rows past the
-// tile repeat its last row, their scores land in the padding.
+// Float scores: s[g * kRow + t] = q_g . k_t for GB queries x TB rows (GB * TB = 16); rows past
+// the tile repeat its last row, their scores land in the padding.
 // LRKV's residual in a score block: query g also dots its own latent segment of the residual
-// rows (rows[t] + g * head_bytes, scales ks[t] + g * head_blocks) with qb_g, into the same
-// accumulator, so one reduction serves both parts (lrkv_decode.h).
+// rows (rows[t] + g * head_bytes) with qb_g, into the same accumulator, so one reduction serves
+// both parts (lrkv_decode.h).
 struct ResidualRows {
-  const uint8_t* qb = nullptr;  // the group's first prepared qb (float or integer layout)
+  const uint8_t* qb = nullptr;  // the group's first prepared qb
   size_t qb_stride = 0;         // bytes between heads' qb
   int blocks = 0;               // r / 32 per head
-  size_t head_bytes = 0;        // code bytes per head segment
+  size_t head_bytes = 0;        // bytes per head segment
   const uint8_t* const* rows = nullptr;
-  const float* const* ks = nullptr;
 };
 
 template <class R, int GB, int TB>
-KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const* rows, const float* const* ks, float* s,
+KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const* rows, float* s,
                             const ResidualRows* res = nullptr) {
   static_assert(GB * TB == 16, "score_block reduces 16 accumulators");
   __m512 acc[16];
@@ -201,7 +164,7 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
   for (int j = 0; j < nj; ++j)
     for (int t = 0; t < TB; ++t) {
       __m512 ka, kb;
-      R::key(rows[t], ks[t], j, ka, kb);
+      R::val(rows[t], j, ka, kb);
       for (int g = 0; g < GB; ++g) {
         const float* qg = q + g * d + 32 * j;
         acc[g * TB + t] = _mm512_fmadd_ps(_mm512_loadu_ps(qg), ka, acc[g * TB + t]);
@@ -215,7 +178,7 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
         const __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16);
         for (int t = 0; t < TB; ++t) {
           __m512 ka, kb;
-          R::key(res->rows[t] + g * res->head_bytes, res->ks[t] + g * res->blocks, j, ka, kb);
+          R::val(res->rows[t] + g * res->head_bytes, j, ka, kb);
           acc[g * TB + t] = _mm512_fmadd_ps(q0, ka, acc[g * TB + t]);
           acc[g * TB + t] = _mm512_fmadd_ps(q1, kb, acc[g * TB + t]);
         }
@@ -226,76 +189,125 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
     for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
 }
 
-// q8/q4 scores with integer dots: per query vector c, lanes of block b hold sum(code * q) over
-// their 4 bytes; times d_k(b) d_q(b) (the row's and the query's block scales) into a float
-// accumulator; then the lanes are summed. q: per query nz vectors of R::kQBytes bytes.
-template <class R, int GB, int TB>
-KVX_INLINE void score_block_int(const uint8_t* q, size_t qstride, int nz, int nb, const uint8_t* const* rows,
-                                const float* const* ks, float* s, const ResidualRows* res = nullptr) {
-  static_assert(GB * TB == 16, "score_block_int reduces 16 accumulators");
-  constexpr int kLanesPerBlock = 16 / R::kVecBlocks;
-  const __m512i lane_block = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               kLanesPerBlock == 8 ? 3 : 2);
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  for (int c = 0; c < nz; ++c) {
-    const int left = nb - c * R::kVecBlocks;
-    const __mmask16 sm = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-    for (int t = 0; t < TB; ++t) {
-      __m512i k[2];
-      R::codes(rows[t], c, nb, k);
-      const __m512 dk = _mm512_permutexvar_ps(lane_block, _mm512_maskz_loadu_ps(sm, ks[t] + c * R::kVecBlocks));
-      for (int g = 0; g < GB; ++g) {
-        const uint8_t* qc = q + g * qstride + static_cast<size_t>(c) * R::kQBytes;
-        const __m512 dq = _mm512_loadu_ps(reinterpret_cast<const float*>(qc + R::kQBytes - 64));
-        acc[g * TB + t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(R::dot(k, qc)), _mm512_mul_ps(dk, dq), acc[g * TB + t]);
-      }
-    }
+// ---------------------------------------------------------------------------------------------
+// q8/q4 scores with tokens in lanes. 16 rows are transposed so that lane t of vector i holds
+// 32-bit word i of row t; a query's block dot is then 8 vpdpbusd (unsigned row bytes x signed
+// query bytes, 4 per lane) with the query's matching 4 bytes broadcast, and no horizontal sum.
+// The transpose is shared by every query head reading the rows (the GQA group, or all H for
+// LRKV's shared K).
+
+// out[i] lane t = word i of the `bytes` (<= 32) bytes at rows[t] + offset (t < 16), zeros past
+// them: two 8 x 8 word transposes side by side (rows t and t + 8 share a vector).
+KVX_INLINE void transpose16x8(const uint8_t* const* rows, size_t offset, int bytes, __m512i* out) {
+  const __mmask32 m = bytes >= 32 ? ~__mmask32{0} : (__mmask32{1} << bytes) - 1;
+  __m512i r[8], t[8], u[8];
+  for (int k = 0; k < 8; ++k)
+    r[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi8(m, rows[k] + offset)),
+                              _mm256_maskz_loadu_epi8(m, rows[k + 8] + offset), 1);
+  for (int k = 0; k < 8; k += 2) {  // per 128-bit lane: words (0, 1) or (2, 3) of rows k, k + 1
+    t[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
+    t[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
   }
-  if (res) {
-    const int nzr = (res->blocks + R::kVecBlocks - 1) / R::kVecBlocks;
-    for (int c = 0; c < nzr; ++c) {
-      const int left = res->blocks - c * R::kVecBlocks;
-      const __mmask16 sm = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-      for (int g = 0; g < GB; ++g) {
-        const uint8_t* qc = res->qb + g * res->qb_stride + static_cast<size_t>(c) * R::kQBytes;
-        const __m512 dq = _mm512_loadu_ps(reinterpret_cast<const float*>(qc + R::kQBytes - 64));
-        for (int t = 0; t < TB; ++t) {
-          __m512i k[2];
-          R::codes(res->rows[t] + g * res->head_bytes, c, res->blocks, k);
-          const __m512 dk = _mm512_permutexvar_ps(
-              lane_block, _mm512_maskz_loadu_ps(sm, res->ks[t] + g * res->blocks + c * R::kVecBlocks));
-          acc[g * TB + t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(R::dot(k, qc)), _mm512_mul_ps(dk, dq), acc[g * TB + t]);
-        }
-      }
-    }
+  for (int k = 0; k < 8; k += 4) {  // per 128-bit lane: one word of rows k .. k + 3
+    u[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
+    u[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
+    u[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
+    u[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
   }
-  alignas(64) float r[16];
-  _mm512_store_ps(r, reduce16(acc));
-  for (int g = 0; g < GB; ++g)
-    for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
+  // u[i] lanes: word i of rows 0-3, word i + 4 of rows 0-3, the same of rows 8-11; u[i + 4]: of
+  // rows 4-7 and 12-15.
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int i = 0; i < 4; ++i) {
+    out[i] = _mm512_permutex2var_epi64(u[i], first, u[i + 4]);
+    out[i + 4] = _mm512_permutex2var_epi64(u[i], second, u[i + 4]);
+  }
 }
 
-// Values: acc[g][group j] += sum_t p_gt v_t[group j] for groups j0 .. j0 + JB - 1, GB * 2 JB
-// <= 16 accumulators in registers across the n rows; p_gt = p[g * kRow + t]; q8/q4 rows are
-// scaled like keys (vs: the tile's V scales, [row][block]).
+// The fp16 scales of `blocks` blocks at the start of 16 rows -> dst[b * kMaxTile + t] floats.
+KVX_INLINE void transpose_scales(const uint8_t* const* rows, int blocks, float* dst) {
+  for (int c = 0; c < blocks; c += 16) {
+    __m512i w[8];
+    transpose16x8(rows, 2 * static_cast<size_t>(c), imin(32, 2 * (blocks - c)), w);
+    for (int i = 0; i < 8 && c + 2 * i < blocks; ++i) {
+      float* d0 = dst + static_cast<size_t>(c + 2 * i) * kMaxTile;
+      _mm512_storeu_ps(d0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w[i])));
+      if (c + 2 * i + 1 < blocks) _mm512_storeu_ps(d0 + kMaxTile, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w[i], 16))));
+    }
+  }
+}
+
+// Prepared integer query of width w (nq = w / 32 blocks): [nq][8] words of 4 signed codes, in
+// the order of the transposed row words (q8: values 4i .. 4i + 3 of the block; q4: the even
+// values of word i, then the odd ones: low and high nibbles), then [nq] int32 bias, then [nq]
+// float scales. Rows are read unsigned (q8: code + 128; q4: the nibble, value + 8), so the bias
+// is -128 (q8) or -8 (q4) times the block's code sum.
+KVX_INLINE size_t int_query_floats(int w) { return static_cast<size_t>(w / 32) * 10; }
+
+// s[g * kRow + t] (add: +=) q_g . k_t for the 16 rows (`offset` bytes into rows[t]: nb blocks of
+// codes) and G queries q + g * qstride bytes; kT: the rows' block scales [b][kMaxTile].
+template <class R>
+KVX_INLINE void token_scores(const uint8_t* const* rows, size_t offset, int nb, const uint8_t* q, size_t qstride, int G,
+                             const float* kT, float* s, bool add) {
+  constexpr int kBlockBytes = R::kNibbles ? 16 : 32;
+  for (int c = 0; 32 * c < kBlockBytes * nb; ++c) {
+    __m512i w[8];
+    transpose16x8(rows, offset + 32 * static_cast<size_t>(c), imin(32, kBlockBytes * nb - 32 * c), w);
+    for (int half = 0; half < (R::kNibbles ? 2 : 1); ++half) {
+      const int b = R::kNibbles ? 2 * c + half : c;
+      if (b >= nb) break;
+      __m512i u[8];
+      if constexpr (R::kNibbles) {
+        const __m512i lo4 = _mm512_set1_epi8(0x0f);
+        for (int i = 0; i < 4; ++i) {
+          u[i] = _mm512_and_si512(w[4 * half + i], lo4);
+          u[4 + i] = _mm512_and_si512(_mm512_srli_epi16(w[4 * half + i], 4), lo4);
+        }
+      } else {
+        for (int i = 0; i < 8; ++i) u[i] = _mm512_xor_si512(w[i], _mm512_set1_epi8(static_cast<char>(0x80)));
+      }
+      const __m512 dk = _mm512_loadu_ps(kT + static_cast<size_t>(b) * kMaxTile);
+      for (int g = 0; g < G; ++g) {
+        const uint8_t* qg = q + g * qstride;
+        const int32_t* words = reinterpret_cast<const int32_t*>(qg) + 8 * b;
+        __m512i acc = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(qg)[8 * nb + b]);
+        for (int i = 0; i < 8; ++i) acc = _mm512_dpbusd_epi32(acc, u[i], _mm512_set1_epi32(words[i]));
+        const __m512 dkq = _mm512_mul_ps(dk, _mm512_set1_ps(reinterpret_cast<const float*>(qg)[9 * nb + b]));
+        float* sg = s + g * kRow;
+        const __m512 prev = add || b > 0 ? _mm512_loadu_ps(sg) : _mm512_setzero_ps();
+        _mm512_storeu_ps(sg, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dkq, prev));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Values: acc[g][group j] += sum_t w(g, t, j) v_t[group j] for groups j0 .. j0 + JB - 1, GB * 2 JB
+// <= 16 accumulators in registers across the n rows. Weights: f32/bf16 w[g * wg + t] (the
+// softmax numerators); q8/q4 w[g * wg + j * kMaxTile + t], the numerators times the rows' block
+// scales (the codes are read unscaled).
+template <class R>
+KVX_INLINE float weight(const float* w, size_t wg, int g, int j, int t) {
+  if constexpr (R::kQuant)
+    return w[g * wg + static_cast<size_t>(j) * kMaxTile + t];
+  else
+    return w[g * wg + t];
+}
+
 template <class R, int GB, int JB>
-KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* p, const float* vs, int nb, float* acc, int d,
-                           int j0) {
+KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d, int j0) {
   static_assert(GB * 2 * JB <= 16, "value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
   for (int g = 0; g < GB; ++g)
     for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(acc + g * d + 32 * j0 + 16 * i);
   for (int t = 0; t < n; ++t) {
     const uint8_t* row = v0 + t * rb;
-    __m512 wv[GB];
-    for (int g = 0; g < GB; ++g) wv[g] = _mm512_set1_ps(p[g * kRow + t]);
     for (int jj = 0; jj < JB; ++jj) {
       __m512 va, vb;
-      R::key(row, vs + t * nb, j0 + jj, va, vb);
+      R::val(row, j0 + jj, va, vb);
       for (int g = 0; g < GB; ++g) {
-        a[g][2 * jj] = _mm512_fmadd_ps(wv[g], va, a[g][2 * jj]);
-        a[g][2 * jj + 1] = _mm512_fmadd_ps(wv[g], vb, a[g][2 * jj + 1]);
+        const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, g, j0 + jj, t));
+        a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
+        a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
     }
   }
@@ -303,43 +315,42 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* p, 
     for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * d + 32 * j0 + 16 * i, a[g][i]);
 }
 
-// LRKV latents: acc_r[g] += sum_t p[g][t] R_{h0+g},t for GB heads, each reading its own segment
-// of the row (v0 + g * head_bytes, scales vs + g * blocks per row), groups jr0 .. jr0 + JB - 1 of
-// it; GB x 2 JB accumulators held across the rows.
+// LRKV latents: acc_r[g] += sum_t w(g, t, j) R_{h0+g},t for GB heads, each reading its own
+// segment of the row (v0 + g * head_bytes), groups jr0 .. jr0 + JB - 1 of it; GB x 2 JB
+// accumulators held across the rows.
 template <class R, int GB, int JB>
-KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* p, const float* vs,
-                                    int nb, int blocks, float* acc, int r, int jr0) {
+KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg,
+                                    float* acc, int r, int jr0) {
   static_assert(GB * 2 * JB <= 16, "residual_value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
   for (int g = 0; g < GB; ++g)
     for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(acc + g * r + 32 * jr0 + 16 * i);
   for (int t = 0; t < n; ++t)
-    for (int g = 0; g < GB; ++g) {
-      const __m512 wv = _mm512_set1_ps(p[g * kRow + t]);
+    for (int g = 0; g < GB; ++g)
       for (int jj = 0; jj < JB; ++jj) {
         __m512 va, vb;
-        R::key(v0 + t * rb + g * head_bytes, vs + t * nb + g * blocks, jr0 + jj, va, vb);
+        R::val(v0 + t * rb + g * head_bytes, jr0 + jj, va, vb);
+        const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, g, jr0 + jj, t));
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
-    }
   for (int g = 0; g < GB; ++g)
     for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * r + 32 * jr0 + 16 * i, a[g][i]);
 }
 
 template <class R, int GB>
-KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* p, const float* vs, int nb,
-                                int blocks, float* acc, int r) {
+KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg, int blocks,
+                                float* acc, int r) {
   int j = 0;
-  for (; j + 2 <= blocks; j += 2) residual_value_pass<R, GB, 2>(v0, rb, head_bytes, n, p, vs, nb, blocks, acc, r, j);
-  for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, p, vs, nb, blocks, acc, r, j);
+  for (; j + 2 <= blocks; j += 2) residual_value_pass<R, GB, 2>(v0, rb, head_bytes, n, w, wg, acc, r, j);
+  for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, w, wg, acc, r, j);
 }
 
 // All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
 // needs several accumulators to hide the FMA latency); the passes share out the prefetch of
 // the next V tile.
 template <class R, int GB>
-KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* p, const float* vs, int nb, float* acc, int d,
+KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d,
                            const Prefetch* pf) {
   constexpr int JB = 8 / GB;
   const int nj = d / 32;
@@ -348,7 +359,7 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* p, 
   auto pass = [&](auto jb) {
     constexpr int B = decltype(jb)::value;
     if (pf) pf->range(bytes * j / nj, bytes * (j + B) / nj);
-    value_pass<R, GB, B>(v0, rb, n, p, vs, nb, acc, d, j);
+    value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j);
     j += B;
   };
   while (j + JB <= nj) pass(Int<JB>{});
@@ -360,19 +371,10 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* p, 
     while (j < nj) pass(Int<1>{});
 }
 
-// nb fp16 scales -> floats (up to 16; dst has room for 16).
-KVX_INLINE void load_scales(const uint8_t* row, int nb, float* dst) {
-  const __mmask16 m = nb >= 16 ? 0xffff : static_cast<__mmask16>((1u << nb) - 1);
-  _mm512_mask_storeu_ps(dst, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row)));
-}
-
-// Floats per query head in the kernel's layout: d (f32/bf16), or the integer query vectors.
+// Floats per query head in the kernel's layout: d (f32/bf16), or the integer query.
 template <class R>
 KVX_INLINE size_t query_floats(int d) {
-  if constexpr (R::kQuant)
-    return static_cast<size_t>((d / 32 + R::kVecBlocks - 1) / R::kVecBlocks) * R::kQBytes / sizeof(float);
-  else
-    return static_cast<size_t>(d);
+  return R::kQuant ? int_query_floats(d) : static_cast<size_t>(d);
 }
 
 // Query heads go in groups of 4, 2, 1 that share each K/V load.
@@ -390,69 +392,51 @@ struct Residual {
   int r = 0;
 };
 
-// Scratch (floats): scores G * kRow; q8/q4 also the tile's K and V scales, [row][block] each;
-// with a residual one more score row and its scales.
+// Scratch (floats): scores G * kRow; q8/q4 also, per block of the rows (nb of K/V, nbr of the
+// residual's), the tile's K and V scales [block][kMaxTile] and the weights of the values
+// ([g][block][kMaxTile], then the residual's [block][kMaxTile]).
 struct Scratch {
-  float *s, *ks, *vs, *rs, *rks, *rvs;
+  float *s, *kT, *vT, *w, *wr;
   Scratch(float* base, int G, int nb, int nbr)
-      : s(base), ks(s + G * kRow), vs(ks + kMaxTile * nb), rs(vs + kMaxTile * nb), rks(rs + kRow), rvs(rks + kMaxTile * nbr) {}
-  static size_t floats(int G, int nb, int nbr) { return static_cast<size_t>(G) * kRow + 2 * kMaxTile * (nb + nbr) + kRow + 16; }
+      : s(base), kT(s + G * kRow), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)), wr(w + kMaxTile * G * nb) {}
+  static size_t floats(int G, int nb, int nbr) {
+    return static_cast<size_t>(G) * kRow + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) + 16;
+  }
 };
 
-// Scores of the GB queries at q (query floats apart) against rows kb (+ per-row offset `codes`
-// bytes), TB at a time, into s[g * kRow + t].
-// Residual rows for scores_for: the latents' tile (codes start) and scales, head h0 of the group.
+// Float scores of the GB queries at q (d floats apart) against rows kb, TB at a time, into
+// s[g * kRow + t]; with LRKV's residual (rows0: row 0's latent of head h0, head_bytes apart).
 struct ResidualTile {
-  const uint8_t* qb;  // prepared qb of head h0
-  size_t qb_stride;   // bytes between heads
-  int blocks;         // r / 32
-  size_t head_bytes;  // code bytes per head segment
-  const uint8_t* rows0;  // row 0's codes, head h0's segment
+  const uint8_t* qb;     // prepared qb of head h0
+  size_t qb_stride;      // bytes between heads
+  int blocks;            // r / 32
+  size_t head_bytes;     // bytes per head segment
+  const uint8_t* rows0;  // row 0's latents, head h0's segment
   size_t rb;
-  const float* ks0;   // row 0's scales, head h0's first block
-  int ks_stride;      // scales per row
 };
 
 template <class R>
-KVX_INLINE void scores_for(const float* q, size_t qfloats, int gb, int d, const uint8_t* kb, size_t rb, size_t codes,
-                           const float* ks, int ks_stride, int n, float* s, const Prefetch* pf,
+KVX_INLINE void scores_for(const float* q, int gb, int d, const uint8_t* kb, size_t rb, int n, float* s, const Prefetch* pf,
                            const ResidualTile* rt = nullptr) {
   const int nj = d / 32;
   const int TB = 16 / gb;
   for (int t0 = 0; t0 < n; t0 += TB) {
     const uint8_t* rows[16];
-    const float* kst[16];
     const uint8_t* rrows[16];
-    const float* rkst[16];
     ResidualRows res;
     for (int i = 0; i < TB; ++i) {
       const int t = imin(t0 + i, n - 1);
-      rows[i] = kb + t * rb + codes;
-      kst[i] = ks + t * ks_stride;
-      if (rt) {
-        rrows[i] = rt->rows0 + t * rt->rb;
-        rkst[i] = rt->ks0 + t * rt->ks_stride;
-      }
+      rows[i] = kb + t * rb;
+      if (rt) rrows[i] = rt->rows0 + t * rt->rb;
     }
-    if (rt) res = {rt->qb, rt->qb_stride, rt->blocks, rt->head_bytes, rrows, rkst};
+    if (rt) res = {rt->qb, rt->qb_stride, rt->blocks, rt->head_bytes, rrows};
     const ResidualRows* rp = rt ? &res : nullptr;
     if (pf) pf->range(t0 * rb, imin(t0 + TB, n) * rb);
     float* sg = s + t0;
-    if constexpr (R::kQuant) {
-      const size_t qstride = qfloats * sizeof(float);
-      const uint8_t* qg = reinterpret_cast<const uint8_t*>(q);
-      const int nb = d / 32, nz = (nb + R::kVecBlocks - 1) / R::kVecBlocks;
-      switch (gb) {
-        case 4: score_block_int<R, 4, 4>(qg, qstride, nz, nb, rows, kst, sg, rp); break;
-        case 2: score_block_int<R, 2, 8>(qg, qstride, nz, nb, rows, kst, sg, rp); break;
-        default: score_block_int<R, 1, 16>(qg, qstride, nz, nb, rows, kst, sg, rp); break;
-      }
-    } else {
-      switch (gb) {
-        case 4: score_block<R, 4, 4>(q, d, nj, rows, kst, sg, rp); break;
-        case 2: score_block<R, 2, 8>(q, d, nj, rows, kst, sg, rp); break;
-        default: score_block<R, 1, 16>(q, d, nj, rows, kst, sg, rp); break;
-      }
+    switch (gb) {
+      case 4: score_block<R, 4, 4>(q, d, nj, rows, sg, rp); break;
+      case 2: score_block<R, 2, 8>(q, d, nj, rows, sg, rp); break;
+      default: score_block<R, 1, 16>(q, d, nj, rows, sg, rp); break;
     }
   }
 }
@@ -478,10 +462,11 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {
 template <class R>
 void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, float* part, float* scratch,
                const Residual& res = {}) {
-  const int d = kv.head_dim(), nj = d / 32, nb = R::kQuant ? nj : 1, P = kv.page_tokens();
+  const int d = kv.head_dim(), nj = d / 32, nb = R::kQuant ? nj : 0, P = kv.page_tokens();
   const size_t rb = kv.row_bytes();
   const KVStore* rst = res.store;
-  const int r = rst ? res.r : 0, nbr = rst && R::kQuant ? rst->head_dim() / 32 : (rst ? 1 : 0);
+  const int r = rst ? res.r : 0, rblocks = r / 32;  // latent blocks per head
+  const int nbr = rst && R::kQuant ? G * rblocks : 0;
   const size_t rrb = rst ? rst->row_bytes() : 0;
   const int tile = rst ? (rb + rrb < 1024 ? 32 : 16) : tile_rows(rb);  // LRKV: K and V tiles of both stores within ~40 KB
   const Scratch sc(scratch, G, nb, nbr);
@@ -494,10 +479,12 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     l[g] = 0.0f;
   }
   for (int i = 0; i < G * (d + r); ++i) acc[i] = 0.0f;
-  const size_t codes = R::kQuant ? 2 * static_cast<size_t>(nb) : 0;    // bytes of scales before the codes
-  const size_t rcodes = R::kQuant ? 2 * static_cast<size_t>(nbr) : 0;
+  const size_t codes = 2 * static_cast<size_t>(nb);  // bytes of scales before the codes
+  const size_t rcodes = 2 * static_cast<size_t>(nbr);
   // Byte offset of head h's latent within a residual row's codes (r % 32 == 0).
-  auto head_bytes = [&](int h) { return static_cast<size_t>(h) * r * (rst ? rst->row_bytes() - rcodes : 0) / (rst ? rst->head_dim() : 1); };
+  const size_t latent_bytes = rst ? (rrb - rcodes) / G : 0;
+  const uint8_t* qi = reinterpret_cast<const uint8_t*>(q);  // integer queries (q8/q4)
+  const size_t qbytes = query_floats<R>(d) * sizeof(float), qb_bytes = res.qstride * sizeof(float);
 
   for (int64_t row = pc.r0; row < pc.r1;) {
     const int64_t page = row / P;
@@ -507,15 +494,6 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     const uint8_t* vb = kv.v_rows(page, pc.head) + off * rb;
     const uint8_t* rkb = rst ? rst->k_rows(page, 0) + off * rrb : nullptr;
     const uint8_t* rvb = rst ? rst->v_rows(page, 0) + off * rrb : nullptr;
-    if constexpr (R::kQuant)
-      for (int t = 0; t < n; ++t) {
-        load_scales(kb + t * rb, nb, sc.ks + t * nb);
-        load_scales(vb + t * rb, nb, sc.vs + t * nb);
-        for (int b = 0; b < nbr; b += 16) {
-          load_scales(rkb + t * rrb + 2 * b, imin(16, nbr - b), sc.rks + t * nbr + b);
-          load_scales(rvb + t * rrb + 2 * b, imin(16, nbr - b), sc.rvs + t * nbr + b);
-        }
-      }
     // The next tile (this page, then the next one; within the piece) is fetched while this one
     // computes: K during the scores, V during the value passes.
     const int64_t page_rows = lmin(P - off, pc.r1 - row), next_rows = lmin(P, pc.r1 - row - page_rows);
@@ -528,23 +506,46 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     };
     const Prefetch kpf = prefetcher(kb, has_next ? kv.k_rows(page + 1, pc.head) : nullptr, rb);
     const Prefetch vpf = prefetcher(vb, has_next ? kv.v_rows(page + 1, pc.head) : nullptr, rb);
-
-    // Scores: the shared rows for each group of up to 4 queries, with (LRKV) each query's latent
-    // segment in the same accumulators.
-    const Prefetch rkpf = rst ? prefetcher(rkb, has_next ? rst->k_rows(page + 1, 0) : nullptr, rrb) : Prefetch{};
-    const Prefetch rvpf = rst ? prefetcher(rvb, has_next ? rst->v_rows(page + 1, 0) : nullptr, rrb) : Prefetch{};
     if (rst) {
-      rkpf.range(0, static_cast<size_t>(n) * rrb);
-      rvpf.range(0, static_cast<size_t>(n) * rrb);
+      prefetcher(rkb, has_next ? rst->k_rows(page + 1, 0) : nullptr, rrb).range(0, static_cast<size_t>(n) * rrb);
+      prefetcher(rvb, has_next ? rst->v_rows(page + 1, 0) : nullptr, rrb).range(0, static_cast<size_t>(n) * rrb);
     }
-    for (int g0 = 0, gb; g0 < G; g0 += gb) {
-      gb = group_size(G - g0);
-      ResidualTile rt{};
-      if (rst)
-        rt = {reinterpret_cast<const uint8_t*>(res.qb + g0 * res.qstride), res.qstride * sizeof(float), r / 32, head_bytes(1),
-              rkb + rcodes + head_bytes(g0), rrb, sc.rks + g0 * (r / 32), nbr};
-      scores_for<R>(q + g0 * query_floats<R>(d), query_floats<R>(d), gb, d, kb, rb, codes, sc.ks, nb, n,
-                    sc.s + g0 * kRow, g0 == 0 ? &kpf : nullptr, rst ? &rt : nullptr);
+
+    // Scores: the shared rows for all G queries, with (LRKV) each query's latent segment added.
+    if constexpr (R::kQuant) {
+      for (int t0 = 0; t0 < n; t0 += 16) {  // 16 rows in lanes; rows past the tile repeat its last row
+        const uint8_t *krow[16], *vrow[16], *rkrow[16], *rvrow[16];
+        for (int i = 0; i < 16; ++i) {
+          const int t = imin(t0 + i, n - 1);
+          krow[i] = kb + t * rb;
+          vrow[i] = vb + t * rb;
+          if (rst) {
+            rkrow[i] = rkb + t * rrb;
+            rvrow[i] = rvb + t * rrb;
+          }
+        }
+        kpf.range(t0 * rb, imin(t0 + 16, n) * rb);
+        transpose_scales(krow, nb, sc.kT + t0);
+        transpose_scales(vrow, nb, sc.vT + t0);
+        token_scores<R>(krow, codes, nb, qi, qbytes, G, sc.kT + t0, sc.s + t0, false);
+        if (rst) {
+          transpose_scales(rkrow, nbr, sc.kT + nb * kMaxTile + t0);
+          transpose_scales(rvrow, nbr, sc.vT + nb * kMaxTile + t0);
+          const uint8_t* qb = reinterpret_cast<const uint8_t*>(res.qb);
+          for (int h = 0; h < G; ++h)
+            token_scores<R>(rkrow, rcodes + h * latent_bytes, rblocks, qb + h * qb_bytes, qb_bytes, 1,
+                            sc.kT + (nb + h * rblocks) * kMaxTile + t0, sc.s + h * kRow + t0, true);
+        }
+      }
+    } else {
+      for (int g0 = 0, gb; g0 < G; g0 += gb) {
+        gb = group_size(G - g0);
+        ResidualTile rt{};
+        if (rst)
+          rt = {reinterpret_cast<const uint8_t*>(res.qb + g0 * res.qstride), qb_bytes, rblocks, latent_bytes,
+                rkb + g0 * latent_bytes, rrb};
+        scores_for<R>(q + g0 * d, gb, d, kb, rb, n, sc.s + g0 * kRow, g0 == 0 ? &kpf : nullptr, rst ? &rt : nullptr);
+      }
     }
 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
@@ -569,33 +570,49 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       _mm512_storeu_ps(sg, p0);
       _mm512_storeu_ps(sg + 16, p1);
       l[g] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      if constexpr (R::kQuant)  // value weights: the numerators times the V rows' block scales
+        for (int t0 = 0; t0 < n; t0 += 16) {
+          const __m512 p = t0 == 0 ? p0 : p1;
+          for (int b = 0; b < nb; ++b) {
+            const size_t o = static_cast<size_t>(b) * kMaxTile + t0;
+            _mm512_storeu_ps(sc.w + static_cast<size_t>(g) * nb * kMaxTile + o, _mm512_mul_ps(p, _mm512_loadu_ps(sc.vT + o)));
+          }
+          for (int b = g * rblocks; b < (g + 1) * rblocks && rst; ++b) {
+            const size_t o = static_cast<size_t>(b) * kMaxTile + t0;
+            _mm512_storeu_ps(sc.wr + o, _mm512_mul_ps(p, _mm512_loadu_ps(sc.vT + nb * kMaxTile + o)));
+          }
+        }
     }
 
     // Values; the first group's passes prefetch the next V tile.
+    const float* w = R::kQuant ? sc.w : sc.s;
+    const size_t wg = R::kQuant ? static_cast<size_t>(nb) * kMaxTile : kRow;
     for (int g0 = 0, gb; g0 < G; g0 += gb) {
       gb = group_size(G - g0);
       const Prefetch* pf = g0 == 0 ? &vpf : nullptr;
       float* ag = acc + static_cast<size_t>(g0) * d;
-      const float* p = sc.s + g0 * kRow;
+      const float* wgp = w + g0 * wg;
       switch (gb) {
-        case 4: value_tile<R, 4>(vb + codes, rb, n, p, sc.vs, nb, ag, d, pf); break;
-        case 2: value_tile<R, 2>(vb + codes, rb, n, p, sc.vs, nb, ag, d, pf); break;
-        default: value_tile<R, 1>(vb + codes, rb, n, p, sc.vs, nb, ag, d, pf); break;
+        case 4: value_tile<R, 4>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
+        case 2: value_tile<R, 2>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
+        default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
       }
     }
-    if (rst)  // + a_h R_h^V, heads in groups of up to 4
+    if (rst) {  // + a_h R_h^V, heads in groups of up to 4
+      const float* wr = R::kQuant ? sc.wr : sc.s;
+      const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
       for (int h0 = 0, gb; h0 < G; h0 += gb) {
         gb = group_size(G - h0);
-        const uint8_t* v0 = rvb + rcodes + head_bytes(h0);
-        const float* p = sc.s + h0 * kRow;
-        const float* vs = sc.rvs + h0 * (r / 32);
+        const uint8_t* v0 = rvb + rcodes + h0 * latent_bytes;
+        const float* wh = wr + h0 * wrg;
         float* ar = acc_r + static_cast<size_t>(h0) * r;
         switch (gb) {
-          case 4: residual_values<R, 4>(v0, rrb, head_bytes(1), n, p, vs, nbr, r / 32, ar, r); break;
-          case 2: residual_values<R, 2>(v0, rrb, head_bytes(1), n, p, vs, nbr, r / 32, ar, r); break;
-          default: residual_values<R, 1>(v0, rrb, head_bytes(1), n, p, vs, nbr, r / 32, ar, r); break;
+          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
+          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
+          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
         }
       }
+    }
     row += n;
   }
 
@@ -642,47 +659,36 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
       }
     return;
   }
-  // Integer query vectors (see Q8Row / Q4Row): codes, bias per int32 lane, block scale per lane.
+  // Integer queries (int_query_floats): per 32-block, codes in the transposed rows' word order,
+  // the bias and the scale.
   const bool q4 = type == KVType::Q4;
-  const int nb = d / 32, vb = q4 ? Q4Row::kVecBlocks : Q8Row::kVecBlocks, qbytes = q4 ? Q4Row::kQBytes : Q8Row::kQBytes;
-  const int nz = (nb + vb - 1) / vb;
-  int8_t codes[32 * 16];
-  float scaled[32 * 16], dq[16];
+  const int nq = d / 32;
+  int8_t c[32];
+  float scaled[32];
   for (int h = 0; h < heads; ++h) {
-    uint8_t* y = reinterpret_cast<uint8_t*>(qs + h * stride);
-    memset(y, 0, static_cast<size_t>(nz) * qbytes);
-    for (int c = 0; c < nz; ++c) {
-      const int blocks = imin(vb, nb - c * vb);
-      const float* x = q + static_cast<size_t>(h) * d + c * vb * 32;
-      for (int i = 0; i < 32 * blocks; ++i) scaled[i] = x[i] * scale;
-      quantize_query_blocks(scaled, 32 * blocks, codes, dq);
-      uint8_t* qc = y + static_cast<size_t>(c) * qbytes;
-      int32_t* bias = reinterpret_cast<int32_t*>(qc + qbytes - 128);
-      float* scl = reinterpret_cast<float*>(qc + qbytes - 64);
-      for (int b = 0; b < blocks; ++b)
-        for (int i = 0; i < (q4 ? 16 : 32); ++i) {
-          const int byte = b * (q4 ? 16 : 32) + i;  // byte of the code vector(s); lane = byte / 4
-          if (q4) {
-            const int8_t even = codes[b * 32 + 2 * i], odd = codes[b * 32 + 2 * i + 1];
-            qc[byte] = static_cast<uint8_t>(even);
-            qc[64 + byte] = static_cast<uint8_t>(odd);
-            bias[byte / 4] -= 8 * (even + odd);
-          } else {
-            qc[byte] = static_cast<uint8_t>(codes[b * 32 + i]);
-            bias[byte / 4] -= 128 * codes[b * 32 + i];
-          }
+    int8_t* words = reinterpret_cast<int8_t*>(qs + h * stride);
+    int32_t* bias = reinterpret_cast<int32_t*>(qs + h * stride + 8 * nq);
+    float* dq = qs + h * stride + 9 * nq;
+    for (int b = 0; b < nq; ++b) {
+      const float* x = q + static_cast<size_t>(h) * d + 32 * b;
+      for (int i = 0; i < 32; ++i) scaled[i] = x[i] * scale;
+      quantize_query_blocks(scaled, 32, c, dq + b);
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) sum += c[i];
+      bias[b] = (q4 ? -8 : -128) * sum;
+      int8_t* y = words + 32 * b;
+      for (int i = 0; i < 4; ++i)  // word i: 4 values (q8), or the even / odd values of word i (q4)
+        for (int k = 0; k < 4; ++k) {
+          y[4 * i + k] = q4 ? c[8 * i + 2 * k] : c[4 * i + k];
+          y[16 + 4 * i + k] = q4 ? c[8 * i + 2 * k + 1] : c[16 + 4 * i + k];
         }
-      for (int lane = 0; lane < 16; ++lane) {
-        const int b = lane / (16 / vb);
-        scl[lane] = b < blocks ? dq[b] : 0.0f;
-      }
     }
   }
 }
 
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
-  return Scratch::floats(G, quant ? d / 32 : 1, residual_width > 0 ? (quant ? residual_width / 32 : 1) : 0);
+  return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0);
 }
 
 void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
