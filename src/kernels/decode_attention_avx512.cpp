@@ -236,6 +236,13 @@ KVX_INLINE void transpose_scales(const uint8_t* const* rows, int blocks, float* 
   }
 }
 
+// acc + the dot products of the unsigned bytes of u with the signed bytes of *w, in each lane
+// (vpdpbusd with *w broadcast from memory, which the compiler does not fold on its own).
+KVX_INLINE __m512i dpbusd_broadcast(__m512i acc, __m512i u, const int32_t* w) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*w));
+  return acc;
+}
+
 // Prepared integer query of width w (nq = w / 32 blocks): [nq][8] words of 4 signed codes, in
 // the order of the transposed row words (q8: values 4i .. 4i + 3 of the block; q4: the even
 // values of word i, then the odd ones: low and high nibbles), then [nq] int32 bias, then [nq]
@@ -269,8 +276,12 @@ KVX_INLINE void token_scores(const uint8_t* const* rows, size_t offset, int nb, 
       for (int g = 0; g < G; ++g) {
         const uint8_t* qg = q + g * qstride;
         const int32_t* words = reinterpret_cast<const int32_t*>(qg) + 8 * b;
-        __m512i acc = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(qg)[8 * nb + b]);
-        for (int i = 0; i < 8; ++i) acc = _mm512_dpbusd_epi32(acc, u[i], _mm512_set1_epi32(words[i]));
+        __m512i acc = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(qg)[8 * nb + b]), acc1 = _mm512_setzero_si512();
+        for (int i = 0; i < 8; i += 2) {
+          acc = dpbusd_broadcast(acc, u[i], words + i);
+          acc1 = dpbusd_broadcast(acc1, u[i + 1], words + i + 1);
+        }
+        acc = _mm512_add_epi32(acc, acc1);
         const __m512 dkq = _mm512_mul_ps(dk, _mm512_set1_ps(reinterpret_cast<const float*>(qg)[9 * nb + b]));
         float* sg = s + g * kRow;
         const __m512 prev = add || b > 0 ? _mm512_loadu_ps(sg) : _mm512_setzero_ps();
@@ -392,15 +403,15 @@ struct Residual {
   int r = 0;
 };
 
-// Scratch (floats): scores G * kRow; q8/q4 also, per block of the rows (nb of K/V, nbr of the
+// Scratch (floats): scores G * kRow; the softmax denominators per lane, G * 16; q8/q4 also, per block of the rows (nb of K/V, nbr of the
 // residual's), the tile's K and V scales [block][kMaxTile] and the weights of the values
 // ([g][block][kMaxTile], then the residual's [block][kMaxTile]).
 struct Scratch {
-  float *s, *kT, *vT, *w, *wr;
+  float *s, *l, *kT, *vT, *w, *wr;
   Scratch(float* base, int G, int nb, int nbr)
-      : s(base), kT(s + G * kRow), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)), wr(w + kMaxTile * G * nb) {}
+      : s(base), l(s + G * kRow), kT(l + 16 * G), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)), wr(w + kMaxTile * G * nb) {}
   static size_t floats(int G, int nb, int nbr) {
-    return static_cast<size_t>(G) * kRow + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) + 16;
+    return static_cast<size_t>(G) * (kRow + 16) + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) + 16;
   }
 };
 
@@ -474,10 +485,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   float* l = part + G;
   float* acc = part + 2 * G;
   float* acc_r = acc + static_cast<size_t>(G) * d;
-  for (int g = 0; g < G; ++g) {
-    m[g] = kNegInf;
-    l[g] = 0.0f;
-  }
+  for (int g = 0; g < G; ++g) m[g] = kNegInf;
+  for (int i = 0; i < 16 * G; ++i) sc.l[i] = 0.0f;
   for (int i = 0; i < G * (d + r); ++i) acc[i] = 0.0f;
   const size_t codes = 2 * static_cast<size_t>(nb);  // bytes of scales before the codes
   const size_t rcodes = 2 * static_cast<size_t>(nbr);
@@ -555,11 +564,13 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       float* sg = sc.s + g * kRow;
       const __m512 ninf = _mm512_set1_ps(kNegInf);
       const __m512 s0 = _mm512_mask_loadu_ps(ninf, lo, sg), s1 = _mm512_mask_loadu_ps(ninf, hi, sg + 16);
-      const float mt = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-      if (mt > m[g]) {
+      const __m512 smax = _mm512_max_ps(s0, s1);
+      float* lg = sc.l + 16 * g;  // l per lane, summed at the end of the piece
+      if (_mm512_cmp_ps_mask(smax, _mm512_set1_ps(m[g]), _CMP_GT_OQ)) {  // the running max rises
+        const float mt = _mm512_reduce_max_ps(smax);
         if (m[g] != kNegInf) {
           const float alpha = expf(m[g] - mt);  // libm, not the std:: inline wrapper
-          l[g] *= alpha;
+          scale_vec(lg, 16, alpha);
           scale_vec(acc + static_cast<size_t>(g) * d, d, alpha);
           if (r > 0) scale_vec(acc_r + static_cast<size_t>(g) * r, r, alpha);
         }
@@ -569,7 +580,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       const __m512 p0 = exp512(_mm512_sub_ps(s0, mv)), p1 = exp512(_mm512_sub_ps(s1, mv));
       _mm512_storeu_ps(sg, p0);
       _mm512_storeu_ps(sg + 16, p1);
-      l[g] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      _mm512_storeu_ps(lg, _mm512_add_ps(_mm512_loadu_ps(lg), _mm512_add_ps(p0, p1)));
       if constexpr (R::kQuant)  // value weights: the numerators times the V rows' block scales
         for (int t0 = 0; t0 < n; t0 += 16) {
           const __m512 p = t0 == 0 ? p0 : p1;
@@ -588,11 +599,12 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     const float* w = R::kQuant ? sc.w : sc.s;
     const size_t wg = R::kQuant ? static_cast<size_t>(nb) * kMaxTile : kRow;
     for (int g0 = 0, gb; g0 < G; g0 += gb) {
-      gb = group_size(G - g0);
+      gb = G - g0 >= 8 ? 8 : group_size(G - g0);
       const Prefetch* pf = g0 == 0 ? &vpf : nullptr;
       float* ag = acc + static_cast<size_t>(g0) * d;
       const float* wgp = w + g0 * wg;
       switch (gb) {
+        case 8: value_tile<R, 8>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
         case 4: value_tile<R, 4>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
         case 2: value_tile<R, 2>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
         default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
@@ -616,6 +628,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     row += n;
   }
 
+  for (int g = 0; g < G; ++g) l[g] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l + 16 * g));
   if constexpr (R::kPerm) unpermute(acc, G * (d + r));  // acc and acc_r are contiguous
 }
 
