@@ -578,8 +578,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       }
       const __m512 mv = _mm512_set1_ps(m[g]);
       const __m512 p0 = exp512(_mm512_sub_ps(s0, mv)), p1 = exp512(_mm512_sub_ps(s1, mv));
-      _mm512_storeu_ps(sg, p0);
-      _mm512_storeu_ps(sg + 16, p1);
+      if constexpr (!R::kQuant) {  // f32/bf16 weights; q8/q4 keep theirs with the V scales below
+        _mm512_storeu_ps(sg, p0);
+        _mm512_storeu_ps(sg + 16, p1);
+      }
       _mm512_storeu_ps(lg, _mm512_add_ps(_mm512_loadu_ps(lg), _mm512_add_ps(p0, p1)));
       if constexpr (R::kQuant)  // value weights: the numerators times the V rows' block scales
         for (int t0 = 0; t0 < n; t0 += 16) {
