@@ -515,10 +515,11 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     };
     const Prefetch kpf = prefetcher(kb, has_next ? kv.k_rows(page + 1, pc.head) : nullptr, rb);
     const Prefetch vpf = prefetcher(vb, has_next ? kv.v_rows(page + 1, pc.head) : nullptr, rb);
-    if (rst) {
-      prefetcher(rkb, has_next ? rst->k_rows(page + 1, 0) : nullptr, rrb).range(0, static_cast<size_t>(n) * rrb);
-      prefetcher(rvb, has_next ? rst->v_rows(page + 1, 0) : nullptr, rrb).range(0, static_cast<size_t>(n) * rrb);
-    }
+    // The residual's next tile is spread over the heads' passes: its K during the scores, its V
+    // during the value passes (a burst of both would overrun the outstanding-miss slots).
+    const Prefetch rkpf = rst ? prefetcher(rkb, has_next ? rst->k_rows(page + 1, 0) : nullptr, rrb) : Prefetch{};
+    const Prefetch rvpf = rst ? prefetcher(rvb, has_next ? rst->v_rows(page + 1, 0) : nullptr, rrb) : Prefetch{};
+    const size_t rtile = static_cast<size_t>(n) * rrb;
 
     // Scores: the shared rows for all G queries, with (LRKV) each query's latent segment added.
     if constexpr (R::kQuant) {
@@ -541,18 +542,23 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           transpose_scales(rkrow, nbr, sc.kT + nb * kMaxTile + t0);
           transpose_scales(rvrow, nbr, sc.vT + nb * kMaxTile + t0);
           const uint8_t* qb = reinterpret_cast<const uint8_t*>(res.qb);
-          for (int h = 0; h < G; ++h)
+          const size_t a = t0 * rrb, span = static_cast<size_t>(imin(t0 + 16, n) - t0) * rrb;
+          for (int h = 0; h < G; ++h) {
+            rkpf.range(a + span * h / G, a + span * (h + 1) / G);
             token_scores<R>(rkrow, rcodes + h * latent_bytes, rblocks, qb + h * qb_bytes, qb_bytes, 1,
                             sc.kT + (nb + h * rblocks) * kMaxTile + t0, sc.s + h * kRow + t0, true);
+          }
         }
       }
     } else {
       for (int g0 = 0, gb; g0 < G; g0 += gb) {
         gb = group_size(G - g0);
         ResidualTile rt{};
-        if (rst)
+        if (rst) {
           rt = {reinterpret_cast<const uint8_t*>(res.qb + g0 * res.qstride), qb_bytes, rblocks, latent_bytes,
                 rkb + g0 * latent_bytes, rrb};
+          rkpf.range(rtile * g0 / G, rtile * (g0 + gb) / G);
+        }
         scores_for<R>(q + g0 * d, gb, d, kb, rb, n, sc.s + g0 * kRow, g0 == 0 ? &kpf : nullptr, rst ? &rt : nullptr);
       }
     }
@@ -617,6 +623,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
       for (int h0 = 0, gb; h0 < G; h0 += gb) {
         gb = group_size(G - h0);
+        rvpf.range(rtile * h0 / G, rtile * (h0 + gb) / G);
         const uint8_t* v0 = rvb + rcodes + h0 * latent_bytes;
         const float* wh = wr + h0 * wrg;
         float* ar = acc_r + static_cast<size_t>(h0) * r;
