@@ -196,9 +196,20 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
 // The transpose is shared by every query head reading the rows (the GQA group, or all H for
 // LRKV's shared K).
 
+// 16 rows `stride` bytes apart from `base`; with kClamp, rows past `last` repeat it (a tile's
+// tail), so nothing past the tile is read.
+template <bool kClamp>
+struct Rows16 {
+  const uint8_t* base;
+  size_t stride;
+  int last;
+  KVX_INLINE const uint8_t* operator[](int k) const { return base + static_cast<size_t>(kClamp ? imin(k, last) : k) * stride; }
+};
+
 // out[i] lane t = word i of the `bytes` (<= 32) bytes at rows[t] + offset (t < 16), zeros past
 // them: two 8 x 8 word transposes side by side (rows t and t + 8 share a vector).
-KVX_INLINE void transpose16x8(const uint8_t* const* rows, size_t offset, int bytes, __m512i* out) {
+template <class Rows>
+KVX_INLINE void transpose16x8(const Rows& rows, size_t offset, int bytes, __m512i* out) {
   const __mmask32 m = bytes >= 32 ? ~__mmask32{0} : (__mmask32{1} << bytes) - 1;
   __m512i r[8], t[8], u[8];
   for (int k = 0; k < 8; ++k)
@@ -224,7 +235,8 @@ KVX_INLINE void transpose16x8(const uint8_t* const* rows, size_t offset, int byt
 }
 
 // The fp16 scales of `blocks` blocks at the start of 16 rows -> dst[b * kMaxTile + t] floats.
-KVX_INLINE void transpose_scales(const uint8_t* const* rows, int blocks, float* dst) {
+template <class Rows>
+KVX_INLINE void transpose_scales(const Rows& rows, int blocks, float* dst) {
   for (int c = 0; c < blocks; c += 16) {
     __m512i w[8];
     transpose16x8(rows, 2 * static_cast<size_t>(c), imin(32, 2 * (blocks - c)), w);
@@ -252,8 +264,8 @@ KVX_INLINE size_t int_query_floats(int w) { return static_cast<size_t>(w / 32) *
 
 // s[g * kRow + t] (add: +=) q_g . k_t for the 16 rows (`offset` bytes into rows[t]: nb blocks of
 // codes) and G queries q + g * qstride bytes; kT: the rows' block scales [b][kMaxTile].
-template <class R>
-KVX_INLINE void token_scores(const uint8_t* const* rows, size_t offset, int nb, const uint8_t* q, size_t qstride, int G,
+template <class R, class Rows>
+KVX_INLINE void token_scores(const Rows& rows, size_t offset, int nb, const uint8_t* q, size_t qstride, int G,
                              const float* kT, float* s, bool add) {
   constexpr int kBlockBytes = R::kNibbles ? 16 : 32;
   for (int c = 0; 32 * c < kBlockBytes * nb; ++c) {
@@ -523,22 +535,17 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
 
     // Scores: the shared rows for all G queries, with (LRKV) each query's latent segment added.
     if constexpr (R::kQuant) {
-      for (int t0 = 0; t0 < n; t0 += 16) {  // 16 rows in lanes; rows past the tile repeat its last row
-        const uint8_t *krow[16], *vrow[16], *rkrow[16], *rvrow[16];
-        for (int i = 0; i < 16; ++i) {
-          const int t = imin(t0 + i, n - 1);
-          krow[i] = kb + t * rb;
-          vrow[i] = vb + t * rb;
-          if (rst) {
-            rkrow[i] = rkb + t * rrb;
-            rvrow[i] = rvb + t * rrb;
-          }
-        }
+      // 16 rows in lanes; past the tile's end the last row repeats
+      auto rows16 = [&](auto clamp, int t0) {
+        constexpr bool kClamp = decltype(clamp)::value != 0;
+        const int last = n - 1 - t0;
+        const Rows16<kClamp> krow{kb + t0 * rb, rb, last}, vrow{vb + t0 * rb, rb, last};
         kpf.range(t0 * rb, imin(t0 + 16, n) * rb);
         transpose_scales(krow, nb, sc.kT + t0);
         transpose_scales(vrow, nb, sc.vT + t0);
         token_scores<R>(krow, codes, nb, qi, qbytes, G, sc.kT + t0, sc.s + t0, false);
         if (rst) {
+          const Rows16<kClamp> rkrow{rkb + t0 * rrb, rrb, last}, rvrow{rvb + t0 * rrb, rrb, last};
           transpose_scales(rkrow, nbr, sc.kT + nb * kMaxTile + t0);
           transpose_scales(rvrow, nbr, sc.vT + nb * kMaxTile + t0);
           const uint8_t* qb = reinterpret_cast<const uint8_t*>(res.qb);
@@ -549,6 +556,12 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
                             sc.kT + (nb + h * rblocks) * kMaxTile + t0, sc.s + h * kRow + t0, true);
           }
         }
+      };
+      for (int t0 = 0; t0 < n; t0 += 16) {
+        if (n - t0 >= 16)
+          rows16(Int<0>{}, t0);
+        else
+          rows16(Int<1>{}, t0);
       }
     } else {
       for (int g0 = 0, gb; g0 < G; g0 += gb) {
