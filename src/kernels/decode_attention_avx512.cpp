@@ -206,15 +206,10 @@ struct Rows16 {
   KVX_INLINE const uint8_t* operator[](int k) const { return base + static_cast<size_t>(kClamp ? imin(k, last) : k) * stride; }
 };
 
-// out[i] lane t = word i of the `bytes` (<= 32) bytes at rows[t] + offset (t < 16), zeros past
-// them: two 8 x 8 word transposes side by side (rows t and t + 8 share a vector).
-template <class Rows>
-KVX_INLINE void transpose16x8(const Rows& rows, size_t offset, int bytes, __m512i* out) {
-  const __mmask32 m = bytes >= 32 ? ~__mmask32{0} : (__mmask32{1} << bytes) - 1;
-  __m512i r[8], t[8], u[8];
-  for (int k = 0; k < 8; ++k)
-    r[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi8(m, rows[k] + offset)),
-                              _mm256_maskz_loadu_epi8(m, rows[k + 8] + offset), 1);
+// out[i] lane t = word i of row t, the rows given as r[k] = [row k | row k + 8] (32 bytes each):
+// two 8 x 8 word transposes side by side.
+KVX_INLINE void transpose_words(const __m512i* r, __m512i* out) {
+  __m512i t[8], u[8];
   for (int k = 0; k < 8; k += 2) {  // per 128-bit lane: words (0, 1) or (2, 3) of rows k, k + 1
     t[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
     t[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
@@ -234,17 +229,48 @@ KVX_INLINE void transpose16x8(const Rows& rows, size_t offset, int bytes, __m512
   }
 }
 
+// out[i] lane t = word i of the `bytes` (<= 32) bytes at rows[t] + offset (t < 16), zeros past them.
+template <class Rows>
+KVX_INLINE void transpose16x8(const Rows& rows, size_t offset, int bytes, __m512i* out) {
+  const __mmask32 m = bytes >= 32 ? ~__mmask32{0} : (__mmask32{1} << bytes) - 1;
+  __m512i r[8];
+  for (int k = 0; k < 8; ++k)
+    r[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi8(m, rows[k] + offset)),
+                              _mm256_maskz_loadu_epi8(m, rows[k + 8] + offset), 1);
+  transpose_words(r, out);
+}
+
+// Scale j (fp16) of 16 rows, from words w (two scales per word) -> 16 floats.
+KVX_INLINE __m512 scale_lanes(const __m512i* w, int j) {
+  const __m512i x = j % 2 ? _mm512_srli_epi32(w[j / 2], 16) : w[j / 2];
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+}
+
 // The fp16 scales of `blocks` blocks at the start of 16 rows -> dst[b * kMaxTile + t] floats.
 template <class Rows>
 KVX_INLINE void transpose_scales(const Rows& rows, int blocks, float* dst) {
   for (int c = 0; c < blocks; c += 16) {
     __m512i w[8];
     transpose16x8(rows, 2 * static_cast<size_t>(c), imin(32, 2 * (blocks - c)), w);
-    for (int i = 0; i < 8 && c + 2 * i < blocks; ++i) {
-      float* d0 = dst + static_cast<size_t>(c + 2 * i) * kMaxTile;
-      _mm512_storeu_ps(d0, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w[i])));
-      if (c + 2 * i + 1 < blocks) _mm512_storeu_ps(d0 + kMaxTile, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w[i], 16))));
-    }
+    for (int j = 0; j < imin(16, blocks - c); ++j) _mm512_storeu_ps(dst + static_cast<size_t>(c + j) * kMaxTile, scale_lanes(w, j));
+  }
+}
+
+// The K and V rows' scales (nb <= 8 blocks each) in one transpose: a row's K scales followed by
+// its V scales make up the 4 nb bytes transposed -> kT, vT [b][kMaxTile].
+template <class Rows>
+KVX_INLINE void transpose_kv_scales(const Rows& krows, const Rows& vrows, int nb, float* kT, float* vT) {
+  const int bytes = 2 * nb;
+  const __mmask32 mk = (__mmask32{1} << bytes) - 1, mv = (bytes == 16 ? ~__mmask32{0} : (__mmask32{1} << (2 * bytes)) - 1) & ~mk;
+  auto row = [&](int k) {  // V's scales loaded as if they followed K's (masked: no byte before the row is read)
+    return _mm256_mask_loadu_epi8(_mm256_maskz_loadu_epi8(mk, krows[k]), mv, vrows[k] - bytes);
+  };
+  __m512i r[8], w[8];
+  for (int k = 0; k < 8; ++k) r[k] = _mm512_inserti64x4(_mm512_castsi256_si512(row(k)), row(k + 8), 1);
+  transpose_words(r, w);
+  for (int j = 0; j < nb; ++j) {
+    _mm512_storeu_ps(kT + static_cast<size_t>(j) * kMaxTile, scale_lanes(w, j));
+    _mm512_storeu_ps(vT + static_cast<size_t>(j) * kMaxTile, scale_lanes(w, nb + j));
   }
 }
 
@@ -541,8 +567,12 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         const int last = n - 1 - t0;
         const Rows16<kClamp> krow{kb + t0 * rb, rb, last}, vrow{vb + t0 * rb, rb, last};
         kpf.range(t0 * rb, imin(t0 + 16, n) * rb);
-        transpose_scales(krow, nb, sc.kT + t0);
-        transpose_scales(vrow, nb, sc.vT + t0);
+        if (nb <= 8) {
+          transpose_kv_scales(krow, vrow, nb, sc.kT + t0, sc.vT + t0);
+        } else {
+          transpose_scales(krow, nb, sc.kT + t0);
+          transpose_scales(vrow, nb, sc.vT + t0);
+        }
         token_scores<R>(krow, codes, nb, qi, qbytes, G, sc.kT + t0, sc.s + t0, false);
         if (rst) {
           const Rows16<kClamp> rkrow{rkb + t0 * rrb, rrb, last}, rvrow{rvb + t0 * rrb, rrb, last};
