@@ -46,7 +46,7 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // without their block scale, `row` pointing past the fp16 scales.
 
 struct F32Row {
-  static constexpr bool kQuant = false, kPerm = false;
+  static constexpr bool kQuant = false, kPerm = false, kWideResidualGroups = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const float* p = reinterpret_cast<const float*>(row) + 32 * j;
     a = _mm512_loadu_ps(p);
@@ -55,7 +55,7 @@ struct F32Row {
 };
 
 struct BF16Row {
-  static constexpr bool kQuant = false, kPerm = true;
+  static constexpr bool kQuant = false, kPerm = true, kWideResidualGroups = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_loadu_si512(row + 64 * j);
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -66,7 +66,7 @@ struct BF16Row {
 // q8/q4 values: codes as floats, without the block scale (folded into the attention weights).
 // q8/q4 keys are read by token_scores below, in integers.
 struct Q8Row {
-  static constexpr bool kQuant = true, kPerm = false, kNibbles = false;
+  static constexpr bool kQuant = true, kPerm = false, kNibbles = false, kWideResidualGroups = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const uint8_t* p = row + 32 * j;
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -75,7 +75,7 @@ struct Q8Row {
 };
 
 struct Q4Row {
-  static constexpr bool kQuant = true, kPerm = true, kNibbles = true;
+  static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false;
   // n - 8 by table lookup (vpermps reads the low 4 bits of each lane): even positions, odd positions.
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
@@ -390,8 +390,9 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
 template <class R, int GB>
 KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg, int blocks,
                                 float* acc, int r) {
+  constexpr int JB = GB >= 8 ? 1 : 2;
   int j = 0;
-  for (; j + 2 <= blocks; j += 2) residual_value_pass<R, GB, 2>(v0, rb, head_bytes, n, w, wg, acc, r, j);
+  for (; j + JB <= blocks; j += JB) residual_value_pass<R, GB, JB>(v0, rb, head_bytes, n, w, wg, acc, r, j);
   for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, w, wg, acc, r, j);
 }
 
@@ -665,12 +666,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       const float* wr = R::kQuant ? sc.wr : sc.s;
       const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
       for (int h0 = 0, gb; h0 < G; h0 += gb) {
-        gb = group_size(G - h0);
+        // f32 latents in groups of 8 heads (measured 20% faster at H=16, r=32; the others are not)
+        gb = R::kWideResidualGroups && G - h0 >= 8 ? 8 : group_size(G - h0);
         rvpf.range(rtile * h0 / G, rtile * (h0 + gb) / G);
         const uint8_t* v0 = rvb + rcodes + h0 * latent_bytes;
         const float* wh = wr + h0 * wrg;
         float* ar = acc_r + static_cast<size_t>(h0) * r;
         switch (gb) {
+          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
           case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
           case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
           default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
