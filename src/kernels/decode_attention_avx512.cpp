@@ -290,41 +290,66 @@ KVX_INLINE size_t int_query_floats(int w) { return static_cast<size_t>(w / 32) *
 
 // s[g * kRow + t] (add: +=) q_g . k_t for the 16 rows (`offset` bytes into rows[t]: nb blocks of
 // codes) and G queries q + g * qstride bytes; kT: the rows' block scales [b][kMaxTile].
+// The rows' blocks b and (pair) b + 1 as 8 vectors each of unsigned 4-byte groups, u[i] pairing
+// with the query's word i (q8: code + 128; q4: the low nibbles of word i, then the high ones).
+template <class R, class Rows>
+KVX_INLINE void row_words(const Rows& rows, size_t offset, int nb, int b, bool pair, __m512i* u) {
+  __m512i w[8];
+  if constexpr (R::kNibbles) {  // 16 bytes a block: one 32-byte transpose holds both (b is even)
+    transpose16x8(rows, offset + 16 * static_cast<size_t>(b), pair ? 32 : 16, w);
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < 8; ++i) {
+      u[(i / 4) * 8 + i % 4] = _mm512_and_si512(w[i], lo4);
+      u[(i / 4) * 8 + 4 + i % 4] = _mm512_and_si512(_mm512_srli_epi16(w[i], 4), lo4);
+    }
+  } else {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int k = 0; k < (pair ? 2 : 1); ++k) {
+      transpose16x8(rows, offset + 32 * static_cast<size_t>(b + k), 32, w);
+      for (int i = 0; i < 8; ++i) u[8 * k + i] = _mm512_xor_si512(w[i], flip);
+    }
+  }
+}
+
 template <class R, class Rows>
 KVX_INLINE void token_scores(const Rows& rows, size_t offset, int nb, const uint8_t* q, size_t qstride, int G,
                              const float* kT, float* s, bool add) {
-  constexpr int kBlockBytes = R::kNibbles ? 16 : 32;
-  for (int c = 0; 32 * c < kBlockBytes * nb; ++c) {
-    __m512i w[8];
-    transpose16x8(rows, offset + 32 * static_cast<size_t>(c), imin(32, kBlockBytes * nb - 32 * c), w);
-    for (int half = 0; half < (R::kNibbles ? 2 : 1); ++half) {
-      const int b = R::kNibbles ? 2 * c + half : c;
-      if (b >= nb) break;
-      __m512i u[8];
-      if constexpr (R::kNibbles) {
-        const __m512i lo4 = _mm512_set1_epi8(0x0f);
-        for (int i = 0; i < 4; ++i) {
-          u[i] = _mm512_and_si512(w[4 * half + i], lo4);
-          u[4 + i] = _mm512_and_si512(_mm512_srli_epi16(w[4 * half + i], 4), lo4);
+  // q4 blocks in pairs (one transpose holds both; each query's two dot products are the two
+  // independent chains); q8 blocks one at a time, the chain split in two (pairs measured slower:
+  // 16 more registers live across LRKV's 16 heads).
+  for (int b = 0, step; b < nb; b += step) {
+    const bool pair = R::kNibbles && b + 1 < nb;
+    step = pair ? 2 : 1;
+    __m512i u[16];
+    row_words<R>(rows, offset, nb, b, pair, u);
+    const __m512 dk0 = _mm512_loadu_ps(kT + static_cast<size_t>(b) * kMaxTile);
+    const __m512 dk1 = pair ? _mm512_loadu_ps(kT + static_cast<size_t>(b + 1) * kMaxTile) : dk0;
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* qg = q + g * qstride;
+      const int32_t* words = reinterpret_cast<const int32_t*>(qg) + 8 * b;
+      const int32_t* bias = reinterpret_cast<const int32_t*>(qg) + 8 * nb + b;
+      const float* dq = reinterpret_cast<const float*>(qg) + 9 * nb + b;
+      float* sg = s + g * kRow;
+      const __m512 prev = add || b > 0 ? _mm512_loadu_ps(sg) : _mm512_setzero_ps();
+      __m512i acc0 = _mm512_set1_epi32(bias[0]), acc1;
+      __m512 x;
+      if (pair) {
+        acc1 = _mm512_set1_epi32(bias[1]);
+        for (int i = 0; i < 8; ++i) {
+          acc0 = dpbusd_broadcast(acc0, u[i], words + i);
+          acc1 = dpbusd_broadcast(acc1, u[8 + i], words + 8 + i);
         }
+        x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc0), _mm512_mul_ps(dk0, _mm512_set1_ps(dq[0])), prev);
+        x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc1), _mm512_mul_ps(dk1, _mm512_set1_ps(dq[1])), x);
       } else {
-        for (int i = 0; i < 8; ++i) u[i] = _mm512_xor_si512(w[i], _mm512_set1_epi8(static_cast<char>(0x80)));
-      }
-      const __m512 dk = _mm512_loadu_ps(kT + static_cast<size_t>(b) * kMaxTile);
-      for (int g = 0; g < G; ++g) {
-        const uint8_t* qg = q + g * qstride;
-        const int32_t* words = reinterpret_cast<const int32_t*>(qg) + 8 * b;
-        __m512i acc = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(qg)[8 * nb + b]), acc1 = _mm512_setzero_si512();
+        acc1 = _mm512_setzero_si512();
         for (int i = 0; i < 8; i += 2) {
-          acc = dpbusd_broadcast(acc, u[i], words + i);
+          acc0 = dpbusd_broadcast(acc0, u[i], words + i);
           acc1 = dpbusd_broadcast(acc1, u[i + 1], words + i + 1);
         }
-        acc = _mm512_add_epi32(acc, acc1);
-        const __m512 dkq = _mm512_mul_ps(dk, _mm512_set1_ps(reinterpret_cast<const float*>(qg)[9 * nb + b]));
-        float* sg = s + g * kRow;
-        const __m512 prev = add || b > 0 ? _mm512_loadu_ps(sg) : _mm512_setzero_ps();
-        _mm512_storeu_ps(sg, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), dkq, prev));
+        x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc0, acc1)), _mm512_mul_ps(dk0, _mm512_set1_ps(dq[0])), prev);
       }
+      _mm512_storeu_ps(sg, x);
     }
   }
 }
