@@ -18,7 +18,9 @@
 // bandwidth; with 4+ query heads per KV head q8/q4 are bound by FMA throughput (2 * G * d
 // multiply-adds per row pair, the same as f32), so they gain less than their size ratio.
 // Where the CPU has AVX-512 (and head_dim % 32 == 0) a 16-lane back end with the same
-// algorithm runs instead (decode_attention_avx512.cpp), chosen at run time.
+// algorithm runs instead (decode_attention_avx512.cpp), chosen at run time. Its q8/q4 scores
+// put 16 tokens in the lanes (the rows transposed once for all G queries) and dot the int8
+// query with VNNI, so GQA/MQA and LRKV's shared keys stop being bound by the score FMAs.
 #pragma once
 #include <cstdint>
 #include <string>

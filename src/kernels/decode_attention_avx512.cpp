@@ -2,16 +2,18 @@
 // decode_attention_isa.h for why this file uses no std:: templates).
 //
 // Same algorithm as the AVX2 kernel: per (KV head, row range) piece, tiles of rows; scores of
-// all G query heads against a tile (each K row read once per group of up to 4 queries), an
-// online-softmax update, then the V rows accumulated with the weights. 16-lane vectors and 32
-// registers double the multiply-adds per instruction, which is what GQA needs: with G query
-// heads per KV head the kernel does 2 G d multiply-adds per row pair, so at G = 4 on AVX2 it
-// is bound by the FMA pipes rather than by memory.
-// Rows are read 32 values at a time (a "group"; a q8/q4 block): f32 and q8 as two vectors in
-// natural order, bf16 and q4 as (even | odd) positions (one load, shift/mask, no shuffles); the
-// query is permuted to match and the V accumulator un-permuted at the end of a piece.
-// q8/q4 K and V rows are scaled per vector (codes * d_b, q4: d_b (n - 8)) once for all query
-// heads of the group.
+// all G query heads against a tile, an online-softmax update, then the V rows accumulated with
+// the weights. 16-lane vectors and 32 registers double the multiply-adds per instruction,
+// which is what GQA needs: with G query heads per KV head the kernel does 2 G d multiply-adds
+// per row pair, so at G = 4 on AVX2 it is bound by the FMA pipes rather than by memory.
+// f32/bf16 scores: each K row read once per group of up to 4 queries, lanes along head_dim,
+// then one transpose-add per 16 scores. q8/q4 scores: tokens in lanes (token_scores): 16 rows
+// transposed once for all G queries, then per query and block 8 integer dot-product
+// instructions (VNNI) and no horizontal sums.
+// Values: rows read 32 values at a time (a "group"; a q8/q4 block): f32 and q8 as two vectors
+// in natural order, bf16 and q4 as (even | odd) positions (one load, shift/mask, no shuffles);
+// the query is permuted to match and the V accumulator un-permuted at the end of a piece. q8/q4
+// codes are read unscaled, the V block scales folded into the weights (p_t d_b).
 #include "kernels/decode_attention_isa.h"
 
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__))
