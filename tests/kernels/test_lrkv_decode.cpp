@@ -85,6 +85,10 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
     for (int H : {1, 5})
       for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 0}, {64, 32}, {128, 64}})
         for (int64_t L : {1, 33, 70}) check(t, H, d, r, L, 16, {}, seed++);
+  for (KVType t : {KVType::Q8, KVType::Q4}) {
+    check(t, 16, 128, 32, 45, 16, {}, seed++);  // the bench shape: 16 latent blocks, one 32-byte scale transpose
+    check(t, 6, 256, 96, 37, 16, {}, seed++);   // 18 latent blocks (two scale transposes), 8 blocks of K_s/V_s
+  }
 }
 
 TEST(LrkvDecode, LongContextsAndEviction) {
