@@ -509,11 +509,14 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
     for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(acc + g * d + 32 * j0 + 16 * i);
   for (int t = 0; t < n; ++t) {
     const uint8_t* row = v0 + t * rb;
+    __m512 wt[GB];  // f32/bf16: one weight per query and row, for all groups
+    if constexpr (!R::kQuant)
+      for (int g = 0; g < GB; ++g) wt[g] = _mm512_set1_ps(w[g * wg + t]);
     for (int jj = 0; jj < JB; ++jj) {
       __m512 va, vb;
       R::val(row, j0 + jj, va, vb);
       for (int g = 0; g < GB; ++g) {
-        const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, g, j0 + jj, t));
+        const __m512 wv = R::kQuant ? _mm512_set1_ps(weight<R>(w, wg, g, j0 + jj, t)) : wt[g];
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
