@@ -290,8 +290,6 @@ KVX_INLINE __m512i dpbusd_broadcast(__m512i acc, __m512i u, const int32_t* w) {
 // is -128 (q8) or -8 (q4) times the block's code sum.
 KVX_INLINE size_t int_query_floats(int w) { return static_cast<size_t>(w / 32) * 10; }
 
-// s[g * kRow + t] (add: +=) q_g . k_t for the 16 rows (`offset` bytes into rows[t]: nb blocks of
-// codes) and G queries q + g * qstride bytes; kT: the rows' block scales [b][kMaxTile].
 // The rows' blocks b and (pair) b + 1 as 8 vectors each of unsigned 4-byte groups, u[i] pairing
 // with the query's word i (q8: code + 128; q4: the low nibbles of word i, then the high ones).
 template <class R, class Rows>
@@ -313,6 +311,8 @@ KVX_INLINE void row_words(const Rows& rows, size_t offset, int nb, int b, bool p
   }
 }
 
+// s[g * kRow + t] (add: +=) q_g . k_t for the 16 rows (`offset` bytes into rows[t]: nb blocks of
+// codes) and G queries q + g * qstride bytes; kT: the rows' block scales [b][kMaxTile].
 template <class R, class Rows>
 KVX_INLINE void token_scores(const Rows& rows, size_t offset, int nb, const uint8_t* q, size_t qstride, int G,
                              const float* kT, float* s, bool add) {
