@@ -60,9 +60,12 @@ struct DecodeBenchOptions {
   double seconds_per_point = 0.4;
   bool whole_model = true;  // also tiny-model decode tokens/s at each context
 };
-// Rows: one {"stream_gbps"}; per (cache, context, hkv) the fused kernel's time per step, bytes
-// read, GB/s, its ratio to the stream figure and its speed-up over f32 at the same shape and
-// back end ("isa"; f32 rows also time the libtorch reference); per (cache, context)
+// Rows: one {"stream_gbps"} (the best read-bandwidth probe, with every probe); per (cache,
+// context, hkv) the fused kernel's time per step, bytes read, GB/s, its ratio ("bw_ratio") to
+// the best probe of the rounds it was timed in ("probe_gbps") and its speed-up over f32 at the
+// same shape and back end ("isa"; f32 rows also time the libtorch reference); LRKV rows
+// ("family": "lrkv") per (rank, cache, context), with their speed-up over the dense MHA kernel
+// timed in the same rounds; per (cache, context)
 // whole-model decode tokens/s. GDN rows ("family": "gdn"): a whole GDN layer's decode step (d =
 // 1024, H/2 heads of K = V = 2 d_h) per context and its ratio to the first context. NAtS-L rows
 // ("family": "natsl"): one token's attention core of a NAtS-L layer with the softmax width of the

@@ -46,49 +46,55 @@ float read_chunk(const float* a, size_t n) {
 #endif
 }
 
+// 256-float aligned range of thread t of T over n floats.
+void thread_range(size_t n, int t, int T, size_t& lo, size_t& hi) {
+  lo = n / 256 * t / T * 256;
+  hi = n / 256 * (t + 1) / T * 256;
+}
 }  // namespace
 
-double measure_read_bandwidth_gbps(size_t bytes, int threads, double seconds) {
+ReadBandwidthProbe::ReadBandwidthProbe(size_t bytes, int threads) {
   constexpr size_t kAlign = size_t{2} << 20;
   bytes = std::max<size_t>(bytes, size_t{1} << 30);
-  bytes = (bytes + kAlign - 1) / kAlign * kAlign;
-  const int T = threads <= 0 ? omp_get_max_threads() : threads;
+  bytes_ = (bytes + kAlign - 1) / kAlign * kAlign;
+  threads_ = threads <= 0 ? omp_get_max_threads() : threads;
   void* mem = nullptr;
-  if (posix_memalign(&mem, kAlign, bytes) != 0 || mem == nullptr)
-    throw Error("measure_read_bandwidth_gbps: cannot allocate " + std::to_string(bytes >> 20) +
+  if (posix_memalign(&mem, kAlign, bytes_) != 0 || mem == nullptr)
+    throw Error("ReadBandwidthProbe: cannot allocate " + std::to_string(bytes_ >> 20) +
                 " MiB; free memory or pass a smaller size (>= 1 GiB)");
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  madvise(mem, bytes, MADV_HUGEPAGE);
+  madvise(mem, bytes_, MADV_HUGEPAGE);
 #endif
-  float* a = static_cast<float*>(mem);
-  const size_t n = bytes / sizeof(float);
-  auto range = [&](int t, size_t& lo, size_t& hi) {  // 256-float aligned per-thread ranges
-    lo = n / 256 * t / T * 256;
-    hi = n / 256 * (t + 1) / T * 256;
-  };
-#pragma omp parallel num_threads(T)
+  data_ = static_cast<float*>(mem);
+  const size_t n = bytes_ / sizeof(float);
+#pragma omp parallel num_threads(threads_)
   {
     size_t lo, hi;
-    range(omp_get_thread_num(), lo, hi);
-    for (size_t i = lo; i < hi; ++i) a[i] = 1.0f;  // first touch places pages near the reader
+    thread_range(n, omp_get_thread_num(), threads_, lo, hi);
+    for (size_t i = lo; i < hi; ++i) data_[i] = 1.0f;  // first touch places pages near the reader
   }
+}
+
+ReadBandwidthProbe::~ReadBandwidthProbe() { std::free(data_); }
+
+double ReadBandwidthProbe::measure(double seconds) const {
+  const size_t n = bytes_ / sizeof(float);
   double best = 0.0, sink = 0.0;
   const auto start = std::chrono::steady_clock::now();
   for (int pass = 0;; ++pass) {
     const auto t0 = std::chrono::steady_clock::now();
     double total = 0.0;
-#pragma omp parallel num_threads(T) reduction(+ : total)
+#pragma omp parallel num_threads(threads_) reduction(+ : total)
     {
       size_t lo, hi;
-      range(omp_get_thread_num(), lo, hi);
-      total += read_chunk(a + lo, hi - lo);
+      thread_range(n, omp_get_thread_num(), threads_, lo, hi);
+      total += read_chunk(data_ + lo, hi - lo);
     }
     const auto t1 = std::chrono::steady_clock::now();
     sink += total;
-    best = std::max(best, static_cast<double>(bytes) / std::chrono::duration<double>(t1 - t0).count() / 1e9);
+    best = std::max(best, static_cast<double>(bytes_) / std::chrono::duration<double>(t1 - t0).count() / 1e9);
     if (pass >= 2 && std::chrono::duration<double>(t1 - start).count() >= seconds) break;
   }
-  std::free(mem);
   if (sink < 0) best = -best;  // keeps the sums live; never true (all ones)
   return best;
 }

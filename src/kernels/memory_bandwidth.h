@@ -4,10 +4,24 @@
 
 namespace kvx::kernels {
 
-// Reads a buffer of `bytes` (at least 1 GiB is used, so caches do not count) with 256-bit loads
-// into independent accumulators on `threads` OpenMP threads (0: all), each thread streaming the
-// part it first touched as four sequential streams. Repeats passes for about `seconds` (at least 3) and returns the best
-// pass in GB/s (1e9 bytes/s).
-double measure_read_bandwidth_gbps(size_t bytes = 1ull << 30, int threads = 0, double seconds = 1.0);
+// Holds a buffer of `bytes` (at least 1 GiB, so caches do not count), first touched by the
+// `threads` OpenMP threads (0: all) that read it. measure() reads it with 256-bit loads into
+// independent accumulators, each thread streaming its part as four sequential streams, for
+// about `seconds` (at least 3 passes), and returns the best pass in GB/s (1e9 bytes/s). One
+// probe can measure many times, e.g. between the rounds of a benchmark, so that a kernel is
+// judged against the bandwidth of the minutes it ran in.
+class ReadBandwidthProbe {
+ public:
+  explicit ReadBandwidthProbe(size_t bytes = size_t{1} << 30, int threads = 0);
+  ~ReadBandwidthProbe();
+  ReadBandwidthProbe(const ReadBandwidthProbe&) = delete;
+  ReadBandwidthProbe& operator=(const ReadBandwidthProbe&) = delete;
+  double measure(double seconds = 1.0) const;
+
+ private:
+  float* data_ = nullptr;
+  size_t bytes_ = 0;
+  int threads_ = 1;
+};
 
 }  // namespace kvx::kernels

@@ -1,6 +1,7 @@
 // Whole-model decode speed runs for every mixer family and cache kind (random history).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "eval/bench.h"
@@ -68,4 +69,56 @@ TEST(DecodeBench, GdnAndNatslRowsAreMeasuredBesideTheDenseKernel) {
   }
   EXPECT_EQ(gdn, 2);
   EXPECT_EQ(natsl, 2);
+}
+
+// Dense and LRKV kernels are timed in the same rounds, each judged against the probes of its rounds.
+TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
+  eval::DecodeBenchOptions o;
+  o.contexts = {256, 512};
+  o.types = {"f32", "q8"};
+  o.kv_heads = {4, 2};
+  o.heads = 4;
+  o.head_dim = 32;
+  o.lrkv_ranks = {32};
+  o.gdn_rows = false;
+  o.natsl_kept = {};
+  o.lla_budgets = {};
+  o.seconds_per_point = 0.01;
+  o.whole_model = false;
+  const auto rows = eval::bench_decode(o, false);
+  double best_probe = 0;
+  size_t probes = 0;
+  for (const auto& r : rows)
+    if (r.contains("stream_probes_gbps")) {
+      probes = r["stream_probes_gbps"].size();
+      for (const auto& p : r["stream_probes_gbps"]) best_probe = std::max(best_probe, p.get<double>());
+      EXPECT_DOUBLE_EQ(r["stream_gbps"].get<double>(), best_probe);
+    }
+  EXPECT_EQ(probes, 1u + 5u * o.contexts.size());  // one before, one per round of each context
+  int lrkv = 0, dense = 0;
+  for (const auto& r : rows) {
+    if (!r.contains("us_per_step") || (r.contains("family") && r["family"] != "lrkv")) continue;
+    const double probe = r["probe_gbps"].get<double>();
+    EXPECT_GT(probe, 0);
+    EXPECT_LE(probe, best_probe);
+    EXPECT_NEAR(r["bw_ratio"].get<double>(), r["gbps"].get<double>() / probe, 1e-9);
+    if (r.value("family", "") != "lrkv") {
+      ++dense;
+      continue;
+    }
+    ++lrkv;
+    double mha_us = 0;
+    for (const auto& d : rows)
+      if (!d.contains("family") && d.contains("hkv") && d["hkv"] == 4 && d["cache"] == r["cache"] && d["context"] == r["context"])
+        mha_us = d["us_per_step"].get<double>();
+    ASSERT_GT(mha_us, 0) << r.dump();
+    EXPECT_NEAR(r["speedup_vs_mha"].get<double>(), mha_us / r["us_per_step"].get<double>(), 1e-9);
+    EXPECT_DOUBLE_EQ(r["probe_gbps"].get<double>(), [&] {  // the same probes as the dense rows of its context
+      for (const auto& d : rows)
+        if (!d.contains("family") && d.contains("hkv") && d["context"] == r["context"]) return d["probe_gbps"].get<double>();
+      return -1.0;
+    }());
+  }
+  EXPECT_EQ(dense, 2 * 2 * 2);  // types x Hkv x contexts
+  EXPECT_EQ(lrkv, 2 * 2);       // types x contexts
 }
