@@ -18,6 +18,7 @@ namespace kvx::kernels {
 
 namespace {
 constexpr size_t kHugePage = size_t{2} << 20;
+constexpr size_t kHeadRun = size_t{1} << 20;  // contiguous bytes per head and stream in a large store
 }
 
 void KVStore::MemFree::operator()(uint8_t* p) const { std::free(p); }
@@ -79,15 +80,17 @@ int64_t KVStore::position_of(int64_t slot) const {
   return evict_.sink + r + (n - 1 - r) / evict_.window * evict_.window;
 }
 
-uint8_t* KVStore::new_page() {
-  const size_t page_bytes = (values_are_keys_ ? 1 : 2) * half_page_bytes_;
+KVStore::Page KVStore::new_page() {
+  const int streams = values_are_keys_ ? 1 : 2;
+  const size_t run_bytes = static_cast<size_t>(page_tokens_) * row_bytes_;  // one head's rows of one page
+  const size_t page_bytes = streams * half_page_bytes_;
   if (chunk_pages_left_ == 0) {
-    // Small stores get one page at a time; large ones huge-page-backed chunks of ~2 MiB.
+    // Small stores get one page at a time; large ones huge-page-backed chunks of at least
+    // 2 MiB, growing with the store (at most doubling it) until a head's run reaches 1 MiB.
     size_t pages = 1, align = 64;
-    if (page_bytes >= kHugePage) {
-      align = kHugePage;
-    } else if (reserved_ >= kHugePage) {
-      pages = (kHugePage + page_bytes - 1) / page_bytes;
+    if (page_bytes >= kHugePage || reserved_ >= kHugePage) {
+      const size_t run_pages = (kHeadRun + run_bytes - 1) / run_bytes;
+      pages = std::max((kHugePage + page_bytes - 1) / page_bytes, std::min(run_pages, pages_.size()));
       align = kHugePage;
     }
     const size_t n = pages * page_bytes;
@@ -101,15 +104,16 @@ uint8_t* KVStore::new_page() {
     chunks_.emplace_back(static_cast<uint8_t*>(mem));
     reserved_ += n;
     chunk_next_ = static_cast<uint8_t*>(mem);
-    chunk_pages_left_ = static_cast<int>(pages);
+    chunk_pages_ = chunk_pages_left_ = static_cast<int>(pages);
   }
-  uint8_t* page = chunk_next_;
-  chunk_next_ += page_bytes;
+  // Chunk layout: per stream (K, V) and head, the chunk's pages' rows back to back.
+  const Page page{chunk_next_, static_cast<size_t>(chunk_pages_) * run_bytes};
+  chunk_next_ += run_bytes;
   --chunk_pages_left_;
   return page;
 }
 
-uint8_t* KVStore::page_for_slot(int64_t slot) {
+const KVStore::Page& KVStore::page_for_slot(int64_t slot) {
   const int64_t p = slot / page_tokens_;
   while (static_cast<int64_t>(pages_.size()) <= p) pages_.push_back(new_page());
   return pages_[p];
@@ -132,24 +136,24 @@ void KVStore::append(const float* k, const float* v) {
                 kv_type_name(type_) + " block scale (fp16) can hold; use an f32 or bf16 cache");
   int64_t slot = length_;
   if (evict_.enabled() && length_ >= evict_.sink) slot = evict_.sink + (length_ - evict_.sink) % evict_.window;
-  uint8_t* page = page_for_slot(slot);
+  const Page& page = page_for_slot(slot);
   const size_t row = static_cast<size_t>(slot % page_tokens_) * row_bytes_;
-  const size_t head_stride = static_cast<size_t>(page_tokens_) * row_bytes_;
   for (int h = 0; h < kv_heads_; ++h) {
-    quantize_row(type_, k + static_cast<size_t>(h) * head_dim_, head_dim_, page + h * head_stride + row);
+    quantize_row(type_, k + static_cast<size_t>(h) * head_dim_, head_dim_, page.base + h * page.head_stride + row);
     if (!values_are_keys_)
-      quantize_row(type_, v + static_cast<size_t>(h) * head_dim_, head_dim_, page + half_page_bytes_ + h * head_stride + row);
+      quantize_row(type_, v + static_cast<size_t>(h) * head_dim_, head_dim_,
+                   page.base + static_cast<size_t>(kv_heads_ + h) * page.head_stride + row);
   }
   ++length_;
 }
 
 const uint8_t* KVStore::k_rows(int64_t page, int head) const {
-  return pages_[page] + static_cast<size_t>(head) * page_tokens_ * row_bytes_;
+  return pages_[page].base + static_cast<size_t>(head) * pages_[page].head_stride;
 }
 
 const uint8_t* KVStore::v_rows(int64_t page, int head) const {
   if (values_are_keys_) return k_rows(page, head);
-  return pages_[page] + half_page_bytes_ + static_cast<size_t>(head) * page_tokens_ * row_bytes_;
+  return pages_[page].base + static_cast<size_t>(kv_heads_ + head) * pages_[page].head_stride;
 }
 
 namespace {

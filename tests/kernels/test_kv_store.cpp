@@ -114,21 +114,27 @@ TEST(KVStore, TruncateDropsTheNewestTokensAndAppendsOverThem) {
 }
 
 TEST(KVStore, LargeStoresCarvePagesFromChunks) {
-  // 128 KiB pages: the first 16 (2 MiB) one by one, then 16-page chunks.
+  // 128 KiB pages: the first 16 (2 MiB) one by one, then chunks of max(16, pages so far) pages
+  // (a head's run of 8 KiB per page would reach 1 MiB at 128).
   const int H = 8, d = 128, P = 16;
   KVStore s(KVType::F32, H, d, {}, P);
-  const int64_t page_bytes = static_cast<int64_t>(2 * H * P * row_bytes(KVType::F32, d));
+  const int64_t run_bytes = static_cast<int64_t>(P * row_bytes(KVType::F32, d)), page_bytes = 2 * H * run_bytes;
   const int N = 600;  // 38 pages
   const Tokens tk = make_tokens(N, H, d, 9);
   for (int i = 0; i < N; ++i) s.append(tk.k[i].data(), tk.v[i].data());
   EXPECT_EQ(s.pages(), 38);
-  EXPECT_EQ(s.reserved_bytes(), (16 + 32) * page_bytes);  // 16 single pages + two 16-page chunks
-  EXPECT_EQ(s.k_rows(17, 0), s.k_rows(16, 0) + page_bytes);  // carved from one chunk
+  EXPECT_EQ(s.reserved_bytes(), (16 + 16 + 32) * page_bytes);  // 16 single pages, a 16-page chunk, a 32-page chunk
+  // In a chunk, each head's rows run on across its pages; the V runs follow the K runs.
+  EXPECT_EQ(s.k_rows(17, 0), s.k_rows(16, 0) + run_bytes);
+  EXPECT_EQ(s.k_rows(16, 1), s.k_rows(16, 0) + 16 * run_bytes);
+  EXPECT_EQ(s.v_rows(16, 0), s.k_rows(16, 0) + H * 16 * run_bytes);
+  EXPECT_EQ(s.v_rows(37, H - 1), s.k_rows(32, 0) + (2 * H * 32 - 32 + 5) * run_bytes);
+  EXPECT_EQ(s.k_rows(3, 1), s.k_rows(3, 0) + run_bytes);  // a single page: heads back to back
   for (int i = 0; i < N; i += 7) expect_row(s, tk, i, i);
   expect_row(s, tk, N - 1, N - 1);
   s.clear();
   for (int i = 0; i < 20; ++i) s.append(tk.k[i].data(), tk.v[i].data());
-  EXPECT_EQ(s.reserved_bytes(), (16 + 32) * page_bytes);
+  EXPECT_EQ(s.reserved_bytes(), (16 + 16 + 32) * page_bytes);
 }
 
 TEST(KVStore, EvictionKeepsFirstSinkAndLastWindow) {
