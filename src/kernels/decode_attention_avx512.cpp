@@ -48,7 +48,7 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // without their block scale, `row` pointing past the fp16 scales.
 
 struct F32Row {
-  static constexpr bool kQuant = false, kPerm = false, kWideResidualGroups = true;
+  static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const float* p = reinterpret_cast<const float*>(row) + 32 * j;
     a = _mm512_loadu_ps(p);
@@ -57,7 +57,7 @@ struct F32Row {
 };
 
 struct BF16Row {
-  static constexpr bool kQuant = false, kPerm = true, kWideResidualGroups = false;
+  static constexpr bool kQuant = false, kPerm = true, kNibbles = false, kWideResidualGroups = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_loadu_si512(row + 64 * j);
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -356,6 +356,138 @@ KVX_INLINE void token_scores(const Rows& rows, size_t offset, int nb, const uint
   }
 }
 
+// LRKV latent scores for r = 32 (one block per head) and up to 16 heads, a row at a time with
+// dimensions in lanes: a row's [R_0 | .. | R_{H-1}] is 2 (q8) or 4 (q4) heads to a vector, dotted
+// with the heads' qb side by side, the lanes summed per head by a transpose-add tree into one
+// vector of the 16 heads (lane L: head perm[L]); 16 rows' vectors are then transposed to token
+// lanes and added to the scores. Cheaper than a transpose of the rows per head (token_scores).
+struct LatentQuery {
+  const uint8_t* codes;  // q8: per 2 heads 64 bytes (qb codes side by side); q4: per 4 heads 64 bytes of
+                         // their low-nibble halves, then 64 of the high
+  __m512i perm;          // lane L of the summed vector is head perm[L]
+  __m512i bias;          // per lane, of its head
+  __m512 dq;             // per lane, of its head
+  int heads;
+};
+
+// The tree's head order: q8 sums 8 lanes per head (3 levels), q4 4 lanes (2 levels).
+template <class R>
+KVX_INLINE __m512i latent_head_order() {
+  return R::kNibbles ? _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)
+                     : _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+}
+
+// lanes (0 + 2, 1 + 3) of each 128-bit lane of a and b, interleaved: one level of the sum tree.
+KVX_INLINE __m512i sum_pairs32(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+KVX_INLINE __m512i sum_pairs64(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+
+// One latent row (codes at row): the 16-head vector of integer dots (lane L: head perm[L]).
+template <class R>
+KVX_INLINE __m512i latent_row_dots(const uint8_t* row, const LatentQuery& lq) {
+  const __m512i zero = _mm512_setzero_si512();
+  if constexpr (R::kNibbles) {
+    __m512i d[4];
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+    for (int c = 0; c < 4; ++c) {
+      const int bytes = 16 * lq.heads - 64 * c;
+      if (bytes <= 0) {
+        d[c] = zero;
+        continue;
+      }
+      const __mmask64 m = bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
+      const __m512i w = _mm512_maskz_loadu_epi8(m, row + 64 * c);
+      const uint8_t* q = lq.codes + 128 * c;
+      d[c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, _mm512_and_si512(w, lo4), _mm512_loadu_si512(q)),
+                                 _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4), _mm512_loadu_si512(q + 64));
+    }
+    return sum_pairs64(sum_pairs32(d[0], d[1]), sum_pairs32(d[2], d[3]));
+  } else {
+    __m512i d[8];
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int c = 0; c < 8; ++c) {
+      const int bytes = 32 * lq.heads - 64 * c;
+      if (bytes <= 0) {
+        d[c] = zero;
+        continue;
+      }
+      const __mmask64 m = bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
+      const __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, row + 64 * c), flip);
+      d[c] = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512(lq.codes + 64 * c));  // a missing head's query is 0
+    }
+    const __m512i f0 = sum_pairs64(sum_pairs32(d[0], d[1]), sum_pairs32(d[2], d[3]));
+    const __m512i f1 = sum_pairs64(sum_pairs32(d[4], d[5]), sum_pairs32(d[6], d[7]));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(f0, f1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_i32x4(f0, f1, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+}
+
+// x[i] (16 x 16 floats) -> x[i] lane t = lane i of the input x[t].
+KVX_INLINE void transpose16x16(__m512* x) {
+  __m512i lo[8], hi[8], a[8], b[8];
+  for (int k = 0; k < 8; ++k) {  // [row k | row k + 8], lanes 0-7 (lo) and 8-15 (hi) of each
+    const __m512i xk = _mm512_castps_si512(x[k]), xk8 = _mm512_castps_si512(x[k + 8]);
+    lo[k] = _mm512_shuffle_i64x2(xk, xk8, _MM_SHUFFLE(1, 0, 1, 0));
+    hi[k] = _mm512_shuffle_i64x2(xk, xk8, _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  transpose_words(lo, a);
+  transpose_words(hi, b);
+  for (int i = 0; i < 8; ++i) {
+    x[i] = _mm512_castsi512_ps(a[i]);
+    x[8 + i] = _mm512_castsi512_ps(b[i]);
+  }
+}
+
+// s[h * kRow + t] += qb_h . R_h,t for the 16 rows (scales at the row start, codes `offset` on).
+// pf: a row's share of [from, from + span) of the next tile is prefetched with it.
+template <class R, class Rows>
+KVX_INLINE void latent_scores(const Rows& rows, size_t offset, const LatentQuery& lq, float* s, const Prefetch& pf,
+                              size_t from, size_t span) {
+  __m512 x[16];
+  const __mmask16 hm = lq.heads >= 16 ? 0xffff : static_cast<__mmask16>((1u << lq.heads) - 1);
+  for (int t = 0; t < 16; ++t) {
+    pf.range(from + span * t / 16, from + span * (t + 1) / 16);
+    const uint8_t* row = rows[t];
+    const __m512 dk = _mm512_permutexvar_ps(lq.perm, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(hm, row)));
+    const __m512i dots = _mm512_add_epi32(latent_row_dots<R>(row + offset, lq), lq.bias);
+    x[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dk, lq.dq));
+  }
+  transpose16x16(x);
+  alignas(64) int32_t head[16];
+  _mm512_store_si512(head, lq.perm);
+  for (int i = 0; i < 16; ++i)
+    if (head[i] < lq.heads) {
+      float* sh = s + head[i] * kRow;
+      _mm512_storeu_ps(sh, _mm512_add_ps(_mm512_loadu_ps(sh), x[i]));
+    }
+}
+
+// The LatentQuery of G heads' prepared qb (width 32; qb_bytes apart) in `codes` (room for 1 KB).
+template <class R>
+KVX_INLINE LatentQuery latent_query(const uint8_t* qb, size_t qb_bytes, int G, uint8_t* codes) {
+  memset(codes, 0, 1024);
+  alignas(64) int32_t bias[16], perm[16];
+  alignas(64) float dq[16];
+  for (int h = 0; h < G; ++h) {
+    const uint8_t* q = qb + h * qb_bytes;  // [32 code bytes][int32 bias][float scale]
+    if (R::kNibbles) {
+      memcpy(codes + 128 * (h / 4) + 16 * (h % 4), q, 16);
+      memcpy(codes + 128 * (h / 4) + 64 + 16 * (h % 4), q + 16, 16);
+    } else {
+      memcpy(codes + 32 * h, q, 32);
+    }
+  }
+  _mm512_store_si512(perm, latent_head_order<R>());
+  for (int i = 0; i < 16; ++i) {
+    const int h = perm[i];
+    bias[i] = h < G ? reinterpret_cast<const int32_t*>(qb + h * qb_bytes)[8] : 0;
+    dq[i] = h < G ? reinterpret_cast<const float*>(qb + h * qb_bytes)[9] : 0.0f;
+  }
+  return {codes, _mm512_load_si512(perm), _mm512_load_si512(bias), _mm512_load_ps(dq), G};
+}
+
 // ---------------------------------------------------------------------------------------------
 // Values: acc[g][group j] += sum_t w(g, t, j) v_t[group j] for groups j0 .. j0 + JB - 1, GB * 2 JB
 // <= 16 accumulators in registers across the n rows. Weights: f32/bf16 w[g * wg + t] (the
@@ -477,10 +609,12 @@ struct Residual {
 // ([g][block][kMaxTile], then the residual's [block][kMaxTile]).
 struct Scratch {
   float *s, *l, *kT, *vT, *w, *wr;
+  uint8_t* latent_codes;  // LatentQuery::codes, 1 KB
   Scratch(float* base, int G, int nb, int nbr)
-      : s(base), l(s + G * kRow), kT(l + 16 * G), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)), wr(w + kMaxTile * G * nb) {}
+      : s(base), l(s + G * kRow), kT(l + 16 * G), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)),
+        wr(w + kMaxTile * G * nb), latent_codes(reinterpret_cast<uint8_t*>(wr + kMaxTile * nbr)) {}
   static size_t floats(int G, int nb, int nbr) {
-    return static_cast<size_t>(G) * (kRow + 16) + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) + 16;
+    return static_cast<size_t>(G) * (kRow + 16) + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) + 256 + 16;
   }
 };
 
@@ -562,6 +696,11 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // Byte offset of head h's latent within a residual row's codes (r % 32 == 0).
   const size_t latent_bytes = rst ? (rrb - rcodes) / G : 0;
   const uint8_t* qi = reinterpret_cast<const uint8_t*>(q);  // integer queries (q8/q4)
+  // q8/q4 latents of r = 32 for up to 16 heads: scored a row at a time (latent_scores).
+  const bool latent_rows = R::kQuant && rst && rblocks == 1 && G <= 16;
+  LatentQuery lq{};
+  if constexpr (R::kQuant)
+    if (latent_rows) lq = latent_query<R>(reinterpret_cast<const uint8_t*>(res.qb), res.qstride * sizeof(float), G, sc.latent_codes);
   const size_t qbytes = query_floats<R>(d) * sizeof(float), qb_bytes = res.qstride * sizeof(float);
 
   for (int64_t row = pc.r0; row < pc.r1;) {
@@ -607,10 +746,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         token_scores<R>(krow, codes, nb, qi, qbytes, G, sc.kT + t0, sc.s + t0, false);
         if (rst) {
           const Rows16<kClamp> rkrow{rkb + t0 * rrb, rrb, last}, rvrow{rvb + t0 * rrb, rrb, last};
-          transpose_scales(rkrow, nbr, sc.kT + nb * kMaxTile + t0);
           transpose_scales(rvrow, nbr, sc.vT + nb * kMaxTile + t0);
-          const uint8_t* qb = reinterpret_cast<const uint8_t*>(res.qb);
           const size_t a = t0 * rrb, span = static_cast<size_t>(imin(t0 + 16, n) - t0) * rrb;
+          if (latent_rows) {
+            latent_scores<R>(rkrow, rcodes, lq, sc.s + t0, rkpf, a, span);
+            return;
+          }
+          transpose_scales(rkrow, nbr, sc.kT + nb * kMaxTile + t0);
+          const uint8_t* qb = reinterpret_cast<const uint8_t*>(res.qb);
           for (int h = 0; h < G; ++h) {
             rkpf.range(a + span * h / G, a + span * (h + 1) / G);
             token_scores<R>(rkrow, rcodes + h * latent_bytes, rblocks, qb + h * qb_bytes, qb_bytes, 1,
