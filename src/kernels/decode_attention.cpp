@@ -684,6 +684,16 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
   return isa;
 }
 
+namespace detail {
+size_t slot_floats(size_t n) { return (n + 1023) / 1024 * 1024; }
+
+float* slot_aligned(std::vector<float>& v, size_t n) {
+  v.resize(n + 1024);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((4096 - a % 4096) % 4096) / sizeof(float);
+}
+}  // namespace detail
+
 void decode_attention_splits(const float* q, int heads, const KVStore& kv, float scale, float* out, int threads,
                              int splits, DecodeIsa isa, const VirtualPair* extra) {
   check_args(q, heads, kv, out, extra, "decode_attention");
@@ -703,8 +713,7 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
   if (wide) {
     qs.resize(detail::avx512_query_floats(d, kv.type()) * heads);
     detail::avx512_prepare_queries(q, heads, d, scale, kv.type(), qs.data());
-    scratch_size = detail::avx512_scratch_floats(G, d, kv.type());
-    scratch.resize(scratch_size * ns);
+    scratch_size = detail::slot_floats(detail::avx512_scratch_floats(G, d, kv.type()));
   } else {
     prepare_queries(q, heads, d, scale, kv.type(), qs);
   }
@@ -723,15 +732,14 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
     }
   }
   split_begin[ns] = static_cast<int>(pieces.size());
-  const size_t part_size = static_cast<size_t>(G) * (d + 2);
-  parts.resize(pieces.size() * part_size);
+  const size_t part_size = detail::slot_floats(static_cast<size_t>(G) * (d + 2));
+  float* pp = detail::slot_aligned(parts, pieces.size() * part_size);
+  float* scr = wide ? detail::slot_aligned(scratch, scratch_size * ns) : nullptr;
 
   const int nt = std::min(T, ns);
   const Piece* pcs = pieces.data();
   const int* sb = split_begin.data();
-  float* pp = parts.data();
   const float* qsp = qs.data();
-  float* scr = scratch.data();
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
   for (int i = 0; i < ns; ++i) {
     if (wide)
@@ -748,7 +756,7 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
     for (int g = 0; g < G; ++g) {
       const size_t head = static_cast<size_t>(h) * G + g;
       float M = kNegInf;
-      for (size_t p = p0; p < p1; ++p) M = std::max(M, parts[p * part_size + g]);
+      for (size_t p = p0; p < p1; ++p) M = std::max(M, pp[p * part_size + g]);
       if (extra) M = std::max(M, extra->logit[head]);
       float* o = out + head * d;
       std::fill(o, o + d, 0.0f);

@@ -280,8 +280,8 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
   const bool wide = lrkv_decode_isa(isa, sh.d, sh.r) == DecodeIsa::Avx512;
   thread_local std::vector<float> parts, qs, qbs, scratch;
   thread_local std::vector<detail::DecodePiece> pieces;
-  parts.resize(sh.part() * ns);
-  float* pp = parts.data();
+  const size_t part_size = detail::slot_floats(sh.part());
+  float* pp = detail::slot_aligned(parts, part_size * ns);
   if (wide) {  // queries in the AVX-512 layout, scaled; one piece (row range of the shared head) per split
     qs.resize(detail::avx512_query_floats(sh.d, shared.type()) * heads);
     detail::avx512_prepare_queries(q, heads, sh.d, scale, shared.type(), qs.data());
@@ -291,29 +291,28 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
     }
     pieces.clear();
     for (int i = 0; i < ns; ++i) pieces.push_back({0, L * i / ns, L * (i + 1) / ns});
-    const size_t scratch_size = detail::avx512_scratch_floats(heads, sh.d, shared.type(), sh.r * heads);
-    scratch.resize(scratch_size * ns);
+    const size_t scratch_size = detail::slot_floats(detail::avx512_scratch_floats(heads, sh.d, shared.type(), sh.r * heads));
+    float* scr = detail::slot_aligned(scratch, scratch_size * ns);
     const detail::DecodePiece* pcs = pieces.data();
     const float *qsp = qs.data(), *qbp = qbs.data();
-    float* scr = scratch.data();
 #pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
     for (int i = 0; i < ns; ++i)
-      detail::avx512_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, sh.part(), scr + i * scratch_size);
+      detail::avx512_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size, scr + i * scratch_size);
   } else {
 #pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
     for (int i = 0; i < ns; ++i)
-      run_range(q, qb, sh, shared, residual, scale, L * i / ns, L * (i + 1) / ns, pp + i * sh.part());
+      run_range(q, qb, sh, shared, residual, scale, L * i / ns, L * (i + 1) / ns, pp + i * part_size);
   }
   // Log-sum-exp merge per head: M = max_i m_i, out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
   const int H = heads, d = sh.d, r = sh.r;
   for (int h = 0; h < H; ++h) {
     float M = kNegInf;
-    for (int i = 0; i < ns; ++i) M = std::max(M, pp[i * sh.part() + h]);
+    for (int i = 0; i < ns; ++i) M = std::max(M, pp[i * part_size + h]);
     float lsum = 0.0f;
     std::fill(out_s + static_cast<size_t>(h) * d, out_s + static_cast<size_t>(h + 1) * d, 0.0f);
     if (r > 0) std::fill(out_r + static_cast<size_t>(h) * r, out_r + static_cast<size_t>(h + 1) * r, 0.0f);
     for (int i = 0; i < ns; ++i) {
-      const float* part = pp + i * sh.part();
+      const float* part = pp + i * part_size;
       const float e = std::exp(part[h] - M);
       lsum += e * part[H + h];
       const float* as = part + 2 * H + static_cast<size_t>(h) * d;
