@@ -201,24 +201,37 @@ nlohmann::json bench_train_data_parallel(const train::RunConfig& cfg, int steps,
 
 namespace {
 
-// Seconds per call of f over at least 3 calls and about `seconds` in all, after one warm-up:
-// the mean (sustained rate), or the fastest call (kernel timings, judged against the read
-// bandwidth probe's fastest pass: on this shared VM single calls run up to 1.3x slower when a
-// neighbour is busy, and the fastest call is what the kernel costs on a quiet machine).
-enum class CallStat { Mean, Fastest };
+// Seconds per call of f over at least 3 calls and about `seconds` in all, after one warm-up.
+// The mean: a sustained rate (whole-model decode).
 template <class F>
-double seconds_per_call(F&& f, double seconds, CallStat stat) {
+double mean_seconds_per_call(F&& f, double seconds) {
+  f();
+  int n = 0;
+  const auto t0 = Clock::now();
+  do {
+    f();
+    ++n;
+  } while (n < 3 || since(t0) < seconds);
+  return since(t0) / n;
+}
+
+// The fastest call, each after evict() (untimed) empties the caches: a kernel's cost when what
+// it reads comes from memory, judged against the read-bandwidth probe's fastest pass (on this
+// shared VM single calls run up to 1.3x slower while a neighbour is busy).
+template <class F, class E>
+double cold_seconds_per_call(F&& f, double seconds, E&& evict) {
   f();
   int n = 0;
   double fastest = 1e30;
-  const auto t0 = Clock::now();
+  const auto t0 = Clock::now();  // the budget counts the evictions too
   do {
+    evict();
     const auto t = Clock::now();
     f();
     fastest = std::min(fastest, since(t));
     ++n;
   } while (n < 3 || since(t0) < seconds);
-  return stat == CallStat::Mean ? since(t0) / n : fastest;
+  return fastest;
 }
 
 }  // namespace
@@ -237,7 +250,7 @@ double decode_tokens_per_second(model::ModelConfig config, const attention::Cach
   for (auto& layer : state.layers) layer->append_random_history(context, seed++);
   auto tok = torch::zeros({1, 1}, torch::kLong);
   // Each call appends one token (the margin above covers thousands of calls).
-  return 1.0 / seconds_per_call([&] { m->step(tok, state); }, seconds, CallStat::Mean);
+  return 1.0 / mean_seconds_per_call([&] { m->step(tok, state); }, seconds);
 }
 
 int64_t capacity_sequences(model::ModelConfig config, const attention::CacheOptions& cache, int64_t length,
@@ -304,6 +317,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   if (verbose) std::cerr << "bench decode: measuring read bandwidth ...\n";
   const kernels::ReadBandwidthProbe probe(size_t{1} << 30, threads);
   std::vector<double> probes = {probe.measure(1.0)};
+  auto cold = [&](auto&& f, double seconds) { return cold_seconds_per_call(f, seconds, [&] { probe.evict_caches(); }); };
 
   // Per context, every timed kernel (back end, cache type, Hkv; LRKV ranks) runs in interleaved
   // rounds, best round each, with a bandwidth probe at the start of each round: ratios between
@@ -366,15 +380,15 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
       stream = std::max(stream, probes.back());
       for (size_t k = first; k < timings.size(); ++k)
         timings[k].seconds = std::min(
-            timings[k].seconds, seconds_per_call([&] { run(timings[k]); }, o.seconds_per_point / kRounds, CallStat::Fastest));
+            timings[k].seconds, cold([&] { run(timings[k]); }, o.seconds_per_point / kRounds));
     }
     for (size_t k = first; k < timings.size(); ++k) timings[k].stream = stream;
     // The libtorch reference path on each dense f32 shape: scores, softmax, weighted sum.
     for (int hkv : o.kv_heads) {
       auto K = torch::randn({hkv, ctx, o.head_dim}), V = torch::randn({hkv, ctx, o.head_dim});
       auto Q = torch::randn({hkv, o.heads / hkv, o.head_dim});
-      const double ts = seconds_per_call([&] { torch::matmul(torch::softmax(torch::matmul(Q, K.transpose(1, 2)) * scale, -1), V); },
-                                      o.seconds_per_point, CallStat::Fastest);
+      const double ts = cold([&] { torch::matmul(torch::softmax(torch::matmul(Q, K.transpose(1, 2)) * scale, -1), V); },
+                                      o.seconds_per_point);
       for (size_t k = first; k < timings.size(); ++k)
         if (timings[k].rank < 0 && timings[k].hkv == hkv) timings[k].torch_seconds = ts;
     }
@@ -411,7 +425,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
       cache->append_random_history(ctx, static_cast<uint32_t>(rng()));
       double best = 1e30;
       for (int round = 0; round < kRounds; ++round)
-        best = std::min(best, seconds_per_call([&] { layer.step(x, *cache); }, o.seconds_per_point / kRounds, CallStat::Fastest));
+        best = std::min(best, cold([&] { layer.step(x, *cache); }, o.seconds_per_point / kRounds));
       if (first == 0) first = best;
       rows.push_back({{"family", "gdn"}, {"context", ctx}, {"heads", lc.linear_num_heads},
                       {"key_dim", lc.linear_key_head_dim}, {"value_dim", lc.linear_value_head_dim},
@@ -442,7 +456,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
           }
           double best = 1e30;
           for (int round = 0; round < kRounds; ++round)
-            best = std::min(best, seconds_per_call([&] {
+            best = std::min(best, cold([&] {
                               kernels::gdn_decode_step(state.data(), qk.data(), qk.data(), vk.data(), g.data(), beta.data(),
                                                        groups, K, K, scale, gdn_out.data(), threads);
                               at::parallel_for(0, groups, 1, [&](int64_t j0, int64_t j1) {  // as NatslAttention's fused step
@@ -450,7 +464,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                                   kernels::decode_attention(q.data() + static_cast<size_t>(j) * GA * o.head_dim, GA, stores[j],
                                                             scale, attn_out.data() + static_cast<size_t>(j) * GA * o.head_dim, 1);
                               });
-                            }, o.seconds_per_point / kRounds, CallStat::Fastest));
+                            }, o.seconds_per_point / kRounds));
           double dense = 0;  // the dense MHA kernel, same context and type, first back end
           for (const Timing& t : timings)
             if (t.rank < 0 && t.hkv == o.heads && t.type == type && t.ctx == ctx && t.isa == isas.front()) dense = t.seconds;
@@ -500,13 +514,13 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
       double read = 1e30, rebuild = 1e30, absorbed_s = 1e30;
       volatile double sink = 0;
       for (int round = 0; round < kRounds; ++round) {
-        read = std::min(read, seconds_per_call([&] { kernels::lla_decode_attention(a, q.data(), nullptr, out.data(), threads); },
-                                            o.seconds_per_point / kRounds, CallStat::Fastest));
-        rebuild = std::min(rebuild, seconds_per_call([&] { sink = sink + kernels::lla_reconstruct_keys_only(a, threads); },
-                                                  o.seconds_per_point / kRounds, CallStat::Fastest));
-        absorbed_s = std::min(absorbed_s, seconds_per_call([&] {
+        read = std::min(read, cold([&] { kernels::lla_decode_attention(a, q.data(), nullptr, out.data(), threads); },
+                                            o.seconds_per_point / kRounds));
+        rebuild = std::min(rebuild, cold([&] { sink = sink + kernels::lla_reconstruct_keys_only(a, threads); },
+                                                  o.seconds_per_point / kRounds));
+        absorbed_s = std::min(absorbed_s, cold([&] {
                                 kernels::lla_decode_attention(absorbed, q.data(), q.data(), out.data(), threads);
-                              }, o.seconds_per_point / kRounds, CallStat::Fastest));
+                              }, o.seconds_per_point / kRounds));
       }
       double dense = 0;  // the f32 MHA kernel at the same context, first back end
       for (const Timing& t : timings)

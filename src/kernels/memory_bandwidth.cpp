@@ -77,6 +77,18 @@ ReadBandwidthProbe::ReadBandwidthProbe(size_t bytes, int threads) {
 
 ReadBandwidthProbe::~ReadBandwidthProbe() { std::free(data_); }
 
+void ReadBandwidthProbe::evict_caches(size_t bytes) const {
+  const size_t n = std::min(bytes, bytes_) / sizeof(float) / 256 * 256;
+  double total = 0.0;
+#pragma omp parallel num_threads(threads_) reduction(+ : total)
+  {
+    size_t lo, hi;
+    thread_range(n, omp_get_thread_num(), threads_, lo, hi);
+    total += read_chunk(data_ + lo, hi - lo);
+  }
+  if (total < 0) std::abort();  // keeps the sums live; never true (all ones)
+}
+
 double ReadBandwidthProbe::measure(double seconds) const {
   const size_t n = bytes_ / sizeof(float);
   double best = 0.0, sink = 0.0;

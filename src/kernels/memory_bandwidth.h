@@ -17,6 +17,10 @@ class ReadBandwidthProbe {
   ReadBandwidthProbe(const ReadBandwidthProbe&) = delete;
   ReadBandwidthProbe& operator=(const ReadBandwidthProbe&) = delete;
   double measure(double seconds = 1.0) const;
+  // Reads the first `bytes` of the buffer, each thread its own part, so that the caches hold
+  // none of what ran before: a benchmark's call then starts cold, like a decode step in a model
+  // whose other layers ran in between (as triton's do_bench clears the L2 cache).
+  void evict_caches(size_t bytes = size_t{128} << 20) const;
 
  private:
   float* data_ = nullptr;
