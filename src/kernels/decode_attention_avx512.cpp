@@ -389,6 +389,13 @@ KVX_INLINE __m512i sum_pairs64(__m512i a, __m512i b) {
   return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
+// Bytes [64 c, 64 c + 64) of the first `total` bytes at row (zeros past them; total > 64 c).
+KVX_INLINE __m512i row_chunk(const uint8_t* row, int c, int total) {
+  const int bytes = total - 64 * c;
+  const __mmask64 m = bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
+  return _mm512_maskz_loadu_epi8(m, row + 64 * c);
+}
+
 // One latent row (codes at row): the 16-head vector of integer dots (lane L: head perm[L]).
 template <class R>
 KVX_INLINE __m512i latent_row_dots(const uint8_t* row, const LatentQuery& lq) {
@@ -397,13 +404,11 @@ KVX_INLINE __m512i latent_row_dots(const uint8_t* row, const LatentQuery& lq) {
     __m512i d[4];
     const __m512i lo4 = _mm512_set1_epi8(0x0f);
     for (int c = 0; c < 4; ++c) {
-      const int bytes = 16 * lq.heads - 64 * c;
-      if (bytes <= 0) {
+      if (64 * c >= 16 * lq.heads) {
         d[c] = zero;
         continue;
       }
-      const __mmask64 m = bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
-      const __m512i w = _mm512_maskz_loadu_epi8(m, row + 64 * c);
+      const __m512i w = row_chunk(row, c, 16 * lq.heads);
       const uint8_t* q = lq.codes + 128 * c;
       d[c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, _mm512_and_si512(w, lo4), _mm512_loadu_si512(q)),
                                  _mm512_and_si512(_mm512_srli_epi16(w, 4), lo4), _mm512_loadu_si512(q + 64));
@@ -413,13 +418,11 @@ KVX_INLINE __m512i latent_row_dots(const uint8_t* row, const LatentQuery& lq) {
     __m512i d[8];
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int c = 0; c < 8; ++c) {
-      const int bytes = 32 * lq.heads - 64 * c;
-      if (bytes <= 0) {
+      if (64 * c >= 32 * lq.heads) {
         d[c] = zero;
         continue;
       }
-      const __mmask64 m = bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
-      const __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, row + 64 * c), flip);
+      const __m512i u = _mm512_xor_si512(row_chunk(row, c, 32 * lq.heads), flip);
       d[c] = _mm512_dpbusd_epi32(zero, u, _mm512_loadu_si512(lq.codes + 64 * c));  // a missing head's query is 0
     }
     const __m512i f0 = sum_pairs64(sum_pairs32(d[0], d[1]), sum_pairs32(d[2], d[3]));
