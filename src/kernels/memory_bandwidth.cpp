@@ -77,33 +77,30 @@ ReadBandwidthProbe::ReadBandwidthProbe(size_t bytes, int threads) {
 
 ReadBandwidthProbe::~ReadBandwidthProbe() { std::free(data_); }
 
-void ReadBandwidthProbe::evict_caches(size_t bytes) const {
-  const size_t n = std::min(bytes, bytes_) / sizeof(float) / 256 * 256;
+double ReadBandwidthProbe::read(size_t bytes) const {
+  const size_t n = bytes_ / sizeof(float);
+  const size_t per_thread = bytes >= bytes_ ? n : bytes / sizeof(float) / threads_ / 256 * 256;  // whole parts, or a prefix of each
   double total = 0.0;
 #pragma omp parallel num_threads(threads_) reduction(+ : total)
   {
     size_t lo, hi;
     thread_range(n, omp_get_thread_num(), threads_, lo, hi);
-    total += read_chunk(data_ + lo, hi - lo);
+    total += read_chunk(data_ + lo, std::min(hi - lo, per_thread));
   }
-  if (total < 0) std::abort();  // keeps the sums live; never true (all ones)
+  return total;
+}
+
+void ReadBandwidthProbe::evict_caches(size_t bytes) const {
+  if (read(bytes) < 0) std::abort();  // keeps the sums live; never true (all ones)
 }
 
 double ReadBandwidthProbe::measure(double seconds) const {
-  const size_t n = bytes_ / sizeof(float);
   double best = 0.0, sink = 0.0;
   const auto start = std::chrono::steady_clock::now();
   for (int pass = 0;; ++pass) {
     const auto t0 = std::chrono::steady_clock::now();
-    double total = 0.0;
-#pragma omp parallel num_threads(threads_) reduction(+ : total)
-    {
-      size_t lo, hi;
-      thread_range(n, omp_get_thread_num(), threads_, lo, hi);
-      total += read_chunk(data_ + lo, hi - lo);
-    }
+    sink += read(bytes_);
     const auto t1 = std::chrono::steady_clock::now();
-    sink += total;
     best = std::max(best, static_cast<double>(bytes_) / std::chrono::duration<double>(t1 - t0).count() / 1e9);
     if (pass >= 2 && std::chrono::duration<double>(t1 - start).count() >= seconds) break;
   }

@@ -17,12 +17,13 @@ class ReadBandwidthProbe {
   ReadBandwidthProbe(const ReadBandwidthProbe&) = delete;
   ReadBandwidthProbe& operator=(const ReadBandwidthProbe&) = delete;
   double measure(double seconds = 1.0) const;
-  // Reads the first `bytes` of the buffer, each thread its own part, so that the caches hold
+  // Reads `bytes` of the buffer, each thread from the start of its own part, so that the caches hold
   // none of what ran before: a benchmark's call then starts cold, like a decode step in a model
   // whose other layers ran in between (as triton's do_bench clears the L2 cache).
   void evict_caches(size_t bytes = size_t{128} << 20) const;
 
  private:
+  double read(size_t bytes) const;  // the first bytes / threads of each thread's part; their sum
   float* data_ = nullptr;
   size_t bytes_ = 0;
   int threads_ = 1;
