@@ -223,8 +223,8 @@ void print_decode_table(const nlohmann::json& rows) {
     if (r.contains("fma_peak_gmacs"))
       std::printf("multiply-add peak (%s, %d lanes, all threads): %.1f G MAC/s\n", r["isa"].get<std::string>().c_str(),
                   r["lanes"].get<int>(), r["fma_peak_gmacs"].get<double>());
-  std::printf("\nattention only, H=16, d_h=128; of BW: vs the best probe of the rounds the row ran in (probe);\n"
-              "roofline = max(bytes / probe, multiply-adds / peak)\n");
+  std::printf("\nattention only, H=16, d_h=128, fastest call with the caches emptied before each; of BW: vs the best\n"
+              "probe of the rounds the row ran in (probe); roofline = max(bytes / probe, multiply-adds / peak)\n");
   std::printf("%-6s %-5s %4s %8s %11s %8s %7s %7s %8s %9s %8s %10s %11s\n", "isa", "cache", "hkv", "context", "us/step", "GB/s",
               "probe", "of BW", "bound", "of roof", "vs f32", "roof/f32", "vs libtorch");
   for (const auto& r : rows) {

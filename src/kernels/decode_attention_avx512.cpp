@@ -135,15 +135,14 @@ struct Prefetch {
   const uint8_t *base, *next;
   size_t end, next_end;
   const Prefetch* far = nullptr;
-  template <enum _mm_hint kHint = _MM_HINT_T0>
+  template <int kLocality = 3>  // __builtin_prefetch locality: 3 = prefetcht0 (L1), 2 = prefetcht1 (L2)
   KVX_INLINE void range(size_t from, size_t to) const {
-    for (size_t o = from & ~size_t{63}; o < (to < end ? to : end); o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(base + o), kHint);
+    for (size_t o = from & ~size_t{63}; o < (to < end ? to : end); o += 64) __builtin_prefetch(base + o, 0, kLocality);
     if (to > end && next) {
       const size_t f = from > end ? from - end : 0, t = to - end < next_end ? to - end : next_end;
-      for (size_t o = f & ~size_t{63}; o < t; o += 64) _mm_prefetch(reinterpret_cast<const char*>(next + o), kHint);
+      for (size_t o = f & ~size_t{63}; o < t; o += 64) __builtin_prefetch(next + o, 0, kLocality);
     }
-    if (far) far->range<_MM_HINT_T1>(from, to);
+    if (far) far->template range<2>(from, to);
   }
 };
 
