@@ -115,6 +115,38 @@ TEST(KVFormat, Q8ErrorWithinHalfAStep) {
   EXPECT_EQ(round_trip(KVType::Q8, x), x);
 }
 
+// The query's int8 blocks (the vectorised quantize_query_blocks) against the definition, done
+// plainly: d = max|x| / 127, codes = round(x / d) with ties to even, 0 for an all-zero block.
+TEST(KVFormat, QueryBlocksMatchTheirDefinition) {
+  std::mt19937 rng(11);
+  std::vector<float> x;
+  for (float amp : {1e-30f, 1e-3f, 1.0f, 37.0f, 3e5f}) {
+    const auto r = random_row(96, amp, rng);
+    x.insert(x.end(), r.begin(), r.end());
+  }
+  x.insert(x.end(), 32, 0.0f);  // an all-zero block
+  for (int i = 0; i < 32; ++i) x.push_back(i == 5 ? -127.0f : 0.5f + static_cast<float>(i % 9) - 4.0f);  // exact ties
+  const int n = static_cast<int>(x.size());
+  std::vector<int8_t> codes(n);
+  std::vector<float> scales(n / 32);
+  quantize_query_blocks(x.data(), n, codes.data(), scales.data());
+  for (int b = 0; b < n / 32; ++b) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[32 * b + i]));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    EXPECT_EQ(scales[b], d) << "block " << b;
+    for (int i = 0; i < 32; ++i) {
+      const float want = std::min(127.0f, std::max(-127.0f, std::nearbyint(x[32 * b + i] * inv)));
+      EXPECT_EQ(codes[32 * b + i], static_cast<int8_t>(want)) << "block " << b << " value " << i;
+    }
+  }
+  EXPECT_EQ(codes[n - 32 + 0], -4);  // d = 1: -3.5 rounds to the even -4
+  EXPECT_EQ(codes[n - 32 + 1], -2);  // -2.5 -> -2
+  EXPECT_EQ(codes[n - 32 + 2], -2);  // -1.5 -> -2
+  EXPECT_EQ(codes[n - 32 + 4], 0);   // 0.5 -> 0
+  EXPECT_THROW(quantize_query_blocks(x.data(), 31, codes.data(), scales.data()), Error);
+}
+
 // q4: d = m / -8 (m the value of largest magnitude). |x - x~| <= |d|/2, except values of the
 // opposite sign to m beyond 7.5|d|, which clamp to +7|d| with |x - x~| <= |d|; plus fp16
 // rounding of d (relative 2^-11, times at most 8 steps).
