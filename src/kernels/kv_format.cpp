@@ -5,8 +5,11 @@
 #include <cmath>
 #include <cstring>
 
-#if defined(__F16C__) || defined(__AVX2__)
+#if defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__)
+#include "kernels/simd_avx2.h"
 #endif
 
 #include "util/error.h"
@@ -209,9 +212,7 @@ void quantize_query_blocks(const float* x, int n, int8_t* codes, float* scales) 
       v[k] = _mm256_loadu_ps(xb + 8 * k);
       amax = _mm256_max_ps(amax, _mm256_and_ps(v[k], abs_mask));
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float d = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const float d = hmax(amax) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
     scales[b] = d;
     __m256i c[4];
     for (int k = 0; k < 4; ++k) {
