@@ -388,7 +388,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
       auto K = torch::randn({hkv, ctx, o.head_dim}), V = torch::randn({hkv, ctx, o.head_dim});
       auto Q = torch::randn({hkv, o.heads / hkv, o.head_dim});
       const double ts = cold([&] { torch::matmul(torch::softmax(torch::matmul(Q, K.transpose(1, 2)) * scale, -1), V); },
-                                      o.seconds_per_point);
+                             o.seconds_per_point);
       for (size_t k = first; k < timings.size(); ++k)
         if (timings[k].rank < 0 && timings[k].hkv == hkv) timings[k].torch_seconds = ts;
     }
