@@ -212,6 +212,14 @@ void cmd_eval(const EvalArgs& a) {
 }
 
 // --- kvx bench decode ----------------------------------------------------------------------------
+// A ratio column: "2.51x", or "-" where the row has none (its baseline was not timed in this run).
+std::string times(const nlohmann::json& r, const char* key) {
+  if (!r.contains(key)) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2fx", r[key].get<double>());
+  return buf;
+}
+
 void print_decode_table(const nlohmann::json& rows) {
   for (const auto& r : rows)
     if (r.contains("stream_probes_gbps")) {
@@ -223,18 +231,18 @@ void print_decode_table(const nlohmann::json& rows) {
     if (r.contains("fma_peak_gmacs"))
       std::printf("multiply-add peak (%s, %d lanes, all threads): %.1f G MAC/s\n", r["isa"].get<std::string>().c_str(),
                   r["lanes"].get<int>(), r["fma_peak_gmacs"].get<double>());
-  std::printf("\nattention only, H=16, d_h=128, fastest call with the caches emptied before each; of BW: vs the best\n"
-              "probe of the rounds the row ran in (probe); roofline = max(bytes / probe, multiply-adds / peak)\n");
+  std::printf("\nattention only, H=16, d_h=128, fastest call with the caches emptied before each; of BW: vs the better\n"
+              "probe either side of that call's round (probe); roofline = max(bytes / probe, multiply-adds / peak)\n");
   std::printf("%-6s %-5s %4s %8s %11s %8s %7s %7s %8s %9s %8s %10s %11s\n", "isa", "cache", "hkv", "context", "us/step", "GB/s",
               "probe", "of BW", "bound", "of roof", "vs f32", "roof/f32", "vs libtorch");
   for (const auto& r : rows) {
     if (!r.contains("us_per_step") || r.contains("family")) continue;
-    std::string vs = r["cache"] == "f32" ? std::to_string(r["fused_speedup_vs_torch"].get<double>()).substr(0, 4) + "x" : "";
-    std::printf("%-6s %-5s %4d %8lld %11.1f %8.1f %7.1f %6.0f%% %8s %8.0f%% %7.2fx %9.2fx %11s\n", r["isa"].get<std::string>().c_str(),
+    const std::string vs = r["cache"] == "f32" ? times(r, "fused_speedup_vs_torch") : "";
+    std::printf("%-6s %-5s %4d %8lld %11.1f %8.1f %7.1f %6.0f%% %8s %8.0f%% %8s %10s %11s\n", r["isa"].get<std::string>().c_str(),
                 r["cache"].get<std::string>().c_str(), r["hkv"].get<int>(), static_cast<long long>(r["context"].get<int64_t>()),
                 r["us_per_step"].get<double>(), r["gbps"].get<double>(), r["probe_gbps"].get<double>(), 100 * r["bw_ratio"].get<double>(),
-                r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(), r.value("speedup_vs_f32", 0.0),
-                r.value("roofline_speedup_vs_f32", 0.0), vs.c_str());
+                r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(), times(r, "speedup_vs_f32").c_str(),
+                times(r, "roofline_speedup_vs_f32").c_str(), vs.c_str());
   }
   bool lrkv_header = false;
   for (const auto& r : rows) {
@@ -244,11 +252,11 @@ void print_decode_table(const nlohmann::json& rows) {
                   "%-6s %-5s %4s %8s %9s %11s %8s %7s %7s %8s %9s %8s %8s\n", "isa", "cache", "r", "context", "cache/MHA", "us/step", "GB/s",
                   "probe", "of BW", "bound", "of roof", "vs MHA", "target");
     lrkv_header = true;
-    std::printf("%-6s %-5s %4d %8lld %8.1f%% %11.1f %8.1f %7.1f %6.0f%% %8s %8.0f%% %7.2fx %7.2fx\n", r["isa"].get<std::string>().c_str(),
+    std::printf("%-6s %-5s %4d %8lld %8.1f%% %11.1f %8.1f %7.1f %6.0f%% %8s %8.0f%% %8s %8s\n", r["isa"].get<std::string>().c_str(),
                 r["cache"].get<std::string>().c_str(), r["rank"].get<int>(), static_cast<long long>(r["context"].get<int64_t>()),
                 100 * r["cache_vs_mha"].get<double>(), r["us_per_step"].get<double>(), r["gbps"].get<double>(), r["probe_gbps"].get<double>(),
                 100 * r["bw_ratio"].get<double>(), r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(),
-                r.value("speedup_vs_mha", 0.0), r.value("target_speedup_vs_mha", 0.0));
+                times(r, "speedup_vs_mha").c_str(), times(r, "target_speedup_vs_mha").c_str());
   }
   bool gdn_header = false;
   for (const auto& r : rows) {
@@ -268,9 +276,9 @@ void print_decode_table(const nlohmann::json& rows) {
       std::printf("\nNAtS-L attention core, H=16 softmax heads of d_h=128 in 8 groups (GDN state step + kept blocks) vs dense MHA\n"
                   "%-5s %6s %8s %11s %11s %8s %8s\n", "cache", "kept", "context", "us/step", "dense us", "vs dense", "target");
     natsl_header = true;
-    std::printf("%-5s %6.3f %8lld %11.1f %11.1f %7.2fx %7.2fx\n", r["cache"].get<std::string>().c_str(),
+    std::printf("%-5s %6.3f %8lld %11.1f %11.1f %8s %8s\n", r["cache"].get<std::string>().c_str(),
                 r["kept_fraction"].get<double>(), static_cast<long long>(r["context"].get<int64_t>()), r["us_per_step"].get<double>(),
-                r.value("dense_us_per_step", 0.0), r.value("speedup_vs_dense", 0.0), r.value("target_speedup_vs_dense", 0.0));
+                r.value("dense_us_per_step", 0.0), times(r, "speedup_vs_dense").c_str(), times(r, "target_speedup_vs_dense").c_str());
   }
   bool lla_header = false;
   for (const auto& r : rows) {
@@ -281,9 +289,9 @@ void print_decode_table(const nlohmann::json& rows) {
                   "budget", "ranks", "context", "us/step", "dense us", "vs dense", "rebuild %", "absorbed us", "MB read");
     lla_header = true;
     const std::string ranks = std::to_string(r["rank_k"].get<int>()) + "," + std::to_string(r["rank_v"].get<int>());
-    std::printf("%5gx %9s %8lld %11.1f %11.1f %7.2fx %9.0f%% %11.1f %8.1f\n", r["budget"].get<double>(), ranks.c_str(),
+    std::printf("%5gx %9s %8lld %11.1f %11.1f %8s %9.0f%% %11.1f %8.1f\n", r["budget"].get<double>(), ranks.c_str(),
                 static_cast<long long>(r["context"].get<int64_t>()), r["us_per_step"].get<double>(), r.value("dense_f32_us_per_step", 0.0),
-                r.value("speedup_vs_dense_f32", 0.0), 100 * r["reconstruct_share"].get<double>(), r["absorbed_us_per_step"].get<double>(),
+                times(r, "speedup_vs_dense_f32").c_str(), 100 * r["reconstruct_share"].get<double>(), r["absorbed_us_per_step"].get<double>(),
                 r["bytes_read"].get<double>() / 1e6);
   }
   bool header = false;

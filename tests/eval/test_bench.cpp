@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "eval/bench.h"
 
@@ -71,7 +72,7 @@ TEST(DecodeBench, GdnAndNatslRowsAreMeasuredBesideTheDenseKernel) {
   EXPECT_EQ(natsl, 2);
 }
 
-// Dense and LRKV kernels are timed in the same rounds, each judged against the probes of its rounds.
+// Dense and LRKV kernels are timed in the same rounds, each judged against the probes around the round of its fastest call.
 TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
   eval::DecodeBenchOptions o;
   o.contexts = {256, 512};
@@ -87,20 +88,26 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
   o.whole_model = false;
   const auto rows = eval::bench_decode(o, false);
   double best_probe = 0;
-  size_t probes = 0;
+  std::vector<double> probes;
   for (const auto& r : rows)
     if (r.contains("stream_probes_gbps")) {
-      probes = r["stream_probes_gbps"].size();
-      for (const auto& p : r["stream_probes_gbps"]) best_probe = std::max(best_probe, p.get<double>());
+      for (const auto& p : r["stream_probes_gbps"]) probes.push_back(p.get<double>());
+      best_probe = *std::max_element(probes.begin(), probes.end());
       EXPECT_DOUBLE_EQ(r["stream_gbps"].get<double>(), best_probe);
     }
-  EXPECT_EQ(probes, 1u + 5u * o.contexts.size());  // one before, one per round of each context
+  EXPECT_EQ(probes.size(), 1u + 6u * o.contexts.size());  // one at the start; per context, one before its rounds and one after each
+  // A row's probe is the better of the two around one round (adjacent probes of one context).
+  auto around_a_round = [&](double probe) {
+    for (size_t i = 0; i + 1 < probes.size(); ++i)
+      if (probe == std::max(probes[i], probes[i + 1])) return true;
+    return false;
+  };
   int lrkv = 0, dense = 0;
   for (const auto& r : rows) {
     if (!r.contains("us_per_step") || (r.contains("family") && r["family"] != "lrkv")) continue;
     const double probe = r["probe_gbps"].get<double>();
     EXPECT_GT(probe, 0);
-    EXPECT_LE(probe, best_probe);
+    EXPECT_TRUE(around_a_round(probe)) << r.dump();
     EXPECT_NEAR(r["bw_ratio"].get<double>(), r["gbps"].get<double>() / probe, 1e-9);
     if (r.value("family", "") != "lrkv") {
       ++dense;
@@ -113,11 +120,6 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
         mha_us = d["us_per_step"].get<double>();
     ASSERT_GT(mha_us, 0) << r.dump();
     EXPECT_NEAR(r["speedup_vs_mha"].get<double>(), mha_us / r["us_per_step"].get<double>(), 1e-9);
-    EXPECT_DOUBLE_EQ(r["probe_gbps"].get<double>(), [&] {  // the same probes as the dense rows of its context
-      for (const auto& d : rows)
-        if (!d.contains("family") && d.contains("hkv") && d["context"] == r["context"]) return d["probe_gbps"].get<double>();
-      return -1.0;
-    }());
   }
   EXPECT_EQ(dense, 2 * 2 * 2);  // types x Hkv x contexts
   EXPECT_EQ(lrkv, 2 * 2);       // types x contexts
