@@ -140,9 +140,19 @@ struct GenerateArgs : eval::GenerateRequest {
 };
 void cmd_generate(const GenerateArgs& a) {
   auto m = train::load_model(a.model);
-  std::cout << a.prompt << std::flush;
-  auto r = eval::generate_text(m, a, [](const std::string& piece) { std::cout << piece << std::flush; });
-  std::cout << "\n";
+  // The prompt is echoed with the first generated piece, once the options and the context limit
+  // have been checked, so an error is not printed on the prompt's line.
+  bool echoed = false;
+  auto echo_prompt = [&] {
+    if (!echoed) std::cout << a.prompt;
+    echoed = true;
+  };
+  auto r = eval::generate_text(m, a, [&](const std::string& piece) {
+    echo_prompt();
+    std::cout << piece << std::flush;
+  });
+  echo_prompt();  // --max-new 0
+  std::cout << std::endl;  // before the stats on stderr
   const auto& s = r.stats;
   std::fprintf(stderr, "[%lld prompt tokens, %zu generated | prefill %.1f ms, decode %.1f tokens/s | KV cache (%s) %lld bytes = %.0f bytes/token]\n",
                static_cast<long long>(r.prompt_tokens), s.tokens.size(), s.prefill_seconds * 1e3,
