@@ -45,6 +45,17 @@ double parse_number(const std::string& s, const std::string& option) {
   throw Error(option + ": '" + s + "' is not a number");
 }
 
+// A whole number from a command-line list; anything else names the option.
+int64_t parse_integer(const std::string& s, const std::string& option) {
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(s, &used);
+    if (used == s.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw Error(option + ": '" + s + "' is not a whole number");
+}
+
 std::string data_dir_or_default(const std::string& d) { return d.empty() ? text::default_data_dir() : d; }
 
 // --- kvx data fetch ---------------------------------------------------------------------------
@@ -775,24 +786,24 @@ int main(int argc, char** argv) {
     if (bench_decode->parsed()) {
       if (!decode_contexts.empty()) {
         decode_opts.contexts.clear();
-        for (const auto& c : split_list(decode_contexts)) decode_opts.contexts.push_back(std::stoll(c));
+        for (const auto& c : split_list(decode_contexts)) decode_opts.contexts.push_back(parse_integer(c, "--contexts"));
       }
       if (!decode_types.empty()) decode_opts.types = split_list(decode_types);
       if (!decode_isas.empty()) decode_opts.isas = split_list(decode_isas);
       if (!decode_lrkv.empty()) {
         decode_opts.lrkv_ranks.clear();
         if (decode_lrkv != "none")
-          for (const auto& r : split_list(decode_lrkv)) decode_opts.lrkv_ranks.push_back(std::stoi(r));
+          for (const auto& r : split_list(decode_lrkv)) decode_opts.lrkv_ranks.push_back(static_cast<int>(parse_integer(r, "--lrkv")));
       }
       if (!decode_hkv.empty()) {
         decode_opts.kv_heads.clear();
-        for (const auto& h : split_list(decode_hkv)) decode_opts.kv_heads.push_back(std::stoi(h));
+        for (const auto& h : split_list(decode_hkv)) decode_opts.kv_heads.push_back(static_cast<int>(parse_integer(h, "--hkv")));
       }
       if (!decode_natsl.empty()) {
         decode_opts.natsl_kept.clear();
         if (decode_natsl != "none")
           for (const auto& f : split_list(decode_natsl)) {
-            const double v = std::stod(f);
+            const double v = parse_number(f, "--natsl");
             if (!(v > 0 && v <= 1)) throw Error("--natsl: kept fractions must be in (0, 1], got " + f);
             decode_opts.natsl_kept.push_back(v);
           }
@@ -801,7 +812,7 @@ int main(int argc, char** argv) {
         decode_opts.lla_budgets.clear();
         if (decode_lla != "none")
           for (const auto& f : split_list(decode_lla)) {
-            const double v = std::stod(f);
+            const double v = parse_number(f, "--lla");
             if (!(v >= 1)) throw Error("--lla: compressions must be >= 1 (e.g. 4,16), got " + f);
             decode_opts.lla_budgets.push_back(v);
           }
@@ -827,8 +838,8 @@ int main(int argc, char** argv) {
       if (!lla_ranks.empty()) {
         const auto r = split_list(lla_ranks);
         if (r.size() != 2) throw Error("fit lla: --ranks takes two numbers, RK,RV (e.g. 24,40)");
-        lla_run.rank_k = std::stoi(r[0]);
-        lla_run.rank_v = std::stoi(r[1]);
+        lla_run.rank_k = static_cast<int>(parse_integer(r[0], "fit lla: --ranks"));
+        lla_run.rank_v = static_cast<int>(parse_integer(r[1], "fit lla: --ranks"));
       }
       if (lla_run.out.empty())  // next to the model it compresses
         lla_run.out = lla_run.teacher + "/lla-" + lla_run.variant +

@@ -291,6 +291,17 @@ double prefill_seconds(model::ModelConfig config, int64_t context, int64_t chunk
 }
 
 nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
+  if (o.heads < 1 || o.head_dim < 1) throw Error("bench decode: heads and head_dim must be positive");
+  for (int64_t c : o.contexts)
+    if (c < 1) throw Error("bench decode: --contexts must be >= 1 tokens each, got " + std::to_string(c));
+  for (int h : o.kv_heads)
+    if (h < 1 || o.heads % h != 0)
+      throw Error("bench decode: --hkv " + std::to_string(h) + " does not divide the " + std::to_string(o.heads) +
+                  " query heads; give divisors of " + std::to_string(o.heads));
+  for (int r : o.lrkv_ranks)
+    if (r < 1 || r > o.head_dim)
+      throw Error("bench decode: --lrkv rank " + std::to_string(r) + " is outside [1, d_h = " + std::to_string(o.head_dim) +
+                  "] (a rank above the head width adds cache without adding rank; r = 0 is one shared K/V, the --hkv 1 row)");
   torch::NoGradGuard ng;
   const int threads = torch::get_num_threads();
   nlohmann::json rows = nlohmann::json::array();
@@ -301,18 +312,25 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
 
   // Roofline inputs, measured in this run: the multiply-add peak per back end (its vector
   // width) and the read bandwidth, probed before, between and after the timings (this VM's
-  // bandwidth drifts between phases minutes long; the best probe is the ceiling).
-  std::vector<kernels::DecodeIsa> isas;
+  // bandwidth drifts between phases minutes long).
   std::map<kernels::DecodeIsa, double> peak_gmacs;
-  for (const auto& name : o.isas) {
-    const auto isa = kernels::resolve_decode_isa(kernels::parse_decode_isa(name), o.head_dim);
-    if (std::find(isas.begin(), isas.end(), isa) != isas.end()) continue;
-    isas.push_back(isa);
+  auto measure_peak = [&](kernels::DecodeIsa isa) {
+    if (peak_gmacs.count(isa)) return;
     const int lanes = isa == kernels::DecodeIsa::Avx512 ? 16 : 8;
     peak_gmacs[isa] = kernels::measure_fma_peak_gmacs(lanes, threads, 0.5);
     rows.push_back({{"fma_peak_gmacs", peak_gmacs[isa]}, {"isa", kernels::decode_isa_name(isa)}, {"lanes", lanes}, {"threads", threads}});
     if (verbose)
       std::fprintf(stderr, "bench decode: %s multiply-add peak %.1f G MAC/s\n", kernels::decode_isa_name(isa).c_str(), peak_gmacs[isa]);
+  };
+  // The back ends asked for, as requested (auto) and as the dense kernel resolves them.
+  std::vector<kernels::DecodeIsa> requested, isas;
+  for (const auto& name : o.isas) {
+    const auto want = kernels::parse_decode_isa(name);
+    const auto isa = kernels::resolve_decode_isa(want, o.head_dim);
+    if (std::find(isas.begin(), isas.end(), isa) != isas.end()) continue;
+    requested.push_back(want);
+    isas.push_back(isa);
+    measure_peak(isa);
   }
   if (verbose) std::cerr << "bench decode: measuring read bandwidth ...\n";
   const kernels::ReadBandwidthProbe probe(size_t{1} << 30, threads);
@@ -332,6 +350,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     int64_t ctx;
     double seconds, bytes, torch_seconds;
     int rank = -1;        // LRKV rows: the residual rank (hkv = heads); dense rows: -1
+    kernels::DecodeIsa dense_isa = kernels::DecodeIsa::Auto;  // LRKV rows: the dense rows' back end of the same request
     double stream = 0.0;  // GB/s, the better probe either side of the round of the fastest call
   };
   std::vector<Timing> timings;
@@ -360,9 +379,13 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
       for (size_t i = 0; i < shared[k].size(); ++i) {
         grow(shared[k][i]);
         grow(residual[k][i]);
-        for (auto isa : isas)
+        for (size_t b = 0; b < isas.size(); ++b) {
+          // auto runs ranks that are not multiples of 32 on AVX2 (lrkv_decode.h)
+          const auto isa = kernels::lrkv_decode_isa(requested[b], o.head_dim, o.lrkv_ranks[k]);
+          measure_peak(isa);
           timings.push_back({isa, i, o.heads, ctx, 1e30, static_cast<double>(shared[k][i].bytes() + residual[k][i].bytes()), 0.0,
-                             o.lrkv_ranks[k]});
+                             o.lrkv_ranks[k], isas[b]});
+        }
       }
     auto run = [&](const Timing& t) {
       if (t.rank < 0) {
@@ -555,9 +578,10 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   for (const Timing& t : timings) {
     double f32_s = 0.0, mha_s = 0.0;
     for (const Timing& u : timings) {
-      if (u.isa != t.isa || u.ctx != t.ctx) continue;
-      if (u.rank == t.rank && u.hkv == t.hkv && kernels::parse_kv_type(o.types[u.type]) == kernels::KVType::F32) f32_s = u.seconds;
-      if (u.rank < 0 && u.hkv == o.heads && u.type == t.type) mha_s = u.seconds;
+      if (u.ctx != t.ctx) continue;
+      if (u.isa == t.isa && u.rank == t.rank && u.hkv == t.hkv && kernels::parse_kv_type(o.types[u.type]) == kernels::KVType::F32)
+        f32_s = u.seconds;
+      if (t.rank >= 0 && u.rank < 0 && u.isa == t.dense_isa && u.hkv == o.heads && u.type == t.type) mha_s = u.seconds;
     }
     // Multiply-adds per step: scores and values, every query head, every cached row (LRKV: the
     // shared width plus the latent's).

@@ -115,8 +115,6 @@ uint16_t float_to_bf16(float x) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-float bf16_to_float(uint16_t h) { return float_of(static_cast<uint32_t>(h) << 16); }
-
 uint16_t float_to_fp16(float x) {
 #if defined(__F16C__)
   return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);

@@ -19,6 +19,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 namespace kvx::kernels {
@@ -45,7 +46,12 @@ void quantize_query_blocks(const float* x, int n, int8_t* codes, float* scales);
 
 // Scalar helpers shared with the kernels and tests.
 uint16_t float_to_bf16(float x);  // round to nearest even; NaN stays NaN
-float bf16_to_float(uint16_t h);
+inline float bf16_to_float(uint16_t h) {  // inline: dequantize_row's loop vectorises (-fPIC keeps exported calls)
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
 uint16_t float_to_fp16(float x);  // IEEE binary16, round to nearest even
 float fp16_to_float(uint16_t h);
 

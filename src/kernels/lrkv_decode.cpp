@@ -79,32 +79,32 @@ void scores(const float* q, int qs, const float* k, size_t kg, int ks, int n, in
   }
 }
 
-// acc_g += sum_t p[g][t] v_g,t over the tile for GB heads (rows v + g * vg, as above), 2 chunks
-// of 8 at a time (GB x 2 accumulators held across the rows).
+// acc_g += sum_t p[g][t] v_g,t over the tile for GB heads (rows v + g * vg, as above), C chunks
+// of 8 at a time (GB x C accumulators held across the rows).
+template <int GB, int C>
+void value_chunks(const float* p, int ps, const float* v, size_t vg, int vs, int n, int i, float* acc, int as) {
+  __m256 a[GB][C];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm256_loadu_ps(acc + g * as + i + 8 * c);
+  for (int t = 0; t < n; ++t)
+    for (int g = 0; g < GB; ++g) {
+      const float* vr = v + g * vg + t * vs + i;
+      const __m256 pg = _mm256_broadcast_ss(p + g * ps + t);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm256_fmadd_ps(pg, _mm256_loadu_ps(vr + 8 * c), a[g][c]);
+    }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + g * as + i + 8 * c, a[g][c]);
+}
+
+// Widths in chunks of 16, then 8 (a latent of r = 8 or 24), then one value at a time.
 template <int GB>
 void values(const float* p, int ps, const float* v, size_t vg, int vs, int n, int w, float* acc, int as) {
-  const int w16 = w & ~15;
-  for (int i = 0; i < w16; i += 16) {
-    __m256 a[8];
-    for (int g = 0; g < GB; ++g) {
-      a[2 * g] = _mm256_loadu_ps(acc + g * as + i);
-      a[2 * g + 1] = _mm256_loadu_ps(acc + g * as + i + 8);
-    }
-    for (int t = 0; t < n; ++t)
-      for (int g = 0; g < GB; ++g) {
-        const float* vr = v + g * vg + t * vs + i;
-        const __m256 pg = _mm256_broadcast_ss(p + g * ps + t);
-        a[2 * g] = _mm256_fmadd_ps(pg, _mm256_loadu_ps(vr), a[2 * g]);
-        a[2 * g + 1] = _mm256_fmadd_ps(pg, _mm256_loadu_ps(vr + 8), a[2 * g + 1]);
-      }
-    for (int g = 0; g < GB; ++g) {
-      _mm256_storeu_ps(acc + g * as + i, a[2 * g]);
-      _mm256_storeu_ps(acc + g * as + i + 8, a[2 * g + 1]);
-    }
-  }
+  int i = 0;
+  for (; i + 16 <= w; i += 16) value_chunks<GB, 2>(p, ps, v, vg, vs, n, i, acc, as);
+  if (i + 8 <= w) value_chunks<GB, 1>(p, ps, v, vg, vs, n, i, acc, as), i += 8;
   for (int g = 0; g < GB; ++g)
     for (int t = 0; t < n; ++t)
-      for (int i = w16; i < w; ++i) acc[g * as + i] += p[g * ps + t] * v[g * vg + t * vs + i];
+      for (int j = i; j < w; ++j) acc[g * as + j] += p[g * ps + t] * v[g * vg + t * vs + j];
 }
 
 template <class F>

@@ -79,7 +79,7 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
   uint32_t seed = 10;
   for (KVType t : {KVType::F32, KVType::BF16})
     for (int H : {1, 3, 6})
-      for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 0}, {40, 5}, {64, 12}, {128, 32}})
+      for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 0}, {40, 5}, {32, 8}, {64, 12}, {64, 24}, {128, 32}})
         for (int64_t L : {1, 7, 33, 70}) check(t, H, d, r, L, 16, {}, seed++);
   for (KVType t : {KVType::Q8, KVType::Q4})
     for (int H : {1, 5})
@@ -88,6 +88,7 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
   for (KVType t : {KVType::Q8, KVType::Q4}) {
     check(t, 16, 128, 32, 45, 16, {}, seed++);  // the bench shape: 16 latent blocks, one 32-byte scale transpose
     check(t, 6, 256, 96, 37, 16, {}, seed++);   // 18 latent blocks (two scale transposes), 8 blocks of K_s/V_s
+    check(t, 16, 128, 8, 45, 16, {}, seed++);   // r = 8: a block holds 4 heads' latents (the AVX2 back end)
   }
 }
 
