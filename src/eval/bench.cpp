@@ -380,8 +380,8 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
         grow(shared[k][i]);
         grow(residual[k][i]);
         for (size_t b = 0; b < isas.size(); ++b) {
-          // auto runs ranks that are not multiples of 32 on AVX2 (lrkv_decode.h)
-          const auto isa = kernels::lrkv_decode_isa(requested[b], o.head_dim, o.lrkv_ranks[k]);
+          // auto runs q8/q4 ranks that are not multiples of 32 on AVX2 (lrkv_decode.h)
+          const auto isa = kernels::lrkv_decode_isa(requested[b], kernels::parse_kv_type(o.types[i]), o.head_dim, o.lrkv_ranks[k]);
           measure_peak(isa);
           timings.push_back({isa, i, o.heads, ctx, 1e30, static_cast<double>(shared[k][i].bytes() + residual[k][i].bytes()), 0.0,
                              o.lrkv_ranks[k], isas[b]});

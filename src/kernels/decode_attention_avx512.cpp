@@ -54,6 +54,13 @@ struct F32Row {
     a = _mm512_loadu_ps(p);
     b = _mm512_loadu_ps(p + 16);
   }
+  // A last group of fewer than 32 values (an LRKV latent of r % 32 != 0), natural order, zeros
+  // past it: values 0-15 under m0, 16-31 under m1.
+  static KVX_INLINE void tail(const uint8_t* row, int j, __mmask16 m0, __mmask16 m1, __m512& a, __m512& b) {
+    const float* p = reinterpret_cast<const float*>(row) + 32 * j;
+    a = _mm512_maskz_loadu_ps(m0, p);
+    b = _mm512_maskz_loadu_ps(m1, p + 16);
+  }
 };
 
 struct BF16Row {
@@ -62,6 +69,12 @@ struct BF16Row {
     const __m512i w = _mm512_loadu_si512(row + 64 * j);
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  // As F32Row::tail: natural order (not even | odd).
+  static KVX_INLINE void tail(const uint8_t* row, int j, __mmask16 m0, __mmask16 m1, __m512& a, __m512& b) {
+    const uint8_t* p = row + 64 * j;
+    a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, p)), 16));
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, p + 32)), 16));
   }
 };
 
@@ -158,9 +171,12 @@ struct ResidualRows {
   int blocks = 0;               // r / 32 per head
   size_t head_bytes = 0;        // bytes per head segment
   const uint8_t* const* rows = nullptr;
+  __mmask16 tail0 = 0, tail1 = 0;  // f32/bf16, r % 32 != 0: the last group's values 0-15, 16-31
 };
 
-template <class R, int GB, int TB>
+// kTail: the residual ends in a masked group (a separate instantiation, so that the code of r % 32
+// == 0 stays as it was).
+template <class R, int GB, int TB, bool kTail = false>
 KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const* rows, float* s,
                             const ResidualRows* res = nullptr) {
   static_assert(GB * TB == 16, "score_block reduces 16 accumulators");
@@ -176,7 +192,7 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
         acc[g * TB + t] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), kb, acc[g * TB + t]);
       }
     }
-  if (res)
+  if (res) {
     for (int j = 0; j < res->blocks; ++j)
       for (int g = 0; g < GB; ++g) {
         const float* qg = reinterpret_cast<const float*>(res->qb + g * res->qb_stride) + 32 * j;
@@ -188,6 +204,18 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
           acc[g * TB + t] = _mm512_fmadd_ps(q1, kb, acc[g * TB + t]);
         }
       }
+    if constexpr (kTail)  // r % 32 != 0: the last group, masked (qb is zero-padded past r)
+      for (int g = 0; g < GB; ++g) {
+        const float* qg = reinterpret_cast<const float*>(res->qb + g * res->qb_stride) + 32 * res->blocks;
+        const __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16);
+        for (int t = 0; t < TB; ++t) {
+          __m512 ka, kb;
+          R::tail(res->rows[t] + g * res->head_bytes, res->blocks, res->tail0, res->tail1, ka, kb);
+          acc[g * TB + t] = _mm512_fmadd_ps(q0, ka, acc[g * TB + t]);
+          acc[g * TB + t] = _mm512_fmadd_ps(q1, kb, acc[g * TB + t]);
+        }
+      }
+  }
   alignas(64) float r[16];
   _mm512_store_ps(r, reduce16(acc));
   for (int g = 0; g < GB; ++g)
@@ -555,13 +583,39 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
     for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * r + 32 * jr0 + 16 * i, a[g][i]);
 }
 
+// f32/bf16 latents of r % 32 != 0: their last group j, masked (m0: values 0-15, m1: 16-31), into
+// acc_r without touching the next head's accumulators.
+template <class R, int GB>
+KVX_INLINE void residual_tail_pass(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg,
+                                   float* acc, int r, int j, __mmask16 m0, __mmask16 m1) {
+  __m512 a[GB][2];
+  for (int g = 0; g < GB; ++g) {
+    a[g][0] = _mm512_maskz_loadu_ps(m0, acc + g * r + 32 * j);
+    a[g][1] = _mm512_maskz_loadu_ps(m1, acc + g * r + 32 * j + 16);
+  }
+  for (int t = 0; t < n; ++t)
+    for (int g = 0; g < GB; ++g) {
+      __m512 va, vb;
+      R::tail(v0 + t * rb + g * head_bytes, j, m0, m1, va, vb);
+      const __m512 wv = _mm512_set1_ps(w[g * wg + t]);
+      a[g][0] = _mm512_fmadd_ps(wv, va, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(wv, vb, a[g][1]);
+    }
+  for (int g = 0; g < GB; ++g) {
+    _mm512_mask_storeu_ps(acc + g * r + 32 * j, m0, a[g][0]);
+    _mm512_mask_storeu_ps(acc + g * r + 32 * j + 16, m1, a[g][1]);
+  }
+}
+
 template <class R, int GB>
 KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg, int blocks,
-                                float* acc, int r) {
+                                float* acc, int r, __mmask16 tail0, __mmask16 tail1) {
   constexpr int JB = GB >= 8 ? 1 : 2;
   int j = 0;
   for (; j + JB <= blocks; j += JB) residual_value_pass<R, GB, JB>(v0, rb, head_bytes, n, w, wg, acc, r, j);
   for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, w, wg, acc, r, j);
+  if constexpr (!R::kQuant)
+    if (tail0) residual_tail_pass<R, GB>(v0, rb, head_bytes, n, w, wg, acc, r, blocks, tail0, tail1);
 }
 
 // All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
@@ -592,7 +646,7 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
 // Floats per query head in the kernel's layout: d (f32/bf16), or the integer query.
 template <class R>
 KVX_INLINE size_t query_floats(int d) {
-  return R::kQuant ? int_query_floats(d) : static_cast<size_t>(d);
+  return R::kQuant ? int_query_floats(d) : static_cast<size_t>(d + 31) / 32 * 32;  // f32/bf16: zero-padded groups
 }
 
 // Query heads go in groups of 4, 2, 1 that share each K/V load.
@@ -633,6 +687,7 @@ struct ResidualTile {
   size_t head_bytes;     // bytes per head segment
   const uint8_t* rows0;  // row 0's latents, head h0's segment
   size_t rb;
+  __mmask16 tail0, tail1;  // as ResidualRows
 };
 
 template <class R>
@@ -649,14 +704,16 @@ KVX_INLINE void scores_for(const float* q, int gb, int d, const uint8_t* kb, siz
       rows[i] = kb + t * rb;
       if (rt) rrows[i] = rt->rows0 + t * rt->rb;
     }
-    if (rt) res = {rt->qb, rt->qb_stride, rt->blocks, rt->head_bytes, rrows};
+    if (rt) res = {rt->qb, rt->qb_stride, rt->blocks, rt->head_bytes, rrows, rt->tail0, rt->tail1};
     const ResidualRows* rp = rt ? &res : nullptr;
     if (pf) pf->range(t0 * rb, imin(t0 + TB, n) * rb);
     float* sg = s + t0;
     switch (gb) {
-      case 4: score_block<R, 4, 4>(q, d, nj, rows, sg, rp); break;
-      case 2: score_block<R, 2, 8>(q, d, nj, rows, sg, rp); break;
-      default: score_block<R, 1, 16>(q, d, nj, rows, sg, rp); break;
+      case 4: rt && rt->tail0 ? score_block<R, 4, 4, true>(q, d, nj, rows, sg, rp) : score_block<R, 4, 4>(q, d, nj, rows, sg, rp); break;
+      case 2: rt && rt->tail0 ? score_block<R, 2, 8, true>(q, d, nj, rows, sg, rp) : score_block<R, 2, 8>(q, d, nj, rows, sg, rp); break;
+      default:
+        rt && rt->tail0 ? score_block<R, 1, 16, true>(q, d, nj, rows, sg, rp) : score_block<R, 1, 16>(q, d, nj, rows, sg, rp);
+        break;
     }
   }
 }
@@ -672,9 +729,14 @@ KVX_INLINE void unpermute(float* acc, int n) {
   }
 }
 
-KVX_INLINE void scale_vec(float* x, int n, float alpha) {
+KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV latent may end mid-vector)
   const __m512 av = _mm512_set1_ps(alpha);
-  for (int i = 0; i < n; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), av));
+  int i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), av));
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), av));
+  }
 }
 
 // One piece: rows [r0, r1) of KV head `head` for its G queries -> part = [m[G], l[G],
@@ -687,7 +749,11 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const int d = kv.head_dim(), nj = d / 32, nb = R::kQuant ? nj : 0, P = kv.page_tokens();
   const size_t rb = kv.row_bytes();
   const KVStore* rst = kLrkv ? res.store : nullptr;
-  const int r = rst ? res.r : 0, rblocks = r / 32;  // latent blocks per head
+  const int r = rst ? res.r : 0, rblocks = r / 32;  // latent blocks (whole groups) per head
+  // f32/bf16 latents of r % 32 != 0 end in a masked group: its values 0-15 and 16-31.
+  const int rtail = r % 32;
+  const __mmask16 tail0 = rtail >= 16 ? 0xffff : static_cast<__mmask16>((1u << rtail) - 1);
+  const __mmask16 tail1 = rtail > 16 ? static_cast<__mmask16>((1u << (rtail - 16)) - 1) : 0;
   const int nbr = rst && R::kQuant ? G * rblocks : 0;
   const size_t rrb = rst ? rst->row_bytes() : 0;
   const int tile = rst ? (rb + rrb < 1024 ? 32 : 16) : tile_rows(rb);  // LRKV: K and V tiles of both stores within ~40 KB
@@ -793,7 +859,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         ResidualTile rt{};
         if (rst) {
           rt = {reinterpret_cast<const uint8_t*>(res.qb + g0 * res.qstride), qb_bytes, rblocks, latent_bytes,
-                rkb + g0 * latent_bytes, rrb};
+                rkb + g0 * latent_bytes, rrb, tail0, tail1};
           rkpf.range(rtile * g0 / G, rtile * (g0 + gb) / G);
         }
         scores_for<R>(q + g0 * d, gb, d, kb, rb, n, sc.s + g0 * kRow, g0 == 0 ? &kpf : nullptr, rst ? &rt : nullptr);
@@ -866,10 +932,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         const float* wh = wr + h0 * wrg;
         float* ar = acc_r + static_cast<size_t>(h0) * r;
         switch (gb) {
-          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
-          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
-          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
-          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
+          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, tail0, tail1); break;
+          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, tail0, tail1); break;
+          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, tail0, tail1); break;
+          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, tail0, tail1); break;
         }
       }
     }
@@ -877,7 +943,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   }
 
   for (int g = 0; g < G; ++g) l[g] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l + 16 * g));
-  if constexpr (R::kPerm) unpermute(acc, G * (d + r));  // acc and acc_r are contiguous
+  if constexpr (R::kPerm) {  // whole groups only (a masked last latent group is in natural order)
+    unpermute(acc, G * d);
+    for (int g = 0; g < G && rblocks > 0; ++g) unpermute(acc_r + static_cast<size_t>(g) * r, 32 * rblocks);
+  }
 }
 
 template <class R>
@@ -913,6 +982,10 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
       for (int i = 0; i < d; i += 32) {
         const float* x = q + static_cast<size_t>(h) * d + i;
         float* y = qs + h * stride + i;
+        if (d - i < 32) {  // a last partial group (LRKV's qb): natural order, zeros past d
+          for (int j = 0; j < 32; ++j) y[j] = j < d - i ? x[j] * scale : 0.0f;
+          continue;
+        }
         for (int j = 0; j < 16; ++j) {
           y[j] = (perm ? x[2 * j] : x[j]) * scale;
           y[16 + j] = (perm ? x[2 * j + 1] : x[16 + j]) * scale;

@@ -34,6 +34,8 @@ float* slot_aligned(std::vector<float>& v, size_t n);
 bool avx512_usable();
 // Scaled queries in its layout, avx512_query_floats(d, type) floats per head: f32 [d]; bf16 as
 // (even | odd) positions per 32 values; q8/q4 quantised to int8 blocks (integer dot products).
+// f32/bf16 widths that are not multiples of 32 (LRKV's qb) end in a group of natural order,
+// zero-padded to 32.
 size_t avx512_query_floats(int d, KVType type);
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs);
 // Scratch floats one split needs (residual_width: LRKV's H r, else 0).
@@ -44,7 +46,8 @@ void avx512_run_split(const KVStore& kv, const DecodePiece* pieces, int p0, int 
 
 // LRKV factored decode (lrkv_decode.h) on the same machinery: pieces are row ranges of the
 // shared store (head 0) for all H queries; qbs: the prepared qb (avx512_prepare_queries with
-// width r). part p = [m[H], l[H], acc_s[H][d], acc_r[H][r]]. Needs d % 32 == 0, r % 32 == 0.
+// width r). part p = [m[H], l[H], acc_s[H][d], acc_r[H][r]]. Needs d % 32 == 0, and r % 32 == 0
+// for q8/q4.
 void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
                      const float* qs, const float* qbs, int H, float* parts, size_t part_size, float* scratch);
 

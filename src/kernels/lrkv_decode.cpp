@@ -256,17 +256,19 @@ void check(const float* q, const float* qb, int heads, const KVStore& shared, co
 
 }  // namespace
 
-DecodeIsa lrkv_decode_isa(DecodeIsa isa, int head_dim, int rank) {
-  const bool wide_ok = decode_isa_usable(DecodeIsa::Avx512, head_dim) && rank % kQBlock == 0;
+DecodeIsa lrkv_decode_isa(DecodeIsa isa, KVType type, int head_dim, int rank) {
+  const bool quant = type == KVType::Q8 || type == KVType::Q4;
+  const bool wide_ok = decode_isa_usable(DecodeIsa::Avx512, head_dim) && (!quant || rank % kQBlock == 0);
   if (isa == DecodeIsa::Auto) return wide_ok ? DecodeIsa::Avx512 : DecodeIsa::Avx2;
   if (isa == DecodeIsa::Avx512 && !wide_ok)
-    throw Error("LRKV decode back end avx512 needs an AVX-512 CPU and head_dim and rank that are multiples of 32 (head_dim " +
-                std::to_string(head_dim) + ", rank " + std::to_string(rank) + "); use auto or avx2");
+    throw Error("LRKV decode back end avx512 needs an AVX-512 CPU, head_dim a multiple of 32 and, for q8/q4 caches, a rank that "
+                "is one too (" + kv_type_name(type) + ", head_dim " + std::to_string(head_dim) + ", rank " + std::to_string(rank) +
+                "); use auto or avx2");
   return isa;
 }
 
 bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int rank) {
-  return lrkv_decode_isa(isa, head_dim, rank) == DecodeIsa::Avx512 && (type == KVType::Q8 || type == KVType::Q4);
+  return lrkv_decode_isa(isa, type, head_dim, rank) == DecodeIsa::Avx512 && (type == KVType::Q8 || type == KVType::Q4);
 }
 
 void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, const KVStore& shared,
@@ -277,7 +279,7 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
   const int64_t L = shared.stored();
   const int ns = static_cast<int>(std::clamp<int64_t>(splits, 1, L));
   const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
-  const bool wide = lrkv_decode_isa(isa, sh.d, sh.r) == DecodeIsa::Avx512;
+  const bool wide = lrkv_decode_isa(isa, shared.type(), sh.d, sh.r) == DecodeIsa::Avx512;
   thread_local std::vector<float> parts, qs, qbs, scratch;
   thread_local std::vector<detail::DecodePiece> pieces;
   const size_t part_size = detail::slot_floats(sh.part());

@@ -13,8 +13,9 @@
 // The fused kernel splits the stored rows into token ranges (threads), runs tiles of rows with an
 // online softmax per head, and merges the ranges by log-sum-exp. Back ends as decode_attention:
 // AVX-512 (the dense kernel's machinery: K_s/V_s are one KV head read for all H queries in
-// groups of 4, each head's latent a 1-query pass; needs d_h and r multiples of 32; q8/q4 keys by
-// integer dots against the int8 query and qb) or AVX2 (rows dequantised to f32 in L1-sized
+// groups of 4, each head's latent a 1-query pass; needs d_h a multiple of 32, and r too for q8/q4,
+// whose keys are dotted in integers against the int8 query and qb; f32/bf16 latents of any r end
+// in a masked group) or AVX2 (rows dequantised to f32 in L1-sized
 // tiles, FMA dots). The reference dequantises everything and works in double.
 #pragma once
 #include "kernels/decode_attention.h"
@@ -28,8 +29,10 @@ void lrkv_decode_attention(const float* q, const float* qb, int heads, const KVS
 void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, const KVStore& shared,
                                   const KVStore* residual, float scale, float* out_s, float* out_r, int threads,
                                   int splits, DecodeIsa isa = DecodeIsa::Auto);
-// The back end Auto picks for these widths, and whether it quantises q and qb (q8/q4 on AVX-512).
-DecodeIsa lrkv_decode_isa(DecodeIsa isa, int head_dim, int rank);
+// The back end Auto picks for this cache type and these widths (AVX-512 needs d_h % 32 == 0, and
+// for q8/q4 r % 32 == 0 so that a block lies in one head), and whether it quantises q and qb (q8/q4
+// on AVX-512).
+DecodeIsa lrkv_decode_isa(DecodeIsa isa, KVType type, int head_dim, int rank);
 bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int rank);
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
                                      const KVStore* residual, float scale, float* out_s, float* out_r,

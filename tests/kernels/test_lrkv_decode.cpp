@@ -54,7 +54,7 @@ void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   std::vector<float> ref_s(H * d), ref_r(H * std::max(r, 1)), out_s(ref_s.size()), out_r(ref_r.size());
   std::vector<DecodeIsa> isas = {DecodeIsa::Avx2};
-  if (lrkv_decode_isa(DecodeIsa::Auto, d, r) == DecodeIsa::Avx512) isas.push_back(DecodeIsa::Avx512);
+  if (lrkv_decode_isa(DecodeIsa::Auto, type, d, r) == DecodeIsa::Avx512) isas.push_back(DecodeIsa::Avx512);
   for (DecodeIsa isa : isas)
   for (auto [threads, splits] : std::vector<std::pair<int, int>>{{1, 1}, {1, 3}, {2, 2}, {2, 5}}) {
     lrkv_decode_attention_reference(q.data(), qb.data(), H, shared, residual.get(), scale, ref_s.data(), ref_r.data(),
@@ -79,7 +79,7 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
   uint32_t seed = 10;
   for (KVType t : {KVType::F32, KVType::BF16})
     for (int H : {1, 3, 6})
-      for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 0}, {40, 5}, {32, 8}, {64, 12}, {64, 24}, {128, 32}})
+      for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 0}, {40, 5}, {32, 8}, {64, 12}, {64, 24}, {128, 32}, {96, 40}})
         for (int64_t L : {1, 7, 33, 70}) check(t, H, d, r, L, 16, {}, seed++);
   for (KVType t : {KVType::Q8, KVType::Q4})
     for (int H : {1, 5})
