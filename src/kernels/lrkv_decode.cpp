@@ -48,30 +48,31 @@ void prefetch_slots(const KVStore& s, int64_t first, int64_t count) {
   }
 }
 
-// s[g][t] (+)= q_g . k_g,t for GB queries (q rows qs apart) against the n rows of a tile, 2 rows
-// at a time with GB x 2 accumulators (then one transpose-add). Query g reads rows k + g * kg
-// (kg = 0: all read the shared rows; otherwise each head its own latents).
+// s[g][t] (+)= q_g . k_g,t for GB <= 2 queries (q rows qs apart) against the n rows of a tile, 4
+// rows at a time with GB x 4 accumulators (then one transpose-add): each q chunk is loaded once
+// for 4 rows. Query g reads rows k + g * kg (kg = 0: all read the shared rows; otherwise each
+// head its own latents).
 template <int GB, bool kAdd>
 void scores(const float* q, int qs, const float* k, size_t kg, int ks, int n, int w, float* s, int ss) {
-  static_assert(GB == 4 || GB == 2 || GB == 1, "groups of 4, 2, 1");
+  static_assert(GB == 2 || GB == 1, "groups of 2, 1");
   const int w8 = w & ~7;
-  for (int t0 = 0; t0 < n; t0 += 2) {
-    const int t1 = std::min(t0 + 1, n - 1);
+  for (int t0 = 0; t0 < n; t0 += 4) {
+    int tr[4];
+    for (int j = 0; j < 4; ++j) tr[j] = std::min(t0 + j, n - 1);  // past the tile: the last row again
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (int i = 0; i < w8; i += 8)
       for (int g = 0; g < GB; ++g) {
-        const float* kr = k + g * kg;
+        const float* kr = k + g * kg + i;
         const __m256 qv = _mm256_loadu_ps(q + g * qs + i);
-        acc[2 * g] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + t0 * ks + i), acc[2 * g]);
-        acc[2 * g + 1] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + t1 * ks + i), acc[2 * g + 1]);
+        for (int j = 0; j < 4; ++j) acc[4 * g + j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + tr[j] * ks), acc[4 * g + j]);
       }
     alignas(32) float x[8];
     _mm256_store_ps(x, reduce8(acc));
     for (int g = 0; g < GB; ++g)
-      for (int j = 0; j < (t1 == t0 ? 1 : 2); ++j) {
-        const int t = j == 0 ? t0 : t1;
-        float v = x[2 * g + j];
+      for (int j = 0; j < 4 && t0 + j < n; ++j) {
+        const int t = t0 + j;
+        float v = x[4 * g + j];
         for (int i = w8; i < w; ++i) v += q[g * qs + i] * k[g * kg + t * ks + i];
         float& out = s[g * ss + t];
         out = kAdd ? out + v : v;
@@ -108,9 +109,9 @@ void values(const float* p, int ps, const float* v, size_t vg, int vs, int n, in
 }
 
 template <class F>
-void for_head_groups(int H, F&& f) {  // groups of 4, 2, 1 heads
+void for_head_groups(int H, int most, F&& f) {  // groups of `most` (4 or 2), then 2, 1 heads
   for (int h0 = 0, gb; h0 < H; h0 += gb) {
-    gb = H - h0 >= 4 ? 4 : H - h0 >= 2 ? 2 : 1;
+    gb = H - h0 >= 4 && most >= 4 ? 4 : H - h0 >= 2 ? 2 : 1;
     f(h0, gb);
   }
 }
@@ -154,25 +155,23 @@ void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore&
       if (residual) prefetch_slots(*residual, row + n, ahead);
     }
     // Scores: the shared part for all heads (K_s read once), then each head's residual part.
-    for_head_groups(H, [&](int h0, int gb) {
+    for_head_groups(H, 2, [&](int h0, int gb) {
       const float* qg = q + static_cast<size_t>(h0) * d;
       float* sg = s + h0 * kTile;
-      switch (gb) {
-        case 4: scores<4, false>(qg, d, K, 0, kst, n, d, sg, kTile); break;
-        case 2: scores<2, false>(qg, d, K, 0, kst, n, d, sg, kTile); break;
-        default: scores<1, false>(qg, d, K, 0, kst, n, d, sg, kTile); break;
-      }
+      if (gb == 2)
+        scores<2, false>(qg, d, K, 0, kst, n, d, sg, kTile);
+      else
+        scores<1, false>(qg, d, K, 0, kst, n, d, sg, kTile);
     });
     if (residual)
-      for_head_groups(H, [&](int h0, int gb) {
+      for_head_groups(H, 2, [&](int h0, int gb) {
         const float* qg = qb + static_cast<size_t>(h0) * r;
         const float* kg = Rk + h0 * rkh;
         float* sg = s + h0 * kTile;
-        switch (gb) {
-          case 4: scores<4, true>(qg, r, kg, rkh, rkst, n, r, sg, kTile); break;
-          case 2: scores<2, true>(qg, r, kg, rkh, rkst, n, r, sg, kTile); break;
-          default: scores<1, true>(qg, r, kg, rkh, rkst, n, r, sg, kTile); break;
-        }
+        if (gb == 2)
+          scores<2, true>(qg, r, kg, rkh, rkst, n, r, sg, kTile);
+        else
+          scores<1, true>(qg, r, kg, rkh, rkst, n, r, sg, kTile);
       });
     // Online softmax per head: m' = max(m, max_t s); l = l e^(m - m') + sum_t e^(s - m'); acc *= e^(m - m').
     for (int h = 0; h < H; ++h) {
@@ -212,7 +211,7 @@ void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore&
       l[h] += hsum(sum) + tail;
     }
     // Values: V_s for all heads (read once), then each head's R^V.
-    for_head_groups(H, [&](int h0, int gb) {
+    for_head_groups(H, 4, [&](int h0, int gb) {
       const float* pg = s + h0 * kTile;
       float* ag = acc_s + static_cast<size_t>(h0) * d;
       switch (gb) {
@@ -222,7 +221,7 @@ void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore&
       }
     });
     if (residual)
-      for_head_groups(H, [&](int h0, int gb) {
+      for_head_groups(H, 4, [&](int h0, int gb) {
         const float* pg = s + h0 * kTile;
         const float* vg = Rv + h0 * rvh;
         float* ag = acc_r + static_cast<size_t>(h0) * r;
