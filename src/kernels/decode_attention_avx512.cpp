@@ -222,6 +222,15 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
     for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
 }
 
+template <class R, int GB, int TB>
+KVX_INLINE void score_block_tail(bool tail, const float* q, int d, int nj, const uint8_t* const* rows, float* s,
+                                 const ResidualRows* res) {
+  if (tail)
+    score_block<R, GB, TB, true>(q, d, nj, rows, s, res);
+  else
+    score_block<R, GB, TB>(q, d, nj, rows, s, res);
+}
+
 // ---------------------------------------------------------------------------------------------
 // q8/q4 scores with tokens in lanes. 16 rows are transposed so that lane t of vector i holds
 // 32-bit word i of row t; a query's block dot is then 8 vpdpbusd (unsigned row bytes x signed
@@ -708,12 +717,11 @@ KVX_INLINE void scores_for(const float* q, int gb, int d, const uint8_t* kb, siz
     const ResidualRows* rp = rt ? &res : nullptr;
     if (pf) pf->range(t0 * rb, imin(t0 + TB, n) * rb);
     float* sg = s + t0;
+    const bool tail = rt && rt->tail0;
     switch (gb) {
-      case 4: rt && rt->tail0 ? score_block<R, 4, 4, true>(q, d, nj, rows, sg, rp) : score_block<R, 4, 4>(q, d, nj, rows, sg, rp); break;
-      case 2: rt && rt->tail0 ? score_block<R, 2, 8, true>(q, d, nj, rows, sg, rp) : score_block<R, 2, 8>(q, d, nj, rows, sg, rp); break;
-      default:
-        rt && rt->tail0 ? score_block<R, 1, 16, true>(q, d, nj, rows, sg, rp) : score_block<R, 1, 16>(q, d, nj, rows, sg, rp);
-        break;
+      case 4: score_block_tail<R, 4, 4>(tail, q, d, nj, rows, sg, rp); break;
+      case 2: score_block_tail<R, 2, 8>(tail, q, d, nj, rows, sg, rp); break;
+      default: score_block_tail<R, 1, 16>(tail, q, d, nj, rows, sg, rp); break;
     }
   }
 }
