@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "eval/bench.h"
+#include "util/error.h"
 
 using namespace kvx;
 
@@ -80,7 +82,7 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
   o.kv_heads = {4, 2};
   o.heads = 4;
   o.head_dim = 32;
-  o.lrkv_ranks = {32};
+  o.lrkv_ranks = {32, 8};  // r = 8: q8 latents run on the AVX2 back end, against the same dense rows
   o.gdn_rows = false;
   o.natsl_kept = {};
   o.lla_budgets = {};
@@ -120,7 +122,27 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
         mha_us = d["us_per_step"].get<double>();
     ASSERT_GT(mha_us, 0) << r.dump();
     EXPECT_NEAR(r["speedup_vs_mha"].get<double>(), mha_us / r["us_per_step"].get<double>(), 1e-9);
+    if (r["rank"] == 8 && r["cache"] == "q8") EXPECT_EQ(r["isa"], "avx2");
   }
   EXPECT_EQ(dense, 2 * 2 * 2);  // types x Hkv x contexts
-  EXPECT_EQ(lrkv, 2 * 2);       // types x contexts
+  EXPECT_EQ(lrkv, 2 * 2 * 2);   // types x contexts x ranks
+}
+
+// Options that name no measurement are refused before anything runs, naming the option.
+TEST(DecodeBench, RefusesOptionsThatNameNoMeasurement) {
+  auto refuses = [](auto edit, const std::string& what) {
+    eval::DecodeBenchOptions o;
+    edit(o);
+    try {
+      eval::bench_decode(o, false);
+      ADD_FAILURE() << "accepted " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refuses([](eval::DecodeBenchOptions& o) { o.contexts = {1024, 0}; }, "--contexts");
+  refuses([](eval::DecodeBenchOptions& o) { o.kv_heads = {3}; }, "--hkv 3");
+  refuses([](eval::DecodeBenchOptions& o) { o.kv_heads = {0}; }, "--hkv 0");
+  refuses([](eval::DecodeBenchOptions& o) { o.lrkv_ranks = {0}; }, "--lrkv rank 0");
+  refuses([](eval::DecodeBenchOptions& o) { o.lrkv_ranks = {129}; }, "--lrkv rank 129");
 }
