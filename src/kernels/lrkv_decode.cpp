@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/decode_attention_isa.h"
@@ -19,18 +20,34 @@ namespace {
 constexpr int kTile = 16;  // rows per online-softmax step
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Rows [off, off + n) of page `page` of a one-head store as f32 rows `stride` floats apart: f32
-// rows are read in place, other types dequantised into `buf` (room for kTile rows).
-const float* tile_rows(const KVStore& s, bool keys, int64_t page, int off, int n, float* buf, int& stride) {
+// Elements of the tiles the compute reads: float (f32 rows in place, q8/q4 rows dequantised) or
+// bf16 (uint16_t, read in place and widened in registers).
+KVX_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+KVX_INLINE __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+KVX_INLINE float value(float x) { return x; }
+KVX_INLINE float value(uint16_t x) { return bf16_to_float(x); }
+
+// Rows [off, off + n) of page `page` of a one-head store as rows of E `stride` elements apart:
+// f32 and bf16 rows are read in place, q8/q4 rows dequantised into `buf` (room for kTile rows).
+template <class E>
+const E* tile_rows(const KVStore& s, bool keys, int64_t page, int off, int n, float* buf, int& stride) {
   const size_t rb = s.row_bytes();
   const uint8_t* rows = (keys ? s.k_rows(page, 0) : s.v_rows(page, 0)) + off * rb;
-  if (s.type() == KVType::F32) {
-    stride = static_cast<int>(rb / 4);
-    return reinterpret_cast<const float*>(rows);
+  if constexpr (std::is_same_v<E, uint16_t>) {  // bf16
+    stride = static_cast<int>(rb / 2);
+    return reinterpret_cast<const uint16_t*>(rows);
+  } else {
+    if (s.type() == KVType::F32) {
+      stride = static_cast<int>(rb / 4);
+      return reinterpret_cast<const float*>(rows);
+    }
+    stride = s.head_dim();
+    for (int t = 0; t < n; ++t) dequantize_row(s.type(), rows + t * rb, s.head_dim(), buf + t * stride);
+    return buf;
   }
-  stride = s.head_dim();
-  for (int t = 0; t < n; ++t) dequantize_row(s.type(), rows + t * rb, s.head_dim(), buf + t * stride);
-  return buf;
 }
 
 // Software prefetch (into L2) of slots [first, first + count) of a one-head store, K and V.
@@ -52,8 +69,8 @@ void prefetch_slots(const KVStore& s, int64_t first, int64_t count) {
 // rows at a time with GB x 4 accumulators (then one transpose-add): each q chunk is loaded once
 // for 4 rows. Query g reads rows k + g * kg (kg = 0: all read the shared rows; otherwise each
 // head its own latents).
-template <int GB, bool kAdd>
-void scores(const float* q, int qs, const float* k, size_t kg, int ks, int n, int w, float* s, int ss) {
+template <int GB, bool kAdd, class E>
+void scores(const float* q, int qs, const E* k, size_t kg, int ks, int n, int w, float* s, int ss) {
   static_assert(GB == 2 || GB == 1, "groups of 2, 1");
   const int w8 = w & ~7;
   for (int t0 = 0; t0 < n; t0 += 4) {
@@ -63,9 +80,9 @@ void scores(const float* q, int qs, const float* k, size_t kg, int ks, int n, in
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (int i = 0; i < w8; i += 8)
       for (int g = 0; g < GB; ++g) {
-        const float* kr = k + g * kg + i;
+        const E* kr = k + g * kg + i;
         const __m256 qv = _mm256_loadu_ps(q + g * qs + i);
-        for (int j = 0; j < 4; ++j) acc[4 * g + j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + tr[j] * ks), acc[4 * g + j]);
+        for (int j = 0; j < 4; ++j) acc[4 * g + j] = _mm256_fmadd_ps(qv, load8(kr + tr[j] * ks), acc[4 * g + j]);
       }
     alignas(32) float x[8];
     _mm256_store_ps(x, reduce8(acc));
@@ -73,7 +90,7 @@ void scores(const float* q, int qs, const float* k, size_t kg, int ks, int n, in
       for (int j = 0; j < 4 && t0 + j < n; ++j) {
         const int t = t0 + j;
         float v = x[4 * g + j];
-        for (int i = w8; i < w; ++i) v += q[g * qs + i] * k[g * kg + t * ks + i];
+        for (int i = w8; i < w; ++i) v += q[g * qs + i] * value(k[g * kg + t * ks + i]);
         float& out = s[g * ss + t];
         out = kAdd ? out + v : v;
       }
@@ -82,30 +99,30 @@ void scores(const float* q, int qs, const float* k, size_t kg, int ks, int n, in
 
 // acc_g += sum_t p[g][t] v_g,t over the tile for GB heads (rows v + g * vg, as above), C chunks
 // of 8 at a time (GB x C accumulators held across the rows).
-template <int GB, int C>
-void value_chunks(const float* p, int ps, const float* v, size_t vg, int vs, int n, int i, float* acc, int as) {
+template <int GB, int C, class E>
+void value_chunks(const float* p, int ps, const E* v, size_t vg, int vs, int n, int i, float* acc, int as) {
   __m256 a[GB][C];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = _mm256_loadu_ps(acc + g * as + i + 8 * c);
   for (int t = 0; t < n; ++t)
     for (int g = 0; g < GB; ++g) {
-      const float* vr = v + g * vg + t * vs + i;
+      const E* vr = v + g * vg + t * vs + i;
       const __m256 pg = _mm256_broadcast_ss(p + g * ps + t);
-      for (int c = 0; c < C; ++c) a[g][c] = _mm256_fmadd_ps(pg, _mm256_loadu_ps(vr + 8 * c), a[g][c]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm256_fmadd_ps(pg, load8(vr + 8 * c), a[g][c]);
     }
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + g * as + i + 8 * c, a[g][c]);
 }
 
 // Widths in chunks of 16, then 8 (a latent of r = 8 or 24), then one value at a time.
-template <int GB>
-void values(const float* p, int ps, const float* v, size_t vg, int vs, int n, int w, float* acc, int as) {
+template <int GB, class E>
+void values(const float* p, int ps, const E* v, size_t vg, int vs, int n, int w, float* acc, int as) {
   int i = 0;
   for (; i + 16 <= w; i += 16) value_chunks<GB, 2>(p, ps, v, vg, vs, n, i, acc, as);
   if (i + 8 <= w) value_chunks<GB, 1>(p, ps, v, vg, vs, n, i, acc, as), i += 8;
   for (int g = 0; g < GB; ++g)
     for (int t = 0; t < n; ++t)
-      for (int j = i; j < w; ++j) acc[g * as + j] += p[g * ps + t] * v[g * vg + t * vs + j];
+      for (int j = i; j < w; ++j) acc[g * as + j] += p[g * ps + t] * value(v[g * vg + t * vs + j]);
 }
 
 template <class F>
@@ -121,7 +138,8 @@ struct Shapes {
   size_t part() const { return static_cast<size_t>(H) * (2 + d + r); }  // m, l, acc_s, acc_r
 };
 
-// Rows [r0, r1) of all heads -> part = [m[H], l[H], acc_s[H][d], acc_r[H][r]].
+// Rows [r0, r1) of all heads -> part = [m[H], l[H], acc_s[H][d], acc_r[H][r]]; E: tile_rows.
+template <class E>
 void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore& shared, const KVStore* residual, float scale,
                int64_t r0, int64_t r1, float* part) {
   const int H = sh.H, d = sh.d, r = sh.r, P = shared.page_tokens();
@@ -144,10 +162,10 @@ void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore&
     const int off = static_cast<int>(row % P);
     const int n = static_cast<int>(std::min<int64_t>({kTile, r1 - row, P - off}));
     int kst, vst, rkst = 0, rvst = 0;
-    const float* K = tile_rows(shared, true, page, off, n, kbuf.data(), kst);
-    const float* V = tile_rows(shared, false, page, off, n, vbuf.data(), vst);
-    const float* Rk = residual ? tile_rows(*residual, true, page, off, n, rkbuf.data(), rkst) : nullptr;
-    const float* Rv = residual ? tile_rows(*residual, false, page, off, n, rvbuf.data(), rvst) : nullptr;
+    const E* K = tile_rows<E>(shared, true, page, off, n, kbuf.data(), kst);
+    const E* V = tile_rows<E>(shared, false, page, off, n, vbuf.data(), vst);
+    const E* Rk = residual ? tile_rows<E>(*residual, true, page, off, n, rkbuf.data(), rkst) : nullptr;
+    const E* Rv = residual ? tile_rows<E>(*residual, false, page, off, n, rvbuf.data(), rvst) : nullptr;
     const size_t rkh = r, rvh = r;  // head h's latent: columns [h r, (h + 1) r) of a row
     const int64_t ahead = std::min<int64_t>(kTile, r1 - row - n);  // the next tile, fetched while this one computes
     if (ahead > 0) {
@@ -166,7 +184,7 @@ void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore&
     if (residual)
       for_head_groups(H, 2, [&](int h0, int gb) {
         const float* qg = qb + static_cast<size_t>(h0) * r;
-        const float* kg = Rk + h0 * rkh;
+        const E* kg = Rk + h0 * rkh;
         float* sg = s + h0 * kTile;
         if (gb == 2)
           scores<2, true>(qg, r, kg, rkh, rkst, n, r, sg, kTile);
@@ -223,7 +241,7 @@ void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore&
     if (residual)
       for_head_groups(H, 4, [&](int h0, int gb) {
         const float* pg = s + h0 * kTile;
-        const float* vg = Rv + h0 * rvh;
+        const E* vg = Rv + h0 * rvh;
         float* ag = acc_r + static_cast<size_t>(h0) * r;
         switch (gb) {
           case 4: values<4>(pg, kTile, vg, rvh, rvst, n, r, ag, r); break;
@@ -248,6 +266,9 @@ void check(const float* q, const float* qb, int heads, const KVStore& shared, co
       throw Error(w + ": the residual store must hold one row of H r values per token (one KV head of width H r); it has " +
                   std::to_string(residual->kv_heads()) + " heads of width " + std::to_string(residual->head_dim()) +
                   " for H = " + std::to_string(heads));
+    if (residual->type() != shared.type())
+      throw Error(w + ": the shared and residual stores hold different cache types (" + kv_type_name(shared.type()) + ", " +
+                  kv_type_name(residual->type()) + "); make both the same");
     if (residual->stored() != shared.stored() || residual->page_tokens() != shared.page_tokens())
       throw Error(w + ": the shared and residual stores hold different slots (append both for every token)");
   }
@@ -302,7 +323,10 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
   } else {
 #pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
     for (int i = 0; i < ns; ++i)
-      run_range(q, qb, sh, shared, residual, scale, L * i / ns, L * (i + 1) / ns, pp + i * part_size);
+      if (shared.type() == KVType::BF16)
+        run_range<uint16_t>(q, qb, sh, shared, residual, scale, L * i / ns, L * (i + 1) / ns, pp + i * part_size);
+      else
+        run_range<float>(q, qb, sh, shared, residual, scale, L * i / ns, L * (i + 1) / ns, pp + i * part_size);
   }
   // Log-sum-exp merge per head: M = max_i m_i, out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
   const int H = heads, d = sh.d, r = sh.r;

@@ -109,4 +109,12 @@ TEST(LrkvDecode, MismatchedStoresAreClearErrors) {
   EXPECT_NEAR(os[0], 0.5f, 1e-6);
   EXPECT_THROW(lrkv_decode_attention(q.data(), qb.data(), 3, wrong, &residual, 1.0f, os.data(), orr.data(), 1), Error);  // 2 shared heads
   EXPECT_THROW(lrkv_decode_attention(q.data(), qb.data(), 5, shared, &residual, 1.0f, os.data(), orr.data(), 1), Error);  // 24 % 5 != 0
+  KVStore bf16_residual(KVType::BF16, 1, 3 * 8);
+  bf16_residual.append(k.data(), k.data());
+  try {
+    lrkv_decode_attention(q.data(), qb.data(), 3, shared, &bf16_residual, 1.0f, os.data(), orr.data(), 1);
+    ADD_FAILURE() << "an f32 shared store with a bf16 residual was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("different cache types"), std::string::npos) << e.what();
+  }
 }
