@@ -61,10 +61,7 @@ struct F32Row {
 
 struct BF16Row {
   static constexpr bool kQuant = false, kOffset8 = false, kPair = true;
-  static KVX_INLINE __m256 load8(const uint8_t* q, int c) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * c)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-  }
+  static KVX_INLINE __m256 load8(const uint8_t* q, int c) { return bf16x8_to_ps(q + 16 * c); }
   // kLowReg: clear the low halves with two shifts instead of an AND, saving the mask register.
   template <bool kLowReg = false>
   static KVX_INLINE void load_pair(const uint8_t* q, int j, __m256& a, __m256& b) {

@@ -23,10 +23,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Elements of the tiles the compute reads: float (f32 rows in place, q8/q4 rows dequantised) or
 // bf16 (uint16_t, read in place and widened in registers).
 KVX_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-KVX_INLINE __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+KVX_INLINE __m256 load8(const uint16_t* p) { return bf16x8_to_ps(p); }
 KVX_INLINE float value(float x) { return x; }
 KVX_INLINE float value(uint16_t x) { return bf16_to_float(x); }
 

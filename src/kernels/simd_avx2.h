@@ -9,6 +9,12 @@
 namespace kvx::kernels {
 namespace {
 
+// 8 bf16 values at p (16 bytes) widened to floats (bf16 is the top half of an f32).
+KVX_INLINE __m256 bf16x8_to_ps(const void* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
 // Lane i of the result = sum of the lanes of a[i].
 KVX_INLINE __m256 reduce8(const __m256* a) {
   const __m256 h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
