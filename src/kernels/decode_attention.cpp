@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/decode_attention_isa.h"
@@ -127,8 +128,8 @@ struct Prefetch {
 // end repeat its last row; their scores land in the padding and are overwritten).
 
 // f32 / bf16: GB * TB = 12 accumulators (8 would make the FMA latency the bound), q rows d
-// floats apart.
-template <class R, int GB, int TB>
+// floats apart. kAdd: s += (LRKV's latent scores onto the shared ones).
+template <class R, int GB, int TB, bool kAdd = false>
 KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* const* rows, float* s) {
   constexpr int NA = GB * TB;
   static_assert(NA == 12 || NA == 8 || NA == 4, "dot_plain reduces 4, 8 or 12 accumulators");
@@ -158,13 +159,13 @@ KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* const* rows, flo
     for (int g = 0; g < GB; ++g)
       for (int t = 0; t < TB; ++t) r[g * TB + t] += q[g * d + i] * R::at(rows[t], i);
   for (int g = 0; g < GB; ++g)
-    for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
+    for (int t = 0; t < TB; ++t) s[g * kRow + t] = kAdd ? s[g * kRow + t] + r[g * TB + t] : r[g * TB + t];
 }
 
 // q8 / q4: q . k = sum_b d_b (q_b . code_b) with the block dot in code space; 4 block and 4
 // total accumulators. q: per query nb blocks of kQBlk floats (4 vectors in the reader's lane
-// order, then a bias vector: -8 sum(q_b) spread over the lanes for q4, zero for q8).
-template <class R, int GB, int TB>
+// order, then a bias vector: -8 sum(q_b) spread over the lanes for q4, zero for q8). kAdd: s +=.
+template <class R, int GB, int TB, bool kAdd = false>
 KVX_INLINE void dot_quant(const float* q, int qstride, int nb, const uint8_t* const* rows, const float* const* ks, float* s) {
   static_assert(GB * TB == 4, "dot_quant uses 4 + 4 accumulators");
   __m256 acc[4];
@@ -191,7 +192,7 @@ KVX_INLINE void dot_quant(const float* q, int qstride, int nb, const uint8_t* co
   alignas(16) float r[4];
   _mm_store_ps(r, reduce4(acc));
   for (int g = 0; g < GB; ++g)
-    for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
+    for (int t = 0; t < TB; ++t) s[g * kRow + t] = kAdd ? s[g * kRow + t] + r[g * TB + t] : r[g * TB + t];
 }
 
 // q8 / q4 with 4 queries: scale each code vector once (codes * d_b, shared by the 4 queries),
@@ -324,10 +325,12 @@ void acc_tile_quant(const uint8_t* v0, size_t rb, int n, const float* w, int wg,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pieces: KV head h, stored rows [r0, r1), its G queries -> partial m[G], l[G], acc[G][d].
+// Pieces: KV head h, stored rows [r0, r1), its G queries -> partial m[G], l[G], acc[G][d]; with
+// LRKV's latents also acc_r[G][r].
 
 struct Scratch {
   std::vector<float> s, w, ks, vs;
+  std::vector<float> rks, rvs, wr, rk, rv;  // LRKV latents: block scales, value weights, dequantised rows
 };
 
 Scratch& thread_scratch() {
@@ -393,14 +396,37 @@ void scores_tile(int GB, const float* q, int qstride, int d, int nb, const uint8
 
 using Piece = detail::DecodePiece;
 
+// LRKV's latent path (lrkv_decode.h): a second store whose row per token is [R_0 | .. | R_{G-1}]
+// (r values per query head), scored onto the shared scores and accumulated with the same
+// weights, head by head.
+struct Latents {
+  const KVStore* store = nullptr;
+  const float* qb = nullptr;  // prepared as the queries are, at width r (or as f32: latent_read_type)
+  size_t qb_stride = 0;       // floats per head
+  int r = 0;
+};
+
+// The type the latents are read as: their own (f32, bf16, and q8/q4 with r % 32 == 0, so that a
+// block lies in one head), or f32 from rows dequantised tile by tile (q8/q4 blocks that straddle heads).
+KVType latent_read_type(KVType type, int r) {
+  return (type == KVType::Q8 || type == KVType::Q4) && r % kQBlock != 0 ? KVType::F32 : type;
+}
+
+// The latent reader of the dense kernel, which has none (and so carries no latent code).
+struct NoLatents {
+  static constexpr bool kQuant = false, kOffset8 = false, kPair = false;
+};
+
 // Runs pieces tile by tile; qs: a KV head's G queries, scaled (for q8/q4 in blocks of kQBlk).
-// A piece's partial result part = [m[G], l[G], acc[G][d]].
-template <class R>
+// A piece's partial result part = [m[G], l[G], acc[G][d]], then with latents acc_r[G][r].
+// RR: the latents' reader (of latent_read_type), or NoLatents.
+template <class R, class RR = NoLatents>
 class PieceRunner {
  public:
-  PieceRunner(const KVStore& kv, int G)
+  static constexpr bool kLatent = !std::is_same_v<RR, NoLatents>;
+  PieceRunner(const KVStore& kv, int G, const Latents& lat = {})
       : kv_(kv), G_(G), d_(kv.head_dim()), P_(kv.page_tokens()), nb_(R::kQuant ? d_ / kQBlock : 1),
-        qstride_(R::kQuant ? nb_ * kQBlk : d_), rb_(kv.row_bytes()), sc_(thread_scratch()) {
+        qstride_(R::kQuant ? nb_ * kQBlk : d_), rb_(kv.row_bytes()), sc_(thread_scratch()), lat_(lat), r_(lat.r) {
     // Scores s[g * kRow + t] (then probabilities); q8/q4 weights w[(g * kTile + t) * nb + b] =
     // p_gt * (V scale of row t, block b), and their block sums (q4's offset).
     sc_.s.resize(static_cast<size_t>(G) * kRow);
@@ -411,48 +437,143 @@ class PieceRunner {
     }
     const size_t ahead_bytes = R::kQuant ? kAheadBytesQuant : kAheadBytesPlain;
     ahead_ = std::max<size_t>(kTileRows, (ahead_bytes + rb_ - 1) / rb_);
+    if constexpr (kLatent) {
+      rrb_ = lat.store->row_bytes();
+      if constexpr (RR::kQuant) {  // K and V block scales [kTile][G rnb], weights [G][kTile][rnb] + block sums [G][rnb]
+        rnb_ = r_ / kQBlock;
+        nbr_ = G * rnb_;
+        rcodes_ = 2 * static_cast<size_t>(nbr_);
+        sc_.rks.resize(static_cast<size_t>(kTile) * nbr_);
+        sc_.rvs.resize(sc_.rks.size());
+        sc_.wr.resize(static_cast<size_t>(G) * kTile * rnb_ + nbr_);
+      }
+      latent_bytes_ = (rrb_ - rcodes_) / G;
+      read_rb_ = rrb_;
+      if constexpr (kDequant) {  // rows of G r floats
+        sc_.rk.resize(static_cast<size_t>(kTile) * G * r_);
+        sc_.rv.resize(sc_.rk.size());
+        latent_bytes_ = sizeof(float) * r_;
+        read_rb_ = sizeof(float) * G * r_;
+      }
+    }
   }
 
   void begin(float* part) const {
     std::fill(part, part + G_, kNegInf);
     std::fill(part + G_, part + 2 * G_, 0.0f);
-    std::fill(part + 2 * G_, part + 2 * G_ + static_cast<size_t>(G_) * d_, 0.0f);
+    std::fill(part + 2 * G_, part + 2 * G_ + static_cast<size_t>(G_) * (d_ + r_), 0.0f);
   }
 
   // One tile of piece pc from row r (within the piece); returns the row after it.
   int64_t step(const Piece& pc, int64_t r, const float* qs, float* part);
 
   void end(float* part) const {
-    if constexpr (R::kOffset8 || R::kPair) {  // lanes (even | odd) per 16 values -> natural order
-      float* acc = part + 2 * G_;
-      for (int g = 0; g < G_; ++g)
-        for (int i = 0; i + 16 <= d_; i += 16) {
-          float* x = acc + static_cast<size_t>(g) * d_ + i;
-          const __m256 ev = _mm256_loadu_ps(x), od = _mm256_loadu_ps(x + 8);
-          const __m256 lo = _mm256_unpacklo_ps(ev, od), hi = _mm256_unpackhi_ps(ev, od);
-          _mm256_storeu_ps(x, _mm256_permute2f128_ps(lo, hi, 0x20));
-          _mm256_storeu_ps(x + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
-        }
-    }
+    float* acc = part + 2 * G_;
+    if constexpr (R::kOffset8 || R::kPair)
+      for (int g = 0; g < G_; ++g) unpermute(acc + static_cast<size_t>(g) * d_, d_);
+    if constexpr (kLatent && (RR::kOffset8 || RR::kPair))
+      for (int g = 0; g < G_; ++g) unpermute(acc + static_cast<size_t>(G_) * d_ + static_cast<size_t>(g) * r_, r_);
   }
 
  private:
+  // Lanes (even | odd) per whole 16 values of an accumulator of width w -> natural order.
+  static void unpermute(float* acc, int w) {
+    for (int i = 0; i + 16 <= w; i += 16) {
+      float* x = acc + i;
+      const __m256 ev = _mm256_loadu_ps(x), od = _mm256_loadu_ps(x + 8);
+      const __m256 lo = _mm256_unpacklo_ps(ev, od), hi = _mm256_unpackhi_ps(ev, od);
+      _mm256_storeu_ps(x, _mm256_permute2f128_ps(lo, hi, 0x20));
+      _mm256_storeu_ps(x + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
+  }
+
+  void latent_scores(const uint8_t* rows0, int n, float* s, const Prefetch& pf) const;
+  void latent_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const;
+
   static constexpr int kTileRows = R::kQuant ? 32 : 24;
+  // Latents read from rows dequantised to f32 (q8/q4 blocks straddling heads).
+  static constexpr bool kDequant = kLatent && R::kQuant && std::is_same_v<RR, F32Row>;
   const KVStore& kv_;
   const int G_, d_, P_, nb_, qstride_;
   const size_t rb_;
   size_t ahead_;
   Scratch& sc_;
+  // Latents: r per head; rrb_ the store's row bytes, read_rb_ the rows' as read (dequantised:
+  // G r floats); rnb_ blocks per head, nbr_ per row, rcodes_ scale bytes before the codes;
+  // latent_bytes_: bytes per head segment of a row's values.
+  const Latents lat_;
+  const int r_;
+  int rnb_ = 0, nbr_ = 0;
+  size_t rrb_ = 0, read_rb_ = 0, rcodes_ = 0, latent_bytes_ = 0;
 };
 
-template <class R>
-int64_t PieceRunner<R>::step(const Piece& pc, int64_t r, const float* qs, float* part) {
+// s[h * kRow + t] += qb_h . R_h,t for the tile's n rows (rows0: row 0 as read), head by head; the
+// latent rows `ahead` are fetched over the heads.
+template <class R, class RR>
+void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, const Prefetch& pf) const {
+  const int G = G_;
+  const size_t span = static_cast<size_t>(n) * rrb_;
+  for (int h = 0; h < G; ++h) {
+    pf.rows(span * h / G, span * (h + 1) / G);
+    const float* qh = lat_.qb + h * lat_.qb_stride;
+    const uint8_t* base = rows0 + rcodes_ + h * latent_bytes_;
+    float* sh = s + h * kRow;
+    if constexpr (RR::kQuant) {
+      const uint8_t* rows[4];
+      const float* kst[4];
+      for (int t0 = 0; t0 < n; t0 += 4) {
+        for (int i = 0; i < 4; ++i) {
+          const int t = std::min(t0 + i, n - 1);
+          rows[i] = base + t * read_rb_;
+          kst[i] = sc_.rks.data() + t * nbr_ + h * rnb_;
+        }
+        dot_quant<RR, 1, 4, true>(qh, static_cast<int>(lat_.qb_stride), rnb_, rows, kst, sh + t0);
+      }
+    } else {
+      const uint8_t* rows[8];
+      for (int t0 = 0; t0 < n; t0 += 8) {
+        for (int i = 0; i < 8; ++i) rows[i] = base + std::min(t0 + i, n - 1) * read_rb_;
+        dot_plain<RR, 1, 8, true>(qh, r_, rows, sh + t0);
+      }
+    }
+  }
+}
+
+// acc_r[h] += sum_t w(h, t) R_h,t over the tile (w: the probabilities s, q8/q4 times the rows' V
+// block scales), head by head.
+template <class R, class RR>
+void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const {
+  const int G = G_;
+  const size_t span = static_cast<size_t>(n) * rrb_;
+  for (int h = 0; h < G; ++h) {
+    pf.rows(span * h / G, span * (h + 1) / G);
+    const uint8_t* v0 = rows0 + rcodes_ + h * latent_bytes_;
+    float* ar = acc_r + static_cast<size_t>(h) * r_;
+    if constexpr (RR::kQuant)
+      acc_tile_quant<RR, 1>(v0, read_rb_, n, sc_.wr.data() + static_cast<size_t>(h) * kTile * rnb_, 0, rnb_, ar, r_, nullptr);
+    else
+      acc_tile_plain<RR, 1>(v0, read_rb_, n, s + h * kRow, kRow, ar, r_, nullptr);
+  }
+  if constexpr (RR::kOffset8) {  // sum_t w (n - 8) = sum_t w n - 8 sum_t w
+    const float* wsum = sc_.wr.data() + static_cast<size_t>(G) * kTile * rnb_;
+    for (int h = 0; h < G; ++h)
+      for (int b = 0; b < rnb_; ++b) {
+        const __m256 c = _mm256_set1_ps(8.0f * wsum[h * rnb_ + b]);
+        float* ab = acc_r + static_cast<size_t>(h) * r_ + 32 * b;
+        for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(ab + i, _mm256_sub_ps(_mm256_loadu_ps(ab + i), c));
+      }
+  }
+}
+
+template <class R, class RR>
+int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, float* part) {
   const int G = G_, d = d_, P = P_, nb = nb_, qstride = qstride_;
   const size_t rb = rb_;
   Scratch& sc = sc_;
   float* m = part;
   float* l = part + G;
   float* acc = part + 2 * G;
+  float* acc_r = acc + static_cast<size_t>(G) * d;
   float* s = sc.s.data();
   float* wsum = R::kQuant ? sc.w.data() + static_cast<size_t>(G) * kTile * nb : nullptr;
 
@@ -480,6 +601,34 @@ int64_t PieceRunner<R>::step(const Piece& pc, int64_t r, const float* qs, float*
                    s + g0 * kRow, g0 == 0 ? &kpf : nullptr);
   }
 
+  // LRKV: the tile's latent rows (read in place, or dequantised), their scores added per head.
+  [[maybe_unused]] const uint8_t *lk = nullptr, *lv = nullptr;
+  [[maybe_unused]] Prefetch lvpf{};
+  if constexpr (kLatent) {
+    const KVStore& ls = *lat_.store;
+    const uint8_t* rkb = ls.k_rows(page, 0) + off * rrb_;
+    const uint8_t* rvb = ls.v_rows(page, 0) + off * rrb_;
+    const Prefetch lkpf{rkb, has_next ? ls.k_rows(page + 1, 0) : nullptr, ahead_ * rrb_, page_rows * rrb_, next_rows * rrb_};
+    lvpf = Prefetch{rvb, has_next ? ls.v_rows(page + 1, 0) : nullptr, ahead_ * rrb_, page_rows * rrb_, next_rows * rrb_};
+    lk = rkb;
+    lv = rvb;
+    if constexpr (RR::kQuant)
+      for (int t = 0; t < n; ++t) {
+        load_scales(rkb + t * rrb_, nbr_, sc.rks.data() + t * nbr_);
+        load_scales(rvb + t * rrb_, nbr_, sc.rvs.data() + t * nbr_);
+      }
+    if constexpr (kDequant) {
+      const int w = G * r_;
+      for (int t = 0; t < n; ++t) {
+        dequantize_row(ls.type(), rkb + t * rrb_, w, sc.rk.data() + static_cast<size_t>(t) * w);
+        dequantize_row(ls.type(), rvb + t * rrb_, w, sc.rv.data() + static_cast<size_t>(t) * w);
+      }
+      lk = reinterpret_cast<const uint8_t*>(sc.rk.data());
+      lv = reinterpret_cast<const uint8_t*>(sc.rv.data());
+    }
+    latent_scores(lk, n, s, lkpf);
+  }
+
   // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
   const int n8 = (n + 7) & ~7;
   for (int g = 0; g < G; ++g) {
@@ -497,6 +646,8 @@ int64_t PieceRunner<R>::step(const Piece& pc, int64_t r, const float* qs, float*
         int i = 0;
         for (; i + 8 <= d; i += 8) _mm256_storeu_ps(ag + i, _mm256_mul_ps(_mm256_loadu_ps(ag + i), av));
         for (; i < d; ++i) ag[i] *= alpha;
+        if constexpr (kLatent)
+          for (float* ar = acc_r + static_cast<size_t>(g) * r_; ar < acc_r + static_cast<size_t>(g + 1) * r_; ++ar) *ar *= alpha;
       }
       m[g] = mt;
     }
@@ -508,6 +659,14 @@ int64_t PieceRunner<R>::step(const Piece& pc, int64_t r, const float* qs, float*
       sum = _mm256_add_ps(sum, p);
     }
     l[g] += hsum(sum);
+    if constexpr (kLatent && RR::kQuant) {  // the latents' value weights: p times their V block scales
+      float* wq = sc.wr.data() + static_cast<size_t>(g) * kTile * rnb_;
+      float* ws = sc.wr.data() + static_cast<size_t>(G) * kTile * rnb_ + static_cast<size_t>(g) * rnb_;
+      const float* vs = sc.rvs.data() + static_cast<size_t>(g) * rnb_;
+      for (int b = 0; b < rnb_; ++b) ws[b] = 0.0f;
+      for (int t = 0; t < n; ++t)
+        for (int b = 0; b < rnb_; ++b) ws[b] += (wq[t * rnb_ + b] = sg[t] * vs[t * nbr_ + b]);
+    }
     if constexpr (R::kQuant) {  // fold the V block scales into the weights
       float* wq = sc.w.data() + static_cast<size_t>(g) * kTile * nb;
       float* ws = wsum + static_cast<size_t>(g) * nb;
@@ -561,15 +720,16 @@ int64_t PieceRunner<R>::step(const Piece& pc, int64_t r, const float* qs, float*
         float* ab = acc + static_cast<size_t>(g) * d + 32 * b;
         for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(ab + i, _mm256_sub_ps(_mm256_loadu_ps(ab + i), c));
       }
+  if constexpr (kLatent) latent_values(lv, n, s, acc_r, lvpf);
   return r + n;
 }
 
 // Runs the pieces [p0, p1) of one split, tile by tile. (Interleaving two splits' tiles on one
 // thread, for four row streams instead of two, measured slower for f32/bf16.)
-template <class R>
+template <class R, class RR = NoLatents>
 void run_split(const KVStore& kv, const Piece* pcs, int p0, int p1, const float* qs, size_t qstride, int G, float* parts,
-               size_t part_size) {
-  PieceRunner<R> run(kv, G);
+               size_t part_size, const Latents& lat = {}) {
+  PieceRunner<R, RR> run(kv, G, lat);
   for (int p = p0; p < p1; ++p) {
     const Piece& pc = pcs[p];
     float* part = parts + p * part_size;
@@ -683,6 +843,42 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
 
 namespace detail {
 size_t slot_floats(size_t n) { return (n + 1023) / 1024 * 1024; }
+
+void avx2_prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& qs) {
+  prepare_queries(q, heads, d, scale, type, qs);
+}
+
+KVType avx2_latent_read_type(KVType type, int r) { return latent_read_type(type, r); }
+
+void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
+                   const float* qs, const float* qbs, int H, float* parts, size_t part_size) {
+  const int d = shared.head_dim();
+  const KVType type = shared.type();
+  const size_t q_stride = type == KVType::Q8 || type == KVType::Q4 ? static_cast<size_t>(d / kQBlock) * kQBlk : d;
+  if (!residual) {  // r = 0: one shared K/V head for all H queries (MQA)
+    run_split_any(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size);
+    return;
+  }
+  Latents lat{residual, qbs, 0, residual->head_dim() / H};
+  const KVType read = latent_read_type(type, lat.r);
+  lat.qb_stride = read == KVType::Q8 || read == KVType::Q4 ? static_cast<size_t>(lat.r / kQBlock) * kQBlk : lat.r;
+  switch (type) {
+    case KVType::F32: run_split<F32Row, F32Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat); return;
+    case KVType::BF16: run_split<BF16Row, BF16Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat); return;
+    case KVType::Q8:
+      if (read == KVType::Q8)
+        run_split<Q8Row, Q8Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);
+      else
+        run_split<Q8Row, F32Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);
+      return;
+    case KVType::Q4:
+      if (read == KVType::Q4)
+        run_split<Q4Row, Q4Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);
+      else
+        run_split<Q4Row, F32Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);
+      return;
+  }
+}
 
 float* slot_aligned(std::vector<float>& v, size_t n) {
   v.resize(n + 1024);

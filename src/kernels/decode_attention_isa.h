@@ -30,6 +30,20 @@ struct DecodePiece {
 size_t slot_floats(size_t n);
 float* slot_aligned(std::vector<float>& v, size_t n);
 
+// AVX2 back end (decode_attention.cpp), for LRKV's driver. Scaled queries in its layout: f32
+// [heads][d], bf16 (even | odd) per whole 16 values, q8/q4 [heads][d / 32][40] (the block's 32
+// values in the reader's lane order, then q4's bias).
+void avx2_prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& qs);
+// The type LRKV's latents of rank r are read as (and their qb prepared for): their own, or f32 for
+// q8/q4 with r % 32 != 0 (rows dequantised per tile: blocks would straddle heads).
+KVType avx2_latent_read_type(KVType type, int r);
+// LRKV factored decode on the dense kernel's machinery: pieces are row ranges of the shared store
+// (head 0) for all H queries (qs, groups of 4 sharing each K_s/V_s load), each head's latent a
+// 1-query pass; qbs prepared at width r as avx2_latent_read_type says. part p = [m[H], l[H],
+// acc_s[H][d], acc_r[H][r]] at parts + p * part_size.
+void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
+                   const float* qs, const float* qbs, int H, float* parts, size_t part_size);
+
 // AVX-512 back end (AVX-512 F/BW/VL/DQ/VNNI), for head_dim % 32 == 0.
 bool avx512_usable();
 // Scaled queries in its layout, avx512_query_floats(d, type) floats per head: f32 [d]; bf16 as

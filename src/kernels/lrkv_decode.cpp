@@ -6,249 +6,21 @@
 #include <cmath>
 #include <limits>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "kernels/decode_attention_isa.h"
-#include "kernels/simd_avx2.h"
 #include "util/error.h"
 
 namespace kvx::kernels {
 
 namespace {
 
-constexpr int kTile = 16;  // rows per online-softmax step
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Elements of the tiles the compute reads: float (f32 rows in place, q8/q4 rows dequantised) or
-// bf16 (uint16_t, read in place and widened in registers).
-KVX_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-KVX_INLINE __m256 load8(const uint16_t* p) { return bf16x8_to_ps(p); }
-KVX_INLINE float value(float x) { return x; }
-KVX_INLINE float value(uint16_t x) { return bf16_to_float(x); }
-
-// Rows [off, off + n) of page `page` of a one-head store as rows of E `stride` elements apart:
-// f32 and bf16 rows are read in place, q8/q4 rows dequantised into `buf` (room for kTile rows).
-template <class E>
-const E* tile_rows(const KVStore& s, bool keys, int64_t page, int off, int n, float* buf, int& stride) {
-  const size_t rb = s.row_bytes();
-  const uint8_t* rows = (keys ? s.k_rows(page, 0) : s.v_rows(page, 0)) + off * rb;
-  if constexpr (std::is_same_v<E, uint16_t>) {  // bf16
-    stride = static_cast<int>(rb / 2);
-    return reinterpret_cast<const uint16_t*>(rows);
-  } else {
-    if (s.type() == KVType::F32) {
-      stride = static_cast<int>(rb / 4);
-      return reinterpret_cast<const float*>(rows);
-    }
-    stride = s.head_dim();
-    for (int t = 0; t < n; ++t) dequantize_row(s.type(), rows + t * rb, s.head_dim(), buf + t * stride);
-    return buf;
-  }
-}
-
-// Software prefetch (into L2) of slots [first, first + count) of a one-head store, K and V.
-void prefetch_slots(const KVStore& s, int64_t first, int64_t count) {
-  const int P = s.page_tokens();
-  const size_t rb = s.row_bytes();
-  for (int64_t slot = first; slot < first + count;) {
-    const int64_t page = slot / P;
-    const int off = static_cast<int>(slot % P);
-    const int64_t n = std::min<int64_t>(first + count - slot, P - off);
-    for (const uint8_t* base : {s.k_rows(page, 0), s.v_rows(page, 0)})
-      for (size_t o = (off * rb) & ~size_t{63}; o < (off + n) * rb; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(base + o), _MM_HINT_T1);
-    slot += n;
-  }
-}
-
-// s[g][t] (+)= q_g . k_g,t for GB <= 2 queries (q rows qs apart) against the n rows of a tile, 4
-// rows at a time with GB x 4 accumulators (then one transpose-add): each q chunk is loaded once
-// for 4 rows. Query g reads rows k + g * kg (kg = 0: all read the shared rows; otherwise each
-// head its own latents).
-template <int GB, bool kAdd, class E>
-void scores(const float* q, int qs, const E* k, size_t kg, int ks, int n, int w, float* s, int ss) {
-  static_assert(GB == 2 || GB == 1, "groups of 2, 1");
-  const int w8 = w & ~7;
-  for (int t0 = 0; t0 < n; t0 += 4) {
-    int tr[4];
-    for (int j = 0; j < 4; ++j) tr[j] = std::min(t0 + j, n - 1);  // past the tile: the last row again
-    __m256 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-    for (int i = 0; i < w8; i += 8)
-      for (int g = 0; g < GB; ++g) {
-        const E* kr = k + g * kg + i;
-        const __m256 qv = _mm256_loadu_ps(q + g * qs + i);
-        for (int j = 0; j < 4; ++j) acc[4 * g + j] = _mm256_fmadd_ps(qv, load8(kr + tr[j] * ks), acc[4 * g + j]);
-      }
-    alignas(32) float x[8];
-    _mm256_store_ps(x, reduce8(acc));
-    for (int g = 0; g < GB; ++g)
-      for (int j = 0; j < 4 && t0 + j < n; ++j) {
-        const int t = t0 + j;
-        float v = x[4 * g + j];
-        for (int i = w8; i < w; ++i) v += q[g * qs + i] * value(k[g * kg + t * ks + i]);
-        float& out = s[g * ss + t];
-        out = kAdd ? out + v : v;
-      }
-  }
-}
-
-// acc_g += sum_t p[g][t] v_g,t over the tile for GB heads (rows v + g * vg, as above), C chunks
-// of 8 at a time (GB x C accumulators held across the rows).
-template <int GB, int C, class E>
-void value_chunks(const float* p, int ps, const E* v, size_t vg, int vs, int n, int i, float* acc, int as) {
-  __m256 a[GB][C];
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < C; ++c) a[g][c] = _mm256_loadu_ps(acc + g * as + i + 8 * c);
-  for (int t = 0; t < n; ++t)
-    for (int g = 0; g < GB; ++g) {
-      const E* vr = v + g * vg + t * vs + i;
-      const __m256 pg = _mm256_broadcast_ss(p + g * ps + t);
-      for (int c = 0; c < C; ++c) a[g][c] = _mm256_fmadd_ps(pg, load8(vr + 8 * c), a[g][c]);
-    }
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + g * as + i + 8 * c, a[g][c]);
-}
-
-// Widths in chunks of 16, then 8 (a latent of r = 8 or 24), then one value at a time.
-template <int GB, class E>
-void values(const float* p, int ps, const E* v, size_t vg, int vs, int n, int w, float* acc, int as) {
-  int i = 0;
-  for (; i + 16 <= w; i += 16) value_chunks<GB, 2>(p, ps, v, vg, vs, n, i, acc, as);
-  if (i + 8 <= w) value_chunks<GB, 1>(p, ps, v, vg, vs, n, i, acc, as), i += 8;
-  for (int g = 0; g < GB; ++g)
-    for (int t = 0; t < n; ++t)
-      for (int j = i; j < w; ++j) acc[g * as + j] += p[g * ps + t] * value(v[g * vg + t * vs + j]);
-}
-
-template <class F>
-void for_head_groups(int H, int most, F&& f) {  // groups of `most` (4 or 2), then 2, 1 heads
-  for (int h0 = 0, gb; h0 < H; h0 += gb) {
-    gb = H - h0 >= 4 && most >= 4 ? 4 : H - h0 >= 2 ? 2 : 1;
-    f(h0, gb);
-  }
-}
 
 struct Shapes {
   int H, d, r;
   size_t part() const { return static_cast<size_t>(H) * (2 + d + r); }  // m, l, acc_s, acc_r
 };
-
-// Rows [r0, r1) of all heads -> part = [m[H], l[H], acc_s[H][d], acc_r[H][r]]; E: tile_rows.
-template <class E>
-void run_range(const float* q, const float* qb, const Shapes& sh, const KVStore& shared, const KVStore* residual, float scale,
-               int64_t r0, int64_t r1, float* part) {
-  const int H = sh.H, d = sh.d, r = sh.r, P = shared.page_tokens();
-  float* m = part;
-  float* l = part + H;
-  float* acc_s = part + 2 * H;
-  float* acc_r = acc_s + static_cast<size_t>(H) * d;
-  std::fill(m, m + H, kNegInf);
-  std::fill(l, l + H, 0.0f);
-  std::fill(acc_s, part + sh.part(), 0.0f);
-  thread_local std::vector<float> kbuf, vbuf, rkbuf, rvbuf, sbuf;
-  kbuf.resize(static_cast<size_t>(kTile) * d);
-  vbuf.resize(kbuf.size());
-  rkbuf.resize(static_cast<size_t>(kTile) * std::max(r, 1) * H);  // one tile of [H r] rows
-  rvbuf.resize(rkbuf.size());
-  sbuf.resize(static_cast<size_t>(H) * kTile + 8);
-  float* s = sbuf.data();
-  for (int64_t row = r0; row < r1;) {
-    const int64_t page = row / P;
-    const int off = static_cast<int>(row % P);
-    const int n = static_cast<int>(std::min<int64_t>({kTile, r1 - row, P - off}));
-    int kst, vst, rkst = 0, rvst = 0;
-    const E* K = tile_rows<E>(shared, true, page, off, n, kbuf.data(), kst);
-    const E* V = tile_rows<E>(shared, false, page, off, n, vbuf.data(), vst);
-    const E* Rk = residual ? tile_rows<E>(*residual, true, page, off, n, rkbuf.data(), rkst) : nullptr;
-    const E* Rv = residual ? tile_rows<E>(*residual, false, page, off, n, rvbuf.data(), rvst) : nullptr;
-    const size_t rkh = r, rvh = r;  // head h's latent: columns [h r, (h + 1) r) of a row
-    const int64_t ahead = std::min<int64_t>(kTile, r1 - row - n);  // the next tile, fetched while this one computes
-    if (ahead > 0) {
-      prefetch_slots(shared, row + n, ahead);
-      if (residual) prefetch_slots(*residual, row + n, ahead);
-    }
-    // Scores: the shared part for all heads (K_s read once), then each head's residual part.
-    for_head_groups(H, 2, [&](int h0, int gb) {
-      const float* qg = q + static_cast<size_t>(h0) * d;
-      float* sg = s + h0 * kTile;
-      if (gb == 2)
-        scores<2, false>(qg, d, K, 0, kst, n, d, sg, kTile);
-      else
-        scores<1, false>(qg, d, K, 0, kst, n, d, sg, kTile);
-    });
-    if (residual)
-      for_head_groups(H, 2, [&](int h0, int gb) {
-        const float* qg = qb + static_cast<size_t>(h0) * r;
-        const E* kg = Rk + h0 * rkh;
-        float* sg = s + h0 * kTile;
-        if (gb == 2)
-          scores<2, true>(qg, r, kg, rkh, rkst, n, r, sg, kTile);
-        else
-          scores<1, true>(qg, r, kg, rkh, rkst, n, r, sg, kTile);
-      });
-    // Online softmax per head: m' = max(m, max_t s); l = l e^(m - m') + sum_t e^(s - m'); acc *= e^(m - m').
-    for (int h = 0; h < H; ++h) {
-      float* sh_ = s + h * kTile;
-      float mt = kNegInf;
-      {
-        const __m256 sc = _mm256_set1_ps(scale);
-        __m256 mx = _mm256_set1_ps(kNegInf);
-        int t = 0;
-        for (; t + 8 <= n; t += 8) {
-          const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sh_ + t), sc);
-          _mm256_storeu_ps(sh_ + t, x);
-          mx = _mm256_max_ps(mx, x);
-        }
-        mt = hmax(mx);
-        for (; t < n; ++t) mt = std::max(mt, sh_[t] *= scale);
-      }
-      if (mt > m[h]) {
-        if (m[h] != kNegInf) {
-          const float alpha = std::exp(m[h] - mt);
-          l[h] *= alpha;
-          for (int i = 0; i < d; ++i) acc_s[h * d + i] *= alpha;
-          for (int i = 0; i < r; ++i) acc_r[h * r + i] *= alpha;
-        }
-        m[h] = mt;
-      }
-      const __m256 mv = _mm256_set1_ps(m[h]);
-      __m256 sum = _mm256_setzero_ps();
-      int t = 0;
-      for (; t + 8 <= n; t += 8) {
-        const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh_ + t), mv));
-        _mm256_storeu_ps(sh_ + t, p);
-        sum = _mm256_add_ps(sum, p);
-      }
-      float tail = 0.0f;
-      for (; t < n; ++t) tail += (sh_[t] = std::exp(sh_[t] - m[h]));
-      l[h] += hsum(sum) + tail;
-    }
-    // Values: V_s for all heads (read once), then each head's R^V.
-    for_head_groups(H, 4, [&](int h0, int gb) {
-      const float* pg = s + h0 * kTile;
-      float* ag = acc_s + static_cast<size_t>(h0) * d;
-      switch (gb) {
-        case 4: values<4>(pg, kTile, V, 0, vst, n, d, ag, d); break;
-        case 2: values<2>(pg, kTile, V, 0, vst, n, d, ag, d); break;
-        default: values<1>(pg, kTile, V, 0, vst, n, d, ag, d); break;
-      }
-    });
-    if (residual)
-      for_head_groups(H, 4, [&](int h0, int gb) {
-        const float* pg = s + h0 * kTile;
-        const E* vg = Rv + h0 * rvh;
-        float* ag = acc_r + static_cast<size_t>(h0) * r;
-        switch (gb) {
-          case 4: values<4>(pg, kTile, vg, rvh, rvst, n, r, ag, r); break;
-          case 2: values<2>(pg, kTile, vg, rvh, rvst, n, r, ag, r); break;
-          default: values<1>(pg, kTile, vg, rvh, rvst, n, r, ag, r); break;
-        }
-      });
-    row += n;
-  }
-}
 
 void check(const float* q, const float* qb, int heads, const KVStore& shared, const KVStore* residual, const float* out_s,
            const float* out_r, const char* who) {
@@ -301,29 +73,28 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
   thread_local std::vector<detail::DecodePiece> pieces;
   const size_t part_size = detail::slot_floats(sh.part());
   float* pp = detail::slot_aligned(parts, part_size * ns);
-  if (wide) {  // queries in the AVX-512 layout, scaled; one piece (row range of the shared head) per split
+  pieces.clear();  // one piece (row range of the shared head) per split
+  for (int i = 0; i < ns; ++i) pieces.push_back({0, L * i / ns, L * (i + 1) / ns});
+  const detail::DecodePiece* pcs = pieces.data();
+  if (wide) {  // queries in the AVX-512 layout, scaled
     qs.resize(detail::avx512_query_floats(sh.d, shared.type()) * heads);
     detail::avx512_prepare_queries(q, heads, sh.d, scale, shared.type(), qs.data());
     if (sh.r > 0) {
       qbs.resize(detail::avx512_query_floats(sh.r, shared.type()) * heads);
       detail::avx512_prepare_queries(qb, heads, sh.r, scale, shared.type(), qbs.data());
     }
-    pieces.clear();
-    for (int i = 0; i < ns; ++i) pieces.push_back({0, L * i / ns, L * (i + 1) / ns});
     const size_t scratch_size = detail::slot_floats(detail::avx512_scratch_floats(heads, sh.d, shared.type(), sh.r * heads));
     float* scr = detail::slot_aligned(scratch, scratch_size * ns);
-    const detail::DecodePiece* pcs = pieces.data();
     const float *qsp = qs.data(), *qbp = qbs.data();
 #pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
     for (int i = 0; i < ns; ++i)
       detail::avx512_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size, scr + i * scratch_size);
-  } else {
+  } else {  // the same on the AVX2 machinery, in its query layout
+    detail::avx2_prepare_queries(q, heads, sh.d, scale, shared.type(), qs);
+    if (sh.r > 0) detail::avx2_prepare_queries(qb, heads, sh.r, scale, detail::avx2_latent_read_type(shared.type(), sh.r), qbs);
+    const float *qsp = qs.data(), *qbp = qbs.data();
 #pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
-    for (int i = 0; i < ns; ++i)
-      if (shared.type() == KVType::BF16)
-        run_range<uint16_t>(q, qb, sh, shared, residual, scale, L * i / ns, L * (i + 1) / ns, pp + i * part_size);
-      else
-        run_range<float>(q, qb, sh, shared, residual, scale, L * i / ns, L * (i + 1) / ns, pp + i * part_size);
+    for (int i = 0; i < ns; ++i) detail::avx2_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size);
   }
   // Log-sum-exp merge per head: M = max_i m_i, out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
   const int H = heads, d = sh.d, r = sh.r;
