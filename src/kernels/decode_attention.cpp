@@ -750,11 +750,16 @@ void run_split_any(const KVStore& kv, const Piece* pcs, int p0, int p1, const fl
   }
 }
 
+// Floats per head of prepare_queries' layout at width d.
+size_t query_floats(KVType type, int d) {
+  return type == KVType::Q8 || type == KVType::Q4 ? static_cast<size_t>(d / kQBlock) * kQBlk : d;
+}
+
 // Scaled queries in the layout the kernel reads: f32/bf16 [heads][d]; q8/q4 [heads][nb][kQBlk]
 // with each block's 32 values in the reader's lane order and the q4 bias -8 sum(q_b).
 void prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& qs) {
+  qs.resize(query_floats(type, d) * heads);
   if (type == KVType::F32 || type == KVType::BF16) {
-    qs.resize(static_cast<size_t>(heads) * d);
     for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
     if (type == KVType::BF16)  // full 16-groups as (even | odd), see BF16Row::load_pair
       for (int h = 0; h < heads; ++h)
@@ -769,7 +774,6 @@ void prepare_queries(const float* q, int heads, int d, float scale, KVType type,
     return;
   }
   const int nb = d / kQBlock;
-  qs.resize(static_cast<size_t>(heads) * nb * kQBlk);
   for (int h = 0; h < heads; ++h)
     for (int b = 0; b < nb; ++b) {
       const float* x = q + static_cast<size_t>(h) * d + 32 * b;
@@ -852,31 +856,23 @@ KVType avx2_latent_read_type(KVType type, int r) { return latent_read_type(type,
 
 void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
                    const float* qs, const float* qbs, int H, float* parts, size_t part_size) {
-  const int d = shared.head_dim();
   const KVType type = shared.type();
-  const size_t q_stride = type == KVType::Q8 || type == KVType::Q4 ? static_cast<size_t>(d / kQBlock) * kQBlk : d;
+  const size_t q_stride = query_floats(type, shared.head_dim());
   if (!residual) {  // r = 0: one shared K/V head for all H queries (MQA)
     run_split_any(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size);
     return;
   }
   Latents lat{residual, qbs, 0, residual->head_dim() / H};
   const KVType read = latent_read_type(type, lat.r);
-  lat.qb_stride = read == KVType::Q8 || read == KVType::Q4 ? static_cast<size_t>(lat.r / kQBlock) * kQBlk : lat.r;
+  lat.qb_stride = query_floats(read, lat.r);
+  auto run = [&](auto row, auto latent_row) {
+    run_split<decltype(row), decltype(latent_row)>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);
+  };
   switch (type) {
-    case KVType::F32: run_split<F32Row, F32Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat); return;
-    case KVType::BF16: run_split<BF16Row, BF16Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat); return;
-    case KVType::Q8:
-      if (read == KVType::Q8)
-        run_split<Q8Row, Q8Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);
-      else
-        run_split<Q8Row, F32Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);
-      return;
-    case KVType::Q4:
-      if (read == KVType::Q4)
-        run_split<Q4Row, Q4Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);
-      else
-        run_split<Q4Row, F32Row>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);
-      return;
+    case KVType::F32: return run(F32Row{}, F32Row{});
+    case KVType::BF16: return run(BF16Row{}, BF16Row{});
+    case KVType::Q8: return read == KVType::Q8 ? run(Q8Row{}, Q8Row{}) : run(Q8Row{}, F32Row{});
+    case KVType::Q4: return read == KVType::Q4 ? run(Q4Row{}, Q4Row{}) : run(Q4Row{}, F32Row{});
   }
 }
 
