@@ -663,9 +663,11 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
       float* wq = sc.wr.data() + static_cast<size_t>(g) * kTile * rnb_;
       float* ws = sc.wr.data() + static_cast<size_t>(G) * kTile * rnb_ + static_cast<size_t>(g) * rnb_;
       const float* vs = sc.rvs.data() + static_cast<size_t>(g) * rnb_;
-      for (int b = 0; b < rnb_; ++b) ws[b] = 0.0f;
-      for (int t = 0; t < n; ++t)
-        for (int b = 0; b < rnb_; ++b) ws[b] += (wq[t * rnb_ + b] = sg[t] * vs[t * nbr_ + b]);
+      for (int b = 0; b < rnb_; ++b) {
+        float total = 0.0f;  // a local: ws and wq share a buffer, so ws[b] += would be a store-load chain
+        for (int t = 0; t < n; ++t) total += (wq[t * rnb_ + b] = sg[t] * vs[t * nbr_ + b]);
+        ws[b] = total;
+      }
     }
     if constexpr (R::kQuant) {  // fold the V block scales into the weights
       float* wq = sc.w.data() + static_cast<size_t>(g) * kTile * nb;
