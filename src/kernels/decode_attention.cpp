@@ -513,8 +513,20 @@ template <class R, class RR>
 void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, const Prefetch& pf) const {
   const int G = G_;
   const size_t span = static_cast<size_t>(n) * rrb_;
+  constexpr int TB = RR::kQuant ? 4 : 8;  // rows per score block
+  const int nt = (n + TB - 1) / TB;
+  const size_t parts = static_cast<size_t>(G) * nt;
+  // The next tile's latent K rows: a part per head, or where that is over 2 KB (f32), a part per
+  // score block (bursts of 48 lines stalled on outstanding misses: 16K r=32 f32 7-14% faster on
+  // Zen 3; bf16/q8/q4, with 1.1-1.5 KB per head, 1-2% slower so).
+  const bool fine = span / G > 2048;
+  auto fetch = [&](int h, int t0) {
+    if (!fine) return;
+    const size_t k = static_cast<size_t>(h) * nt + t0 / TB;
+    pf.rows(span * k / parts, span * (k + 1) / parts);
+  };
   for (int h = 0; h < G; ++h) {
-    pf.rows(span * h / G, span * (h + 1) / G);
+    if (!fine) pf.rows(span * h / G, span * (h + 1) / G);
     const float* qh = lat_.qb + h * lat_.qb_stride;
     const uint8_t* base = rows0 + rcodes_ + h * latent_bytes_;
     float* sh = s + h * kRow;
@@ -522,6 +534,7 @@ void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, co
       const uint8_t* rows[4];
       const float* kst[4];
       for (int t0 = 0; t0 < n; t0 += 4) {
+        fetch(h, t0);
         for (int i = 0; i < 4; ++i) {
           const int t = std::min(t0 + i, n - 1);
           rows[i] = base + t * read_rb_;
@@ -532,6 +545,7 @@ void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, co
     } else {
       const uint8_t* rows[8];
       for (int t0 = 0; t0 < n; t0 += 8) {
+        fetch(h, t0);
         for (int i = 0; i < 8; ++i) rows[i] = base + std::min(t0 + i, n - 1) * read_rb_;
         dot_plain<RR, 1, 8, true>(qh, r_, rows, sh + t0);
       }
@@ -545,14 +559,23 @@ template <class R, class RR>
 void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const {
   const int G = G_;
   const size_t span = static_cast<size_t>(n) * rrb_;
+  constexpr int TB = 8;                // rows per part where the prefetch is split finer (as latent_scores)
+  const bool fine = span / G > 2048;
+  const int nt = fine ? (n + TB - 1) / TB : 1;
+  const size_t parts = static_cast<size_t>(G) * nt;
   for (int h = 0; h < G; ++h) {
-    pf.rows(span * h / G, span * (h + 1) / G);
     const uint8_t* v0 = rows0 + rcodes_ + h * latent_bytes_;
     float* ar = acc_r + static_cast<size_t>(h) * r_;
-    if constexpr (RR::kQuant)
-      acc_tile_quant<RR, 1>(v0, read_rb_, n, sc_.wr.data() + static_cast<size_t>(h) * kTile * rnb_, 0, rnb_, ar, r_, nullptr);
-    else
-      acc_tile_plain<RR, 1>(v0, read_rb_, n, s + h * kRow, kRow, ar, r_, nullptr);
+    for (int i = 0; i < nt; ++i) {
+      const size_t k = static_cast<size_t>(h) * nt + i;
+      pf.rows(span * k / parts, span * (k + 1) / parts);
+      const int t0 = n * i / nt, t1 = n * (i + 1) / nt;
+      if constexpr (RR::kQuant)
+        acc_tile_quant<RR, 1>(v0 + t0 * read_rb_, read_rb_, t1 - t0,
+                              sc_.wr.data() + (static_cast<size_t>(h) * kTile + t0) * rnb_, 0, rnb_, ar, r_, nullptr);
+      else
+        acc_tile_plain<RR, 1>(v0 + t0 * read_rb_, read_rb_, t1 - t0, s + h * kRow + t0, kRow, ar, r_, nullptr);
+    }
   }
   if constexpr (RR::kOffset8) {  // sum_t w (n - 8) = sum_t w n - 8 sum_t w
     const float* wsum = sc_.wr.data() + static_cast<size_t>(G) * kTile * rnb_;
