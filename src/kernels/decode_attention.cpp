@@ -687,32 +687,34 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
       float* ws = sc.wr.data() + static_cast<size_t>(G) * kTile * rnb_ + static_cast<size_t>(g) * rnb_;
       const float* vs = sc.rvs.data() + static_cast<size_t>(g) * rnb_;
       for (int b = 0; b < rnb_; ++b) {
-        float total = 0.0f;  // a local: ws and wq share a buffer, so ws[b] += would be a store-load chain
-        for (int t = 0; t < n; ++t) total += (wq[t * rnb_ + b] = sg[t] * vs[t * nbr_ + b]);
-        ws[b] = total;
+        float total[2] = {0.0f, 0.0f};  // locals (ws and wq share a buffer, so ws[b] += would be a store-load chain), two chains
+        for (int t = 0; t < n; ++t) {
+          const float x = wq[t * rnb_ + b] = sg[t] * vs[t * nbr_ + b];
+          if constexpr (RR::kOffset8) total[t & 1] += x;  // q4's offset needs the sums
+        }
+        ws[b] = total[0] + total[1];
       }
     }
-    if constexpr (R::kQuant) {  // fold the V block scales into the weights
+    if constexpr (R::kQuant) {  // fold the V block scales into the weights; q4 also sums them (its offset)
       float* wq = sc.w.data() + static_cast<size_t>(g) * kTile * nb;
       float* ws = wsum + static_cast<size_t>(g) * nb;
       const float* vs = sc.vs.data();
       if (nb % 4 == 0) {
         for (int b = 0; b < nb; b += 4) {
-          __m128 tot = _mm_setzero_ps();
+          __m128 tot[2] = {_mm_setzero_ps(), _mm_setzero_ps()};  // two chains: one would wait on the add's latency
           for (int t = 0; t < n; ++t) {
             const __m128 x = _mm_mul_ps(_mm_set1_ps(sg[t]), _mm_loadu_ps(vs + t * nb + b));
             _mm_storeu_ps(wq + t * nb + b, x);
-            tot = _mm_add_ps(tot, x);
+            if constexpr (R::kOffset8) tot[t & 1] = _mm_add_ps(tot[t & 1], x);
           }
-          _mm_storeu_ps(ws + b, tot);
+          if constexpr (R::kOffset8) _mm_storeu_ps(ws + b, _mm_add_ps(tot[0], tot[1]));
         }
       } else {
-        for (int b = 0; b < nb; ++b) ws[b] = 0.0f;
-        for (int t = 0; t < n; ++t)
-          for (int b = 0; b < nb; ++b) {
-            wq[t * nb + b] = sg[t] * vs[t * nb + b];
-            ws[b] += wq[t * nb + b];
-          }
+        for (int b = 0; b < nb; ++b) {
+          float total = 0.0f;  // a local: ws and wq share a buffer, so ws[b] += would be a store-load chain
+          for (int t = 0; t < n; ++t) total += (wq[t * nb + b] = sg[t] * vs[t * nb + b]);
+          ws[b] = total;
+        }
       }
     }
   }
@@ -865,7 +867,7 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
   if (!decode_isa_usable(isa, head_dim))
     throw Error("decode back end " + decode_isa_name(isa) + " cannot run here: " +
                 (head_dim % 32 != 0 ? "it needs head_dim % 32 == 0 (head_dim " + std::to_string(head_dim) + ")"
-                                    : std::string("this CPU lacks AVX-512 F/BW/VL/DQ")) +
+                                    : std::string("this CPU lacks AVX-512 F/BW/VL/DQ/VNNI")) +
                 "; use --isa auto or avx2");
   return isa;
 }
