@@ -396,21 +396,67 @@ void scores_tile(int GB, const float* q, int qstride, int d, int nb, const uint8
 
 using Piece = detail::DecodePiece;
 
+// x[0, n) *= alpha (the online softmax's rescale of an accumulator).
+KVX_INLINE void scale_floats(float* x, int n, float alpha) {
+  const __m256 av = _mm256_set1_ps(alpha);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), av));
+  for (; i < n; ++i) x[i] *= alpha;
+}
+
+// q8/q4 value weights of a tile: wq[t nb + b] = p[t] vs[t vstride + b] (the probabilities times the
+// rows' V block scales), n rows, nb blocks; kSum (q4's offset): also ws[b] = sum_t wq[t nb + b],
+// in locals and two chains (ws and wq share a buffer: ws[b] += would chain through memory).
+template <bool kSum>
+KVX_INLINE void fold_value_scales(const float* p, int n, const float* vs, int vstride, int nb, float* wq, float* ws) {
+  if (nb % 4 == 0) {
+    for (int b = 0; b < nb; b += 4) {
+      __m128 tot[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
+      for (int t = 0; t < n; ++t) {
+        const __m128 x = _mm_mul_ps(_mm_set1_ps(p[t]), _mm_loadu_ps(vs + t * vstride + b));
+        _mm_storeu_ps(wq + t * nb + b, x);
+        if constexpr (kSum) tot[t & 1] = _mm_add_ps(tot[t & 1], x);
+      }
+      if constexpr (kSum) _mm_storeu_ps(ws + b, _mm_add_ps(tot[0], tot[1]));
+    }
+    return;
+  }
+  for (int b = 0; b < nb; ++b) {
+    float tot[2] = {0.0f, 0.0f};
+    for (int t = 0; t < n; ++t) {
+      const float x = wq[t * nb + b] = p[t] * vs[t * vstride + b];
+      if constexpr (kSum) tot[t & 1] += x;
+    }
+    if constexpr (kSum) ws[b] = tot[0] + tot[1];
+  }
+}
+
+// q4's offset: sum_t w (n - 8) = sum_t w n - 8 sum_t w, for `heads` accumulators `w` floats apart
+// of nb blocks each, ws[h nb + b] the weight sums.
+KVX_INLINE void subtract_q4_offset(float* acc, int heads, int w, int nb, const float* ws) {
+  for (int h = 0; h < heads; ++h)
+    for (int b = 0; b < nb; ++b) {
+      const __m256 c = _mm256_set1_ps(8.0f * ws[h * nb + b]);
+      float* ab = acc + static_cast<size_t>(h) * w + 32 * b;
+      for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(ab + i, _mm256_sub_ps(_mm256_loadu_ps(ab + i), c));
+    }
+}
+
+// Prefetch of LRKV's latent rows: a head's share of the next tile over this many bytes is fetched
+// in parts spread over its score blocks and value parts (bursts of 48 lines stalled on outstanding
+// misses: 16K r=32 f32 7-14% faster on Zen 3), smaller shares (bf16/q8/q4 at r=32, 1.1-1.5 KB)
+// in one burst per head (1-2% faster so).
+constexpr size_t kLatentBurstBytes = 2048;
+
 // LRKV's latent path (lrkv_decode.h): a second store whose row per token is [R_0 | .. | R_{G-1}]
 // (r values per query head), scored onto the shared scores and accumulated with the same
 // weights, head by head.
 struct Latents {
   const KVStore* store = nullptr;
-  const float* qb = nullptr;  // prepared as the queries are, at width r (or as f32: latent_read_type)
+  const float* qb = nullptr;  // prepared as the queries are, at width r (read as detail::avx2_latent_read_type says)
   size_t qb_stride = 0;       // floats per head
   int r = 0;
 };
-
-// The type the latents are read as: their own (f32, bf16, and q8/q4 with r % 32 == 0, so that a
-// block lies in one head), or f32 from rows dequantised tile by tile (q8/q4 blocks that straddle heads).
-KVType latent_read_type(KVType type, int r) {
-  return (type == KVType::Q8 || type == KVType::Q4) && r % kQBlock != 0 ? KVType::F32 : type;
-}
 
 // The latent reader of the dense kernel, which has none (and so carries no latent code).
 struct NoLatents {
@@ -419,7 +465,7 @@ struct NoLatents {
 
 // Runs pieces tile by tile; qs: a KV head's G queries, scaled (for q8/q4 in blocks of kQBlk).
 // A piece's partial result part = [m[G], l[G], acc[G][d]], then with latents acc_r[G][r].
-// RR: the latents' reader (of latent_read_type), or NoLatents.
+// RR: the latents' reader (of detail::avx2_latent_read_type), or NoLatents.
 template <class R, class RR = NoLatents>
 class PieceRunner {
  public:
@@ -516,10 +562,7 @@ void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, co
   constexpr int TB = RR::kQuant ? 4 : 8;  // rows per score block
   const int nt = (n + TB - 1) / TB;
   const size_t parts = static_cast<size_t>(G) * nt;
-  // The next tile's latent K rows: a part per head, or where that is over 2 KB (f32), a part per
-  // score block (bursts of 48 lines stalled on outstanding misses: 16K r=32 f32 7-14% faster on
-  // Zen 3; bf16/q8/q4, with 1.1-1.5 KB per head, 1-2% slower so).
-  const bool fine = span / G > 2048;
+  const bool fine = span / G > kLatentBurstBytes;  // the next tile's latent K rows: a part per head, or per score block
   auto fetch = [&](int h, int t0) {
     if (!fine) return;
     const size_t k = static_cast<size_t>(h) * nt + t0 / TB;
@@ -559,8 +602,8 @@ template <class R, class RR>
 void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const {
   const int G = G_;
   const size_t span = static_cast<size_t>(n) * rrb_;
-  constexpr int TB = 8;                // rows per part where the prefetch is split finer (as latent_scores)
-  const bool fine = span / G > 2048;
+  constexpr int TB = 8;  // rows per part where the prefetch is split finer
+  const bool fine = span / G > kLatentBurstBytes;
   const int nt = fine ? (n + TB - 1) / TB : 1;
   const size_t parts = static_cast<size_t>(G) * nt;
   for (int h = 0; h < G; ++h) {
@@ -577,15 +620,7 @@ void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float*
         acc_tile_plain<RR, 1>(v0 + t0 * read_rb_, read_rb_, t1 - t0, s + h * kRow + t0, kRow, ar, r_, nullptr);
     }
   }
-  if constexpr (RR::kOffset8) {  // sum_t w (n - 8) = sum_t w n - 8 sum_t w
-    const float* wsum = sc_.wr.data() + static_cast<size_t>(G) * kTile * rnb_;
-    for (int h = 0; h < G; ++h)
-      for (int b = 0; b < rnb_; ++b) {
-        const __m256 c = _mm256_set1_ps(8.0f * wsum[h * rnb_ + b]);
-        float* ab = acc_r + static_cast<size_t>(h) * r_ + 32 * b;
-        for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(ab + i, _mm256_sub_ps(_mm256_loadu_ps(ab + i), c));
-      }
-  }
+  if constexpr (RR::kOffset8) subtract_q4_offset(acc_r, G, r_, rnb_, sc_.wr.data() + static_cast<size_t>(G) * kTile * rnb_);
 }
 
 template <class R, class RR>
@@ -664,13 +699,8 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
       if (m[g] != kNegInf) {
         const float alpha = std::exp(m[g] - mt);
         l[g] *= alpha;
-        float* ag = acc + static_cast<size_t>(g) * d;
-        const __m256 av = _mm256_set1_ps(alpha);
-        int i = 0;
-        for (; i + 8 <= d; i += 8) _mm256_storeu_ps(ag + i, _mm256_mul_ps(_mm256_loadu_ps(ag + i), av));
-        for (; i < d; ++i) ag[i] *= alpha;
-        if constexpr (kLatent)
-          for (float* ar = acc_r + static_cast<size_t>(g) * r_; ar < acc_r + static_cast<size_t>(g + 1) * r_; ++ar) *ar *= alpha;
+        scale_floats(acc + static_cast<size_t>(g) * d, d, alpha);
+        if constexpr (kLatent) scale_floats(acc_r + static_cast<size_t>(g) * r_, r_, alpha);
       }
       m[g] = mt;
     }
@@ -682,41 +712,13 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
       sum = _mm256_add_ps(sum, p);
     }
     l[g] += hsum(sum);
-    if constexpr (kLatent && RR::kQuant) {  // the latents' value weights: p times their V block scales
-      float* wq = sc.wr.data() + static_cast<size_t>(g) * kTile * rnb_;
-      float* ws = sc.wr.data() + static_cast<size_t>(G) * kTile * rnb_ + static_cast<size_t>(g) * rnb_;
-      const float* vs = sc.rvs.data() + static_cast<size_t>(g) * rnb_;
-      for (int b = 0; b < rnb_; ++b) {
-        float total[2] = {0.0f, 0.0f};  // locals (ws and wq share a buffer, so ws[b] += would be a store-load chain), two chains
-        for (int t = 0; t < n; ++t) {
-          const float x = wq[t * rnb_ + b] = sg[t] * vs[t * nbr_ + b];
-          if constexpr (RR::kOffset8) total[t & 1] += x;  // q4's offset needs the sums
-        }
-        ws[b] = total[0] + total[1];
-      }
-    }
-    if constexpr (R::kQuant) {  // fold the V block scales into the weights; q4 also sums them (its offset)
-      float* wq = sc.w.data() + static_cast<size_t>(g) * kTile * nb;
-      float* ws = wsum + static_cast<size_t>(g) * nb;
-      const float* vs = sc.vs.data();
-      if (nb % 4 == 0) {
-        for (int b = 0; b < nb; b += 4) {
-          __m128 tot[2] = {_mm_setzero_ps(), _mm_setzero_ps()};  // two chains: one would wait on the add's latency
-          for (int t = 0; t < n; ++t) {
-            const __m128 x = _mm_mul_ps(_mm_set1_ps(sg[t]), _mm_loadu_ps(vs + t * nb + b));
-            _mm_storeu_ps(wq + t * nb + b, x);
-            if constexpr (R::kOffset8) tot[t & 1] = _mm_add_ps(tot[t & 1], x);
-          }
-          if constexpr (R::kOffset8) _mm_storeu_ps(ws + b, _mm_add_ps(tot[0], tot[1]));
-        }
-      } else {
-        for (int b = 0; b < nb; ++b) {
-          float total = 0.0f;  // a local: ws and wq share a buffer, so ws[b] += would be a store-load chain
-          for (int t = 0; t < n; ++t) total += (wq[t * nb + b] = sg[t] * vs[t * nb + b]);
-          ws[b] = total;
-        }
-      }
-    }
+    if constexpr (kLatent && RR::kQuant)  // the latents' value weights
+      fold_value_scales<RR::kOffset8>(sg, n, sc.rvs.data() + static_cast<size_t>(g) * rnb_, nbr_, rnb_,
+                                      sc.wr.data() + static_cast<size_t>(g) * kTile * rnb_,
+                                      sc.wr.data() + static_cast<size_t>(G) * kTile * rnb_ + static_cast<size_t>(g) * rnb_);
+    if constexpr (R::kQuant)  // fold the V block scales into the weights; q4 also sums them (its offset)
+      fold_value_scales<R::kOffset8>(sg, n, sc.vs.data(), nb, nb, sc.w.data() + static_cast<size_t>(g) * kTile * nb,
+                                     wsum + static_cast<size_t>(g) * nb);
   }
 
   for (int g0 = 0, gb; g0 < G; g0 += gb) {
@@ -740,13 +742,7 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
       }
     }
   }
-  if constexpr (R::kQuant && R::kOffset8)  // sum_t w (n - 8) = sum_t w n - 8 sum_t w
-    for (int g = 0; g < G; ++g)
-      for (int b = 0; b < nb; ++b) {
-        const __m256 c = _mm256_set1_ps(8.0f * wsum[g * nb + b]);
-        float* ab = acc + static_cast<size_t>(g) * d + 32 * b;
-        for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(ab + i, _mm256_sub_ps(_mm256_loadu_ps(ab + i), c));
-      }
+  if constexpr (R::kOffset8) subtract_q4_offset(acc, G, d, nb, wsum);
   if constexpr (kLatent) latent_values(lv, n, s, acc_r, lvpf);
   return r + n;
 }
@@ -777,14 +773,17 @@ void run_split_any(const KVStore& kv, const Piece* pcs, int p0, int p1, const fl
   }
 }
 
-// Floats per head of prepare_queries' layout at width d.
+// Floats per head of the query layout (detail::avx2_prepare_queries) at width d.
 size_t query_floats(KVType type, int d) {
   return type == KVType::Q8 || type == KVType::Q4 ? static_cast<size_t>(d / kQBlock) * kQBlk : d;
 }
 
+}  // namespace
+
 // Scaled queries in the layout the kernel reads: f32/bf16 [heads][d]; q8/q4 [heads][nb][kQBlk]
 // with each block's 32 values in the reader's lane order and the q4 bias -8 sum(q_b).
-void prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& qs) {
+
+void detail::avx2_prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& qs) {
   qs.resize(query_floats(type, d) * heads);
   if (type == KVType::F32 || type == KVType::BF16) {
     for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
@@ -812,6 +811,8 @@ void prepare_queries(const float* q, int heads, int d, float scale, KVType type,
       for (int i = 0; i < 8; ++i) y[32 + i] = type == KVType::Q4 ? -8.0f * (y[i] + y[8 + i] + y[16 + i] + y[24 + i]) : 0.0f;
     }
 }
+
+namespace {
 
 void check_args(const float* q, int heads, const KVStore& kv, const float* out, const VirtualPair* extra, const char* who) {
   if (q == nullptr || out == nullptr) throw Error(std::string(who) + ": q and out must be non-null buffers");
@@ -875,11 +876,11 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
 namespace detail {
 size_t slot_floats(size_t n) { return (n + 1023) / 1024 * 1024; }
 
-void avx2_prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& qs) {
-  prepare_queries(q, heads, d, scale, type, qs);
+// The latents' own type (f32, bf16, and q8/q4 with r % 32 == 0, so that a block lies in one head),
+// or f32 from rows dequantised tile by tile (q8/q4 blocks that straddle heads).
+KVType avx2_latent_read_type(KVType type, int r) {
+  return (type == KVType::Q8 || type == KVType::Q4) && r % kQBlock != 0 ? KVType::F32 : type;
 }
-
-KVType avx2_latent_read_type(KVType type, int r) { return latent_read_type(type, r); }
 
 void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
                    const float* qs, const float* qbs, int H, float* parts, size_t part_size) {
@@ -890,7 +891,7 @@ void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodeP
     return;
   }
   Latents lat{residual, qbs, 0, residual->head_dim() / H};
-  const KVType read = latent_read_type(type, lat.r);
+  const KVType read = avx2_latent_read_type(type, lat.r);
   lat.qb_stride = query_floats(read, lat.r);
   auto run = [&](auto row, auto latent_row) {
     run_split<decltype(row), decltype(latent_row)>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);
@@ -931,7 +932,7 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
     detail::avx512_prepare_queries(q, heads, d, scale, kv.type(), qs.data());
     scratch_size = detail::slot_floats(detail::avx512_scratch_floats(G, d, kv.type()));
   } else {
-    prepare_queries(q, heads, d, scale, kv.type(), qs);
+    detail::avx2_prepare_queries(q, heads, d, scale, kv.type(), qs);
   }
   const size_t qstride = qs.size() / heads;
 
