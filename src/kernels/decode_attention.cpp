@@ -29,7 +29,6 @@ namespace {
 // (measured: 24 beats 32 for f32/bf16 streaming from memory; q8/q4 are compute-bound).
 constexpr int kTile = 32;          // the largest tile: scratch strides
 constexpr int kRow = kTile + 12;   // score row stride (room for a 12-wide tail)
-constexpr int kQBlk = 40;          // floats per 32-block of a q8/q4 query: 4 vectors + bias vector
 // Software prefetch distance: the larger of one tile and 4 KB (f32/bf16) or 8 KB (q8/q4), so a
 // tile's rows are requested while earlier tiles are computed (measured best; shorter distances
 // leave misses exposed, longer ones lose lines from L1 before use).
@@ -45,13 +44,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // un-permuted at the end (kPair).
 // q8 / q4: load_half(data, h, a, b) = the 16 codes of half-block h (data points past the fp16
 // scales) as two float vectors, without the scale. q8: a = codes 0-7, b = 8-15 of the half.
-// q4: a = nibbles n at even positions 0, 2, .., 14, b = odd positions, so one byte-to-dword
-// widening serves both (the query is permuted to match, the V accumulator un-permuted at the
-// end). load_half leaves q4's offset 8 out, taken out after the fact: q.(n - 8) = q.n - 8 sum(q)
-// and sum_t w_t (n_t - 8) = sum_t w_t n_t - 8 sum_t w_t; load_half_signed subtracts it.
+// q4 (values only; its keys are scored in integers, q4_token_scores): a = nibbles n at even
+// positions 0, 2, .., 14, b = odd positions, so one byte-to-dword widening serves both (the V
+// accumulator is un-permuted at the end). load_half leaves q4's offset 8 out, taken out after
+// the fact: sum_t w_t (n_t - 8) = sum_t w_t n_t - 8 sum_t w_t.
 
 struct F32Row {
-  static constexpr bool kQuant = false, kOffset8 = false, kPair = false;
+  static constexpr bool kQuant = false, kOffset8 = false, kPair = false, kIntScores = false;
   static KVX_INLINE __m256 load8(const uint8_t* q, int c) { return _mm256_loadu_ps(reinterpret_cast<const float*>(q) + 8 * c); }
   static float at(const uint8_t* q, int i) {
     float x;
@@ -61,7 +60,7 @@ struct F32Row {
 };
 
 struct BF16Row {
-  static constexpr bool kQuant = false, kOffset8 = false, kPair = true;
+  static constexpr bool kQuant = false, kOffset8 = false, kPair = true, kIntScores = false;
   static KVX_INLINE __m256 load8(const uint8_t* q, int c) { return bf16x8_to_ps(q + 16 * c); }
   // kLowReg: clear the low halves with two shifts instead of an AND, saving the mask register.
   template <bool kLowReg = false>
@@ -81,27 +80,20 @@ struct BF16Row {
 };
 
 struct Q8Row {
-  static constexpr bool kQuant = true, kOffset8 = false, kPair = false;
+  static constexpr bool kQuant = true, kOffset8 = false, kPair = false, kIntScores = false;
   static KVX_INLINE void load_half(const uint8_t* q, int h, __m256& a, __m256& b) {
     const uint8_t* p = q + 16 * h;
     a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
   }
-  static KVX_INLINE void load_half_signed(const uint8_t* q, int h, __m256& a, __m256& b) { load_half(q, h, a, b); }
 };
 
 struct Q4Row {
-  static constexpr bool kQuant = true, kOffset8 = true, kPair = false;
+  static constexpr bool kQuant = true, kOffset8 = true, kPair = false, kIntScores = true;
   static KVX_INLINE void load_half(const uint8_t* q, int h, __m256& a, __m256& b) {
     const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h)));
     a = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(0xf)));
     b = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
-  }
-  static KVX_INLINE void load_half_signed(const uint8_t* q, int h, __m256& a, __m256& b) {  // n - 8
-    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h)));
-    const __m256i eight = _mm256_set1_epi32(8);
-    a = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0xf)), eight));
-    b = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w, 4), eight));
   }
 };
 
@@ -162,9 +154,8 @@ KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* const* rows, flo
     for (int t = 0; t < TB; ++t) s[g * kRow + t] = kAdd ? s[g * kRow + t] + r[g * TB + t] : r[g * TB + t];
 }
 
-// q8 / q4: q . k = sum_b d_b (q_b . code_b) with the block dot in code space; 4 block and 4
-// total accumulators. q: per query nb blocks of kQBlk floats (4 vectors in the reader's lane
-// order, then a bias vector: -8 sum(q_b) spread over the lanes for q4, zero for q8). kAdd: s +=.
+// q8: q . k = sum_b d_b (q_b . code_b) with the block dot in code space; 4 block and 4 total
+// accumulators. q: per query nb blocks of 32 floats, qstride apart. kAdd: s +=.
 template <class R, int GB, int TB, bool kAdd = false>
 KVX_INLINE void dot_quant(const float* q, int qstride, int nb, const uint8_t* const* rows, const float* const* ks, float* s) {
   static_assert(GB * TB == 4, "dot_quant uses 4 + 4 accumulators");
@@ -172,14 +163,13 @@ KVX_INLINE void dot_quant(const float* q, int qstride, int nb, const uint8_t* co
   for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
   for (int b = 0; b < nb; ++b) {
     __m256 bs[4];
-    for (int g = 0; g < GB; ++g)
-      for (int t = 0; t < TB; ++t) bs[g * TB + t] = _mm256_loadu_ps(q + g * qstride + b * kQBlk + 32);
+    for (int i = 0; i < 4; ++i) bs[i] = _mm256_setzero_ps();
     for (int h = 0; h < 2; ++h)
       for (int t = 0; t < TB; ++t) {
         __m256 ka, kb;
         R::load_half(rows[t], 2 * b + h, ka, kb);
         for (int g = 0; g < GB; ++g) {
-          const float* qg = q + g * qstride + b * kQBlk + 16 * h;
+          const float* qg = q + g * qstride + b * kQBlock + 16 * h;
           bs[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), ka, bs[g * TB + t]);
           bs[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), kb, bs[g * TB + t]);
         }
@@ -195,7 +185,7 @@ KVX_INLINE void dot_quant(const float* q, int qstride, int nb, const uint8_t* co
     for (int t = 0; t < TB; ++t) s[g * kRow + t] = kAdd ? s[g * kRow + t] + r[g * TB + t] : r[g * TB + t];
 }
 
-// q8 / q4 with 4 queries: scale each code vector once (codes * d_b, shared by the 4 queries),
+// q8 with 4 queries: scale each code vector once (codes * d_b, shared by the 4 queries),
 // then plain FMAs; 2 rows x 4 queries = 8 accumulators (12 spill registers).
 template <class R>
 KVX_INLINE void dot_quant_g4(const float* q, int qstride, int nb, const uint8_t* const* rows, const float* const* ks, float* s) {
@@ -206,12 +196,12 @@ KVX_INLINE void dot_quant_g4(const float* q, int qstride, int nb, const uint8_t*
     for (int h = 0; h < 2; ++h)
       for (int t = 0; t < TB; ++t) {
         __m256 ka, kb;
-        R::load_half_signed(rows[t], 2 * b + h, ka, kb);
+        R::load_half(rows[t], 2 * b + h, ka, kb);
         const __m256 sc = _mm256_broadcast_ss(ks[t] + b);
         ka = _mm256_mul_ps(ka, sc);
         kb = _mm256_mul_ps(kb, sc);
         for (int g = 0; g < GB; ++g) {
-          const float* qg = q + g * qstride + b * kQBlk + 16 * h;
+          const float* qg = q + g * qstride + b * kQBlock + 16 * h;
           acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), ka, acc[g * TB + t]);
           acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), kb, acc[g * TB + t]);
         }
@@ -220,6 +210,63 @@ KVX_INLINE void dot_quant_g4(const float* q, int qstride, int nb, const uint8_t*
   _mm256_store_ps(r, reduce8(acc));
   for (int g = 0; g < GB; ++g)
     for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
+}
+
+// q4 scores with tokens in lanes (the AVX-512 back end's token_scores, with vpmaddubsw for its
+// VNNI): 8 rows' 16-byte blocks transposed so that lane t of w[i] holds word i of row t, split
+// into nibbles (values + 8) and dotted with the query's integer codes (prepare_int_queries):
+// 8 vpmaddubsw per query and block, pair sums added in int16 (|.| <= 8 x 2 x 15 x 127 = 30480),
+// one vpmaddwd to int32, no horizontal sums. The transpose is shared by all G queries, which
+// is what LRKV's 16 heads on one K_s need. ~3x fewer instructions per multiply-add than
+// dequantise-then-FMA (2.3x in a microbenchmark at G = 4).
+
+// u[0..3]: the low nibbles of words 0..3 of block b of the 8 rows (codes at rows[t]), u[4..7]
+// the high ones; lanes = rows.
+KVX_INLINE void q4_nibble_words(const uint8_t* const* rows, int b, __m256i* u) {
+  __m256i y[4];
+  for (int k = 0; k < 4; ++k)
+    y[k] = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + 16 * b))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k + 4] + 16 * b)), 1);
+  // 4 x 4 word transposes in each 128-bit lane (rows 0-3 low, 4-7 high)
+  const __m256i a = _mm256_unpacklo_epi32(y[0], y[1]), c = _mm256_unpackhi_epi32(y[0], y[1]);
+  const __m256i e = _mm256_unpacklo_epi32(y[2], y[3]), f = _mm256_unpackhi_epi32(y[2], y[3]);
+  const __m256i w[4] = {_mm256_unpacklo_epi64(a, e), _mm256_unpackhi_epi64(a, e), _mm256_unpacklo_epi64(c, f),
+                        _mm256_unpackhi_epi64(c, f)};
+  const __m256i lo4 = _mm256_set1_epi8(0x0f);
+  for (int i = 0; i < 4; ++i) {
+    u[i] = _mm256_and_si256(w[i], lo4);
+    u[4 + i] = _mm256_and_si256(_mm256_srli_epi16(w[i], 4), lo4);
+  }
+}
+
+// s[g * kRow + t] (kAdd: +=) q_g . k_t for 8 rows (codes at rows[t], nb blocks) and G integer
+// queries qstride floats apart; kT: the rows' K block scales, block b at kT + b * kTile.
+template <bool kAdd>
+KVX_INLINE void q4_token_scores(const uint8_t* const* rows, int nb, const float* q, size_t qstride, int G,
+                                const float* kT, float* s) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int b = 0; b < nb; ++b) {
+    __m256i u[8];
+    q4_nibble_words(rows, b, u);
+    const __m256 dk = _mm256_loadu_ps(kT + b * kTile);
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * qstride;
+      const float* words = qg + 8 * b;  // int32 words, broadcast as floats
+      auto word = [&](int i) { return _mm256_castps_si256(_mm256_broadcast_ss(words + i)); };
+      __m256i lo = _mm256_maddubs_epi16(u[0], word(0)), hi = _mm256_maddubs_epi16(u[4], word(4));
+      for (int i = 1; i < 4; ++i) {
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[i], word(i)));
+        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[4 + i], word(4 + i)));
+      }
+      const __m256i bias = _mm256_castps_si256(_mm256_broadcast_ss(qg + 8 * nb + b));
+      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones), bias);
+      float* sg = s + g * kRow;
+      const __m256 prev = kAdd || b > 0 ? _mm256_loadu_ps(sg) : _mm256_setzero_ps();
+      const __m256 scale = _mm256_mul_ps(dk, _mm256_broadcast_ss(qg + 9 * nb + b));
+      _mm256_storeu_ps(sg, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, prev));
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -352,6 +399,15 @@ KVX_INLINE void load_scales(const uint8_t* row, int nb, float* dst) {
   }
 }
 
+// The same into column t of a [block][kTile] array: dst[b * kTile] (q4 scores, tokens in lanes).
+KVX_INLINE void load_scales_transposed(const uint8_t* row, int nb, float* dst) {
+  for (int b = 0; b < nb; ++b) {
+    uint16_t h;
+    std::memcpy(&h, row + 2 * b, 2);
+    dst[b * kTile] = _cvtsh_ss(h);
+  }
+}
+
 // Query heads go in groups of 4, 2, 1 that share each K/V load (larger groups re-read the tile
 // from L1).
 KVX_INLINE int group_size(int G, int g0) {
@@ -460,10 +516,10 @@ struct Latents {
 
 // The latent reader of the dense kernel, which has none (and so carries no latent code).
 struct NoLatents {
-  static constexpr bool kQuant = false, kOffset8 = false, kPair = false;
+  static constexpr bool kQuant = false, kOffset8 = false, kPair = false, kIntScores = false;
 };
 
-// Runs pieces tile by tile; qs: a KV head's G queries, scaled (for q8/q4 in blocks of kQBlk).
+// Runs pieces tile by tile; qs: a KV head's G queries (detail::avx2_prepare_queries).
 // A piece's partial result part = [m[G], l[G], acc[G][d]], then with latents acc_r[G][r].
 // RR: the latents' reader (of detail::avx2_latent_read_type), or NoLatents.
 template <class R, class RR = NoLatents>
@@ -472,7 +528,7 @@ class PieceRunner {
   static constexpr bool kLatent = !std::is_same_v<RR, NoLatents>;
   PieceRunner(const KVStore& kv, int G, const Latents& lat = {})
       : kv_(kv), G_(G), d_(kv.head_dim()), P_(kv.page_tokens()), nb_(R::kQuant ? d_ / kQBlock : 1),
-        qstride_(R::kQuant ? nb_ * kQBlk : d_), rb_(kv.row_bytes()), sc_(thread_scratch()), lat_(lat), r_(lat.r) {
+        qstride_(R::kIntScores ? static_cast<int>(detail::int_query_floats(d_)) : d_), rb_(kv.row_bytes()), sc_(thread_scratch()), lat_(lat), r_(lat.r) {
     // Scores s[g * kRow + t] (then probabilities); q8/q4 weights w[(g * kTile + t) * nb + b] =
     // p_gt * (V scale of row t, block b), and their block sums (q4's offset).
     sc_.s.resize(static_cast<size_t>(G) * kRow);
@@ -559,7 +615,7 @@ template <class R, class RR>
 void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, const Prefetch& pf) const {
   const int G = G_;
   const size_t span = static_cast<size_t>(n) * rrb_;
-  constexpr int TB = RR::kQuant ? 4 : 8;  // rows per score block
+  constexpr int TB = RR::kQuant && !RR::kIntScores ? 4 : 8;  // rows per score block
   const int nt = (n + TB - 1) / TB;
   const size_t parts = static_cast<size_t>(G) * nt;
   const bool fine = span / G > kLatentBurstBytes;  // the next tile's latent K rows: a part per head, or per score block
@@ -573,7 +629,15 @@ void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, co
     const float* qh = lat_.qb + h * lat_.qb_stride;
     const uint8_t* base = rows0 + rcodes_ + h * latent_bytes_;
     float* sh = s + h * kRow;
-    if constexpr (RR::kQuant) {
+    if constexpr (RR::kIntScores) {  // K scales [block][kTile]
+      const uint8_t* rows[8];
+      const float* kT = sc_.rks.data() + static_cast<size_t>(h) * rnb_ * kTile;
+      for (int t0 = 0; t0 < n; t0 += 8) {
+        fetch(h, t0);
+        for (int i = 0; i < 8; ++i) rows[i] = base + std::min(t0 + i, n - 1) * read_rb_;
+        q4_token_scores<true>(rows, rnb_, qh, 0, 1, kT + t0, sh + t0);
+      }
+    } else if constexpr (RR::kQuant) {
       const uint8_t* rows[4];
       const float* kst[4];
       for (int t0 = 0; t0 < n; t0 += 4) {
@@ -642,7 +706,10 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
   const uint8_t* vb = kv_.v_rows(page, pc.head) + off * rb;
   if constexpr (R::kQuant)
     for (int t = 0; t < n; ++t) {
-      load_scales(kb + t * rb, nb, sc.ks.data() + t * nb);
+      if constexpr (R::kIntScores)
+        load_scales_transposed(kb + t * rb, nb, sc.ks.data() + t);
+      else
+        load_scales(kb + t * rb, nb, sc.ks.data() + t * nb);
       load_scales(vb + t * rb, nb, sc.vs.data() + t * nb);
     }
 
@@ -653,10 +720,19 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
   const size_t end = static_cast<size_t>(page_rows) * rb, next_end = has_next ? static_cast<size_t>(next_rows) * rb : 0;
   const Prefetch kpf{kb, has_next ? kv_.k_rows(page + 1, pc.head) : nullptr, ahead_ * rb, end, next_end};
   const Prefetch vpf{vb, has_next ? kv_.v_rows(page + 1, pc.head) : nullptr, ahead_ * rb, end, next_end};
-  for (int g0 = 0, gb; g0 < G; g0 += gb) {
-    gb = group_size(G, g0);
-    scores_tile<R>(gb, qs + static_cast<size_t>(g0) * qstride, qstride, d, nb, kb, rb, n, sc.ks.data(),
-                   s + g0 * kRow, g0 == 0 ? &kpf : nullptr);
+  if constexpr (R::kIntScores) {  // all G queries at once on each 8 rows' transpose
+    const uint8_t* rows[8];
+    for (int t0 = 0; t0 < n; t0 += 8) {
+      kpf.rows(t0 * rb, (t0 + 8) * rb);
+      for (int i = 0; i < 8; ++i) rows[i] = kb + std::min(t0 + i, n - 1) * rb + 2 * nb;
+      q4_token_scores<false>(rows, nb, qs, qstride, G, sc.ks.data() + t0, s + t0);
+    }
+  } else {
+    for (int g0 = 0, gb; g0 < G; g0 += gb) {
+      gb = group_size(G, g0);
+      scores_tile<R>(gb, qs + static_cast<size_t>(g0) * qstride, qstride, d, nb, kb, rb, n, sc.ks.data(),
+                     s + g0 * kRow, g0 == 0 ? &kpf : nullptr);
+    }
   }
 
   // LRKV: the tile's latent rows (read in place, or dequantised), their scores added per head.
@@ -672,7 +748,10 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
     lv = rvb;
     if constexpr (RR::kQuant)
       for (int t = 0; t < n; ++t) {
-        load_scales(rkb + t * rrb_, nbr_, sc.rks.data() + t * nbr_);
+        if constexpr (RR::kIntScores)
+          load_scales_transposed(rkb + t * rrb_, nbr_, sc.rks.data() + t);
+        else
+          load_scales(rkb + t * rrb_, nbr_, sc.rks.data() + t * nbr_);
         load_scales(rvb + t * rrb_, nbr_, sc.rvs.data() + t * nbr_);
       }
     if constexpr (kDequant) {
@@ -774,42 +853,61 @@ void run_split_any(const KVStore& kv, const Piece* pcs, int p0, int p1, const fl
 }
 
 // Floats per head of the query layout (detail::avx2_prepare_queries) at width d.
-size_t query_floats(KVType type, int d) {
-  return type == KVType::Q8 || type == KVType::Q4 ? static_cast<size_t>(d / kQBlock) * kQBlk : d;
-}
+size_t query_floats(KVType type, int d) { return type == KVType::Q4 ? detail::int_query_floats(d) : d; }
 
 }  // namespace
 
-// Scaled queries in the layout the kernel reads: f32/bf16 [heads][d]; q8/q4 [heads][nb][kQBlk]
-// with each block's 32 values in the reader's lane order and the q4 bias -8 sum(q_b).
-
+// Scaled queries in the layout the kernel reads: f32/q8 [heads][d]; bf16 the same with each whole
+// 16 values as (even | odd), see BF16Row::load_pair; q4 the integer queries.
 void detail::avx2_prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& qs) {
   qs.resize(query_floats(type, d) * heads);
-  if (type == KVType::F32 || type == KVType::BF16) {
-    for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
-    if (type == KVType::BF16)  // full 16-groups as (even | odd), see BF16Row::load_pair
-      for (int h = 0; h < heads; ++h)
-        for (int i = 0; i + 16 <= d; i += 16) {
-          const float* x = q + static_cast<size_t>(h) * d + i;
-          float* y = qs.data() + static_cast<size_t>(h) * d + i;
-          for (int j = 0; j < 8; ++j) {
-            y[j] = x[2 * j] * scale;
-            y[8 + j] = x[2 * j + 1] * scale;
-          }
-        }
+  if (type == KVType::Q4) {
+    prepare_int_queries(q, heads, d, scale, type, qs.data());
     return;
   }
-  const int nb = d / kQBlock;
-  for (int h = 0; h < heads; ++h)
-    for (int b = 0; b < nb; ++b) {
-      const float* x = q + static_cast<size_t>(h) * d + 32 * b;
-      float* y = qs.data() + (static_cast<size_t>(h) * nb + b) * kQBlk;
-      for (int i = 0; i < 32; ++i) {
-        const int src = type == KVType::Q8 ? i : 16 * (i / 16) + 2 * (i % 8) + (i % 16) / 8;
-        y[i] = x[src] * scale;
+  for (size_t i = 0; i < qs.size(); ++i) qs[i] = q[i] * scale;
+  if (type == KVType::BF16)
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i + 16 <= d; i += 16) {
+        const float* x = q + static_cast<size_t>(h) * d + i;
+        float* y = qs.data() + static_cast<size_t>(h) * d + i;
+        for (int j = 0; j < 8; ++j) {
+          y[j] = x[2 * j] * scale;
+          y[8 + j] = x[2 * j + 1] * scale;
+        }
       }
-      for (int i = 0; i < 8; ++i) y[32 + i] = type == KVType::Q4 ? -8.0f * (y[i] + y[8 + i] + y[16 + i] + y[24 + i]) : 0.0f;
+}
+
+size_t detail::int_query_floats(int w) { return static_cast<size_t>(w / kQBlock) * 10; }
+
+void detail::prepare_int_queries(const float* q, int heads, int w, float scale, KVType type, float* out) {
+  if (w % kQBlock != 0 || (type != KVType::Q8 && type != KVType::Q4))
+    throw Error("prepare_int_queries: integer queries are for q8/q4 at widths that are multiples of 32 (" +
+                kv_type_name(type) + ", " + std::to_string(w) + ")");
+  const bool q4 = type == KVType::Q4;
+  const int nq = w / kQBlock;
+  const size_t stride = int_query_floats(w);
+  int8_t c[kQBlock];
+  float scaled[kQBlock];
+  for (int h = 0; h < heads; ++h) {
+    float* qh = out + h * stride;
+    int8_t* words = reinterpret_cast<int8_t*>(qh);
+    for (int b = 0; b < nq; ++b) {
+      const float* x = q + static_cast<size_t>(h) * w + kQBlock * b;
+      for (int i = 0; i < kQBlock; ++i) scaled[i] = x[i] * scale;
+      quantize_query_blocks(scaled, kQBlock, c, qh + 9 * nq + b);
+      int sum = 0;
+      for (int i = 0; i < kQBlock; ++i) sum += c[i];
+      const int32_t bias = (q4 ? -8 : -128) * sum;
+      std::memcpy(qh + 8 * nq + b, &bias, sizeof bias);
+      int8_t* y = words + kQBlock * b;
+      for (int i = 0; i < 4; ++i)  // word i: 4 values (q8), or the even / odd values of word i (q4)
+        for (int k = 0; k < 4; ++k) {
+          y[4 * i + k] = q4 ? c[8 * i + 2 * k] : c[4 * i + k];
+          y[16 + 4 * i + k] = q4 ? c[8 * i + 2 * k + 1] : c[16 + 4 * i + k];
+        }
     }
+  }
 }
 
 namespace {
@@ -1008,7 +1106,8 @@ void decode_attention(const float* q, int heads, const KVStore& kv, float scale,
 }
 
 bool decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim) {
-  return resolve_decode_isa(isa, head_dim) == DecodeIsa::Avx512 && (type == KVType::Q8 || type == KVType::Q4);
+  const bool wide = resolve_decode_isa(isa, head_dim) == DecodeIsa::Avx512;
+  return type == KVType::Q4 || (wide && type == KVType::Q8);  // both back ends score q4 in integers
 }
 
 void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out,
@@ -1018,12 +1117,8 @@ void decode_attention_reference(const float* q, int heads, const KVStore& kv, fl
   const int64_t L = kv.stored();
   std::vector<float> qq;
   if (quantized_query) {  // the scaled query, quantised and dequantised; no further scaling
-    std::vector<float> scaled(static_cast<size_t>(heads) * d), dq(scaled.size() / kQBlock);
-    std::vector<int8_t> codes(scaled.size());
-    for (size_t i = 0; i < scaled.size(); ++i) scaled[i] = q[i] * scale;
-    quantize_query_blocks(scaled.data(), static_cast<int>(scaled.size()), codes.data(), dq.data());
-    qq.resize(scaled.size());
-    for (size_t i = 0; i < qq.size(); ++i) qq[i] = static_cast<float>(codes[i]) * dq[i / kQBlock];
+    qq.resize(static_cast<size_t>(heads) * d);
+    round_query_blocks(q, heads * d, scale, qq.data());
     q = qq.data();
     scale = 1.0f;
   }

@@ -323,15 +323,9 @@ KVX_INLINE __m512i dpbusd_broadcast(__m512i acc, __m512i u, const int32_t* w) {
   return acc;
 }
 
-// Prepared integer query of width w (nq = w / 32 blocks): [nq][8] words of 4 signed codes, in
-// the order of the transposed row words (q8: values 4i .. 4i + 3 of the block; q4: the even
-// values of word i, then the odd ones: low and high nibbles), then [nq] int32 bias, then [nq]
-// float scales. Rows are read unsigned (q8: code + 128; q4: the nibble, value + 8), so the bias
-// is -128 (q8) or -8 (q4) times the block's code sum.
-KVX_INLINE size_t int_query_floats(int w) { return static_cast<size_t>(w / 32) * 10; }
-
 // The rows' blocks b and (pair) b + 1 as 8 vectors each of unsigned 4-byte groups, u[i] pairing
-// with the query's word i (q8: code + 128; q4: the low nibbles of word i, then the high ones).
+// with the query's word i (q8: code + 128; q4: the low nibbles of word i, then the high ones); the
+// query in the integer layout of prepare_int_queries (decode_attention_isa.h).
 template <class R, class Rows>
 KVX_INLINE void row_words(const Rows& rows, size_t offset, int nb, int b, bool pair, __m512i* u) {
   __m512i w[8];
@@ -1009,31 +1003,7 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
       }
     return;
   }
-  // Integer queries (int_query_floats): per 32-block, codes in the transposed rows' word order,
-  // the bias and the scale.
-  const bool q4 = type == KVType::Q4;
-  const int nq = d / 32;
-  int8_t c[32];
-  float scaled[32];
-  for (int h = 0; h < heads; ++h) {
-    int8_t* words = reinterpret_cast<int8_t*>(qs + h * stride);
-    int32_t* bias = reinterpret_cast<int32_t*>(qs + h * stride + 8 * nq);
-    float* dq = qs + h * stride + 9 * nq;
-    for (int b = 0; b < nq; ++b) {
-      const float* x = q + static_cast<size_t>(h) * d + 32 * b;
-      for (int i = 0; i < 32; ++i) scaled[i] = x[i] * scale;
-      quantize_query_blocks(scaled, 32, c, dq + b);
-      int sum = 0;
-      for (int i = 0; i < 32; ++i) sum += c[i];
-      bias[b] = (q4 ? -8 : -128) * sum;
-      int8_t* y = words + 32 * b;
-      for (int i = 0; i < 4; ++i)  // word i: 4 values (q8), or the even / odd values of word i (q4)
-        for (int k = 0; k < 4; ++k) {
-          y[4 * i + k] = q4 ? c[8 * i + 2 * k] : c[4 * i + k];
-          y[16 + 4 * i + k] = q4 ? c[8 * i + 2 * k + 1] : c[16 + 4 * i + k];
-        }
-    }
-  }
+  prepare_int_queries(q, heads, d, scale, type, qs);  // integer queries (decode_attention_isa.h)
 }
 
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width) {

@@ -4,6 +4,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -230,6 +231,14 @@ void quantize_query_blocks(const float* x, int n, int8_t* codes, float* scales) 
       codes[b * kQBlock + i] = static_cast<int8_t>(std::clamp(std::nearbyint(xb[i] * inv), -127.0f, 127.0f));
 #endif
   }
+}
+
+void round_query_blocks(const float* x, int n, float scale, float* out) {
+  std::vector<float> scaled(n), d(n / kQBlock);
+  std::vector<int8_t> codes(n);
+  for (int i = 0; i < n; ++i) scaled[i] = x[i] * scale;
+  quantize_query_blocks(scaled.data(), n, codes.data(), d.data());
+  for (int i = 0; i < n; ++i) out[i] = static_cast<float>(codes[i]) * d[i / kQBlock];
 }
 
 void quantize_row(KVType t, const float* x, int n, uint8_t* dst) {

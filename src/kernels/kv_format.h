@@ -43,6 +43,9 @@ void dequantize_row(KVType t, const uint8_t* src, int n, float* dst);
 // scale): per 32-block d = max|x| / 127, codes round(x / d) (nearest, ties to even), x ~ d q.
 // n % 32 == 0; scales gets n / 32 floats (0 for an all-zero block).
 void quantize_query_blocks(const float* x, int n, int8_t* codes, float* scales);
+// The query the integer kernels compute with, as floats: out = dequantised
+// quantize_query_blocks(x * scale) (n % 32 == 0; the references and the AVX2 LRKV latents).
+void round_query_blocks(const float* x, int n, float scale, float* out);
 
 // Scalar helpers shared with the kernels and tests.
 uint16_t float_to_bf16(float x);  // round to nearest even; NaN stays NaN

@@ -57,7 +57,8 @@ DecodeIsa lrkv_decode_isa(DecodeIsa isa, KVType type, int head_dim, int rank) {
 }
 
 bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int rank) {
-  return lrkv_decode_isa(isa, type, head_dim, rank) == DecodeIsa::Avx512 && (type == KVType::Q8 || type == KVType::Q4);
+  const bool wide = lrkv_decode_isa(isa, type, head_dim, rank) == DecodeIsa::Avx512;
+  return type == KVType::Q4 || (wide && type == KVType::Q8);  // both back ends score q4 in integers
 }
 
 void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, const KVStore& shared,
@@ -91,7 +92,17 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
       detail::avx512_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size, scr + i * scratch_size);
   } else {  // the same on the AVX2 machinery, in its query layout
     detail::avx2_prepare_queries(q, heads, sh.d, scale, shared.type(), qs);
-    if (sh.r > 0) detail::avx2_prepare_queries(qb, heads, sh.r, scale, detail::avx2_latent_read_type(shared.type(), sh.r), qbs);
+    if (sh.r > 0) {
+      const KVType read = detail::avx2_latent_read_type(shared.type(), sh.r);
+      if (shared.type() == KVType::Q4 && read == KVType::F32) {  // q is an integer query: qb rounded as the reference does
+        thread_local std::vector<float> qb_rounded;
+        qb_rounded.resize(static_cast<size_t>(heads) * sh.r);
+        round_query_blocks(qb, heads * sh.r, scale, qb_rounded.data());
+        detail::avx2_prepare_queries(qb_rounded.data(), heads, sh.r, 1.0f, read, qbs);
+      } else {
+        detail::avx2_prepare_queries(qb, heads, sh.r, scale, read, qbs);
+      }
+    }
     const float *qsp = qs.data(), *qbp = qbs.data();
 #pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
     for (int i = 0; i < ns; ++i) detail::avx2_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size);
@@ -135,18 +146,12 @@ void lrkv_decode_attention_reference(const float* q, const float* qb, int heads,
   const int d = shared.head_dim(), r = residual ? residual->head_dim() / heads : 0;
   std::vector<float> qq, qbq;
   if (quantized_query) {  // the scaled q and qb through quantize_query_blocks; no further scaling
-    auto quantize = [&](const float* x, int n, std::vector<float>& out) {
-      std::vector<float> scaled(n), dq(n / kQBlock);
-      std::vector<int8_t> codes(n);
-      for (int i = 0; i < n; ++i) scaled[i] = x[i] * scale;
-      quantize_query_blocks(scaled.data(), n, codes.data(), dq.data());
-      out.resize(n);
-      for (int i = 0; i < n; ++i) out[i] = static_cast<float>(codes[i]) * dq[i / kQBlock];
-    };
-    quantize(q, heads * d, qq);
+    qq.resize(static_cast<size_t>(heads) * d);
+    round_query_blocks(q, heads * d, scale, qq.data());
     q = qq.data();
     if (r > 0) {
-      quantize(qb, heads * r, qbq);
+      qbq.resize(static_cast<size_t>(heads) * r);
+      round_query_blocks(qb, heads * r, scale, qbq.data());
       qb = qbq.data();
     }
     scale = 1.0f;

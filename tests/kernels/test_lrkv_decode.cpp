@@ -96,6 +96,7 @@ TEST(LrkvDecode, LongContextsAndEviction) {
   check(KVType::F32, 8, 128, 32, 600, 256, {}, 50);
   check(KVType::Q8, 4, 64, 32, 515, 100, {}, 51);
   check(KVType::BF16, 3, 64, 16, 300, 32, {4, 37}, 52);  // sink + window in both stores
+  check(KVType::Q4, 16, 128, 32, 515, 100, {4, 200}, 53);  // integer scores across pages and eviction
 }
 
 TEST(LrkvDecode, MismatchedStoresAreClearErrors) {
