@@ -272,14 +272,19 @@ KVX_INLINE void q4_token_scores(const uint8_t* const* rows, int nb, const float*
 // ---------------------------------------------------------------------------------------------
 // Values: acc[g][..] += sum_t w(g, t, block) * v_t[..] over the n rows of a tile, 8
 // accumulators held in registers across the rows. Weight of (g, t, block b): w[g*wg + t*wt + b].
+// Passes of 4 or fewer accumulators (LRKV's latents: one query, r values) keep two sets, for even
+// and odd rows, so that the FMA latency does not bound them.
 
 // f32 / bf16: chunks c0 .. c0 + CB - 1.
 template <class R, int GB, int CB>
 KVX_INLINE void acc_pass_plain(const uint8_t* v0, size_t rb, int n, const float* w, int wg, float* acc, int d, int c0) {
-  __m256 a[GB * CB];
+  constexpr int NA = GB * CB, NS = NA <= 4 ? 2 : 1;
+  __m256 sets[NS][NA];
   for (int g = 0; g < GB; ++g)
-    for (int cb = 0; cb < CB; ++cb) a[g * CB + cb] = _mm256_loadu_ps(acc + g * d + 8 * (c0 + cb));
-  for (int t = 0; t < n; ++t) {
+    for (int cb = 0; cb < CB; ++cb) sets[0][g * CB + cb] = _mm256_loadu_ps(acc + g * d + 8 * (c0 + cb));
+  if constexpr (NS == 2)
+    for (int i = 0; i < NA; ++i) sets[1][i] = _mm256_setzero_ps();
+  auto row_into = [&](int t, __m256* a) __attribute__((always_inline)) {
     const uint8_t* row = v0 + t * rb;
     if constexpr (R::kPair && CB % 2 == 0) {  // c0 is even here: passes of 2+ chunks start at pairs
       for (int cb = 0; cb < CB; cb += 2) {
@@ -297,9 +302,18 @@ KVX_INLINE void acc_pass_plain(const uint8_t* v0, size_t rb, int n, const float*
         for (int g = 0; g < GB; ++g) a[g * CB + cb] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * wg + t), v, a[g * CB + cb]);
       }
     }
-  }
+  };
+  int t = 0;
+  if constexpr (NS == 2)
+    for (; t + 2 <= n; t += 2) {
+      row_into(t, sets[0]);
+      row_into(t + 1, sets[1]);
+    }
+  for (; t < n; ++t) row_into(t, sets[0]);
+  if constexpr (NS == 2)
+    for (int i = 0; i < NA; ++i) sets[0][i] = _mm256_add_ps(sets[0][i], sets[1][i]);
   for (int g = 0; g < GB; ++g)
-    for (int cb = 0; cb < CB; ++cb) _mm256_storeu_ps(acc + g * d + 8 * (c0 + cb), a[g * CB + cb]);
+    for (int cb = 0; cb < CB; ++cb) _mm256_storeu_ps(acc + g * d + 8 * (c0 + cb), sets[0][g * CB + cb]);
 }
 
 // The V prefetch is spread over the passes: pass p of np fetches rows [p n / np, (p+1) n / np)
@@ -338,10 +352,13 @@ template <class R, int GB, int HB>
 KVX_INLINE void acc_pass_quant(const uint8_t* v0, size_t rb, int n, const float* w, int wg, int nb, float* acc, int d,
                                int h0) {
   static_assert(GB * HB <= 4, "acc_pass_quant uses up to 8 accumulators");
-  __m256 a[GB][2 * HB];
+  constexpr int NA = 2 * GB * HB, NS = NA <= 4 ? 2 : 1;
+  __m256 sets[NS][NA];  // [g * 2 HB + i]
   for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < 2 * HB; ++i) a[g][i] = _mm256_loadu_ps(acc + g * d + 16 * h0 + 8 * i);
-  for (int t = 0; t < n; ++t) {
+    for (int i = 0; i < 2 * HB; ++i) sets[0][g * 2 * HB + i] = _mm256_loadu_ps(acc + g * d + 16 * h0 + 8 * i);
+  if constexpr (NS == 2)
+    for (int i = 0; i < NA; ++i) sets[1][i] = _mm256_setzero_ps();
+  auto row_into = [&](int t, __m256* a) __attribute__((always_inline)) {
     const uint8_t* row = v0 + t * rb;
     const float* wt = w + t * nb;
     for (int h = 0; h < HB; ++h) {
@@ -350,13 +367,22 @@ KVX_INLINE void acc_pass_quant(const uint8_t* v0, size_t rb, int n, const float*
       const int blk = (h0 + h) >> 1;
       for (int g = 0; g < GB; ++g) {
         const __m256 wv = _mm256_broadcast_ss(wt + g * wg + blk);
-        a[g][2 * h] = _mm256_fmadd_ps(wv, va, a[g][2 * h]);
-        a[g][2 * h + 1] = _mm256_fmadd_ps(wv, vb, a[g][2 * h + 1]);
+        a[g * 2 * HB + 2 * h] = _mm256_fmadd_ps(wv, va, a[g * 2 * HB + 2 * h]);
+        a[g * 2 * HB + 2 * h + 1] = _mm256_fmadd_ps(wv, vb, a[g * 2 * HB + 2 * h + 1]);
       }
     }
-  }
+  };
+  int t = 0;
+  if constexpr (NS == 2)
+    for (; t + 2 <= n; t += 2) {
+      row_into(t, sets[0]);
+      row_into(t + 1, sets[1]);
+    }
+  for (; t < n; ++t) row_into(t, sets[0]);
+  if constexpr (NS == 2)
+    for (int i = 0; i < NA; ++i) sets[0][i] = _mm256_add_ps(sets[0][i], sets[1][i]);
   for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < 2 * HB; ++i) _mm256_storeu_ps(acc + g * d + 16 * h0 + 8 * i, a[g][i]);
+    for (int i = 0; i < 2 * HB; ++i) _mm256_storeu_ps(acc + g * d + 16 * h0 + 8 * i, sets[0][g * 2 * HB + i]);
 }
 
 template <class R, int GB>
