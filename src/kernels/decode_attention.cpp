@@ -42,15 +42,15 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // values 16j..16j+15 from one 32-byte load without shuffles, a = even positions (dword << 16),
 // b = odd positions (dword & 0xffff0000); the query is permuted to match and the V accumulator
 // un-permuted at the end (kPair).
-// q8 / q4: load_half(data, h, a, b) = the 16 codes of half-block h (data points past the fp16
-// scales) as two float vectors, without the scale. q8: a = codes 0-7, b = 8-15 of the half.
-// q4 (values only; its keys are scored in integers, q4_token_scores): a = nibbles n at even
+// q8 / q4 values (their keys are scored in integers, int_token_scores): load_half(data, h, a, b)
+// = the 16 codes of half-block h (data points past the fp16 scales) as two float vectors,
+// without the scale. q8: a = codes 0-7, b = 8-15 of the half. q4: a = nibbles n at even
 // positions 0, 2, .., 14, b = odd positions, so one byte-to-dword widening serves both (the V
 // accumulator is un-permuted at the end). load_half leaves q4's offset 8 out, taken out after
 // the fact: sum_t w_t (n_t - 8) = sum_t w_t n_t - 8 sum_t w_t.
 
 struct F32Row {
-  static constexpr bool kQuant = false, kOffset8 = false, kPair = false, kIntScores = false;
+  static constexpr bool kQuant = false, kOffset8 = false, kPair = false;
   static KVX_INLINE __m256 load8(const uint8_t* q, int c) { return _mm256_loadu_ps(reinterpret_cast<const float*>(q) + 8 * c); }
   static float at(const uint8_t* q, int i) {
     float x;
@@ -60,7 +60,7 @@ struct F32Row {
 };
 
 struct BF16Row {
-  static constexpr bool kQuant = false, kOffset8 = false, kPair = true, kIntScores = false;
+  static constexpr bool kQuant = false, kOffset8 = false, kPair = true;
   static KVX_INLINE __m256 load8(const uint8_t* q, int c) { return bf16x8_to_ps(q + 16 * c); }
   // kLowReg: clear the low halves with two shifts instead of an AND, saving the mask register.
   template <bool kLowReg = false>
@@ -80,7 +80,7 @@ struct BF16Row {
 };
 
 struct Q8Row {
-  static constexpr bool kQuant = true, kOffset8 = false, kPair = false, kIntScores = false;
+  static constexpr bool kQuant = true, kOffset8 = false, kPair = false;
   static KVX_INLINE void load_half(const uint8_t* q, int h, __m256& a, __m256& b) {
     const uint8_t* p = q + 16 * h;
     a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -89,7 +89,7 @@ struct Q8Row {
 };
 
 struct Q4Row {
-  static constexpr bool kQuant = true, kOffset8 = true, kPair = false, kIntScores = true;
+  static constexpr bool kQuant = true, kOffset8 = true, kPair = false;
   static KVX_INLINE void load_half(const uint8_t* q, int h, __m256& a, __m256& b) {
     const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h)));
     a = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(0xf)));
@@ -154,117 +154,83 @@ KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* const* rows, flo
     for (int t = 0; t < TB; ++t) s[g * kRow + t] = kAdd ? s[g * kRow + t] + r[g * TB + t] : r[g * TB + t];
 }
 
-// q8: q . k = sum_b d_b (q_b . code_b) with the block dot in code space; 4 block and 4 total
-// accumulators. q: per query nb blocks of 32 floats, qstride apart. kAdd: s +=.
-template <class R, int GB, int TB, bool kAdd = false>
-KVX_INLINE void dot_quant(const float* q, int qstride, int nb, const uint8_t* const* rows, const float* const* ks, float* s) {
-  static_assert(GB * TB == 4, "dot_quant uses 4 + 4 accumulators");
-  __m256 acc[4];
-  for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    __m256 bs[4];
-    for (int i = 0; i < 4; ++i) bs[i] = _mm256_setzero_ps();
-    for (int h = 0; h < 2; ++h)
-      for (int t = 0; t < TB; ++t) {
-        __m256 ka, kb;
-        R::load_half(rows[t], 2 * b + h, ka, kb);
-        for (int g = 0; g < GB; ++g) {
-          const float* qg = q + g * qstride + b * kQBlock + 16 * h;
-          bs[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), ka, bs[g * TB + t]);
-          bs[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), kb, bs[g * TB + t]);
-        }
-      }
-    for (int t = 0; t < TB; ++t) {
-      const __m256 sc = _mm256_broadcast_ss(ks[t] + b);
-      for (int g = 0; g < GB; ++g) acc[g * TB + t] = _mm256_fmadd_ps(bs[g * TB + t], sc, acc[g * TB + t]);
-    }
-  }
-  alignas(16) float r[4];
-  _mm_store_ps(r, reduce4(acc));
-  for (int g = 0; g < GB; ++g)
-    for (int t = 0; t < TB; ++t) s[g * kRow + t] = kAdd ? s[g * kRow + t] + r[g * TB + t] : r[g * TB + t];
-}
+// q8 / q4 scores in integers with tokens in lanes (the AVX-512 back end's token_scores, with
+// vpmaddubsw standing in for its VNNI): 8 rows' code words transposed so that lane t of w[i]
+// holds word i of row t, dotted with the query's int8 codes (prepare_int_queries) broadcast a
+// word at a time; no horizontal sums, and the transpose is shared by all G queries (LRKV: the H
+// heads on one K_s). ~3x fewer instructions per multiply-add than dequantise-then-FMA for q4
+// (2.3x in a microbenchmark at G = 4).
+// q4: nibbles (value + 8) x codes, 8 products summed in int16 (|.| <= 8 x 2 x 15 x 127 = 30480),
+// then one vpmaddwd and the query's bias -8 sum(codes).
+// q8: |k| x (codes with k's sign) (vpsignb; a pair sum <= 2 x 128 x 127 fits int16), to int32
+// per word. Its rows are read signed, so the query's bias (for AVX-512's unsigned rows) is unused.
 
-// q8 with 4 queries: scale each code vector once (codes * d_b, shared by the 4 queries),
-// then plain FMAs; 2 rows x 4 queries = 8 accumulators (12 spill registers).
-template <class R>
-KVX_INLINE void dot_quant_g4(const float* q, int qstride, int nb, const uint8_t* const* rows, const float* const* ks, float* s) {
-  constexpr int GB = 4, TB = 2;
-  __m256 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-  for (int b = 0; b < nb; ++b)
-    for (int h = 0; h < 2; ++h)
-      for (int t = 0; t < TB; ++t) {
-        __m256 ka, kb;
-        R::load_half(rows[t], 2 * b + h, ka, kb);
-        const __m256 sc = _mm256_broadcast_ss(ks[t] + b);
-        ka = _mm256_mul_ps(ka, sc);
-        kb = _mm256_mul_ps(kb, sc);
-        for (int g = 0; g < GB; ++g) {
-          const float* qg = q + g * qstride + b * kQBlock + 16 * h;
-          acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), ka, acc[g * TB + t]);
-          acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), kb, acc[g * TB + t]);
-        }
-      }
-  alignas(32) float r[8];
-  _mm256_store_ps(r, reduce8(acc));
-  for (int g = 0; g < GB; ++g)
-    for (int t = 0; t < TB; ++t) s[g * kRow + t] = r[g * TB + t];
-}
-
-// q4 scores with tokens in lanes (the AVX-512 back end's token_scores, with vpmaddubsw for its
-// VNNI): 8 rows' 16-byte blocks transposed so that lane t of w[i] holds word i of row t, split
-// into nibbles (values + 8) and dotted with the query's integer codes (prepare_int_queries):
-// 8 vpmaddubsw per query and block, pair sums added in int16 (|.| <= 8 x 2 x 15 x 127 = 30480),
-// one vpmaddwd to int32, no horizontal sums. The transpose is shared by all G queries, which
-// is what LRKV's 16 heads on one K_s need. ~3x fewer instructions per multiply-add than
-// dequantise-then-FMA (2.3x in a microbenchmark at G = 4).
-
-// u[0..3]: the low nibbles of words 0..3 of block b of the 8 rows (codes at rows[t]), u[4..7]
-// the high ones; lanes = rows.
-KVX_INLINE void q4_nibble_words(const uint8_t* const* rows, int b, __m256i* u) {
-  __m256i y[4];
+// w[i] lane t = word i (i < 4) of the 16 bytes at rows[t] + offset, t < 8.
+KVX_INLINE void transpose_words8x4(const uint8_t* const* rows, size_t offset, __m256i* w) {
+  __m256i y[4];  // [row k | row k + 4]
   for (int k = 0; k < 4; ++k)
     y[k] = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + 16 * b))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k + 4] + 16 * b)), 1);
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + offset))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k + 4] + offset)), 1);
   // 4 x 4 word transposes in each 128-bit lane (rows 0-3 low, 4-7 high)
   const __m256i a = _mm256_unpacklo_epi32(y[0], y[1]), c = _mm256_unpackhi_epi32(y[0], y[1]);
   const __m256i e = _mm256_unpacklo_epi32(y[2], y[3]), f = _mm256_unpackhi_epi32(y[2], y[3]);
-  const __m256i w[4] = {_mm256_unpacklo_epi64(a, e), _mm256_unpackhi_epi64(a, e), _mm256_unpacklo_epi64(c, f),
-                        _mm256_unpackhi_epi64(c, f)};
-  const __m256i lo4 = _mm256_set1_epi8(0x0f);
-  for (int i = 0; i < 4; ++i) {
-    u[i] = _mm256_and_si256(w[i], lo4);
-    u[4 + i] = _mm256_and_si256(_mm256_srli_epi16(w[i], 4), lo4);
-  }
+  w[0] = _mm256_unpacklo_epi64(a, e);
+  w[1] = _mm256_unpackhi_epi64(a, e);
+  w[2] = _mm256_unpacklo_epi64(c, f);
+  w[3] = _mm256_unpackhi_epi64(c, f);
 }
 
 // s[g * kRow + t] (kAdd: +=) q_g . k_t for 8 rows (codes at rows[t], nb blocks) and G integer
 // queries qstride floats apart; kT: the rows' K block scales, block b at kT + b * kTile.
-template <bool kAdd>
-KVX_INLINE void q4_token_scores(const uint8_t* const* rows, int nb, const float* q, size_t qstride, int G,
-                                const float* kT, float* s) {
+template <class R, bool kAdd>
+KVX_INLINE void int_token_scores(const uint8_t* const* rows, int nb, const float* q, size_t qstride, int G,
+                                 const float* kT, float* s) {
   const __m256i ones = _mm256_set1_epi16(1);
+  // s_g += dot * d_k d_q (the first part of a score without kAdd: s_g = ..)
+  auto accumulate = [&](int g, bool first, __m256i dot, __m256 dk, const float* dq) __attribute__((always_inline)) {
+    float* sg = s + g * kRow;
+    const __m256 prev = kAdd || !first ? _mm256_loadu_ps(sg) : _mm256_setzero_ps();
+    _mm256_storeu_ps(sg, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dk, _mm256_broadcast_ss(dq)), prev));
+  };
   for (int b = 0; b < nb; ++b) {
-    __m256i u[8];
-    q4_nibble_words(rows, b, u);
     const __m256 dk = _mm256_loadu_ps(kT + b * kTile);
-    for (int g = 0; g < G; ++g) {
-      const float* qg = q + g * qstride;
-      const float* words = qg + 8 * b;  // int32 words, broadcast as floats
-      auto word = [&](int i) { return _mm256_castps_si256(_mm256_broadcast_ss(words + i)); };
-      __m256i lo = _mm256_maddubs_epi16(u[0], word(0)), hi = _mm256_maddubs_epi16(u[4], word(4));
-      for (int i = 1; i < 4; ++i) {
-        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[i], word(i)));
-        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[4 + i], word(4 + i)));
+    if constexpr (R::kOffset8) {  // q4: 16 bytes a block, low nibbles pair with words 0-3, high with 4-7
+      __m256i w[4], u[8];
+      transpose_words8x4(rows, 16 * static_cast<size_t>(b), w);
+      const __m256i lo4 = _mm256_set1_epi8(0x0f);
+      for (int i = 0; i < 4; ++i) {
+        u[i] = _mm256_and_si256(w[i], lo4);
+        u[4 + i] = _mm256_and_si256(_mm256_srli_epi16(w[i], 4), lo4);
       }
-      const __m256i bias = _mm256_castps_si256(_mm256_broadcast_ss(qg + 8 * nb + b));
-      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones), bias);
-      float* sg = s + g * kRow;
-      const __m256 prev = kAdd || b > 0 ? _mm256_loadu_ps(sg) : _mm256_setzero_ps();
-      const __m256 scale = _mm256_mul_ps(dk, _mm256_broadcast_ss(qg + 9 * nb + b));
-      _mm256_storeu_ps(sg, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, prev));
+      for (int g = 0; g < G; ++g) {
+        const float* qg = q + g * qstride;
+        const float* words = qg + 8 * b;  // int32 words, broadcast as floats
+        auto word = [&](int i) { return _mm256_castps_si256(_mm256_broadcast_ss(words + i)); };
+        __m256i lo = _mm256_maddubs_epi16(u[0], word(0)), hi = _mm256_maddubs_epi16(u[4], word(4));
+        for (int i = 1; i < 4; ++i) {
+          lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[i], word(i)));
+          hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[4 + i], word(4 + i)));
+        }
+        const __m256i bias = _mm256_castps_si256(_mm256_broadcast_ss(qg + 8 * nb + b));
+        accumulate(g, b == 0, _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones), bias), dk, qg + 9 * nb + b);
+      }
+    } else {  // q8: 32 bytes a block, in two halves of 4 words
+      for (int h = 0; h < 2; ++h) {
+        __m256i w[4], mag[4];
+        transpose_words8x4(rows, 32 * static_cast<size_t>(b) + 16 * h, w);
+        for (int i = 0; i < 4; ++i) mag[i] = _mm256_sign_epi8(w[i], w[i]);
+        for (int g = 0; g < G; ++g) {
+          const float* qg = q + g * qstride;
+          const float* words = qg + 8 * b + 4 * h;
+          auto product = [&](int i) {
+            const __m256i signed_q = _mm256_sign_epi8(_mm256_castps_si256(_mm256_broadcast_ss(words + i)), w[i]);
+            return _mm256_madd_epi16(_mm256_maddubs_epi16(mag[i], signed_q), ones);
+          };
+          const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(product(0), product(1)), _mm256_add_epi32(product(2), product(3)));
+          accumulate(g, b == 0 && h == 0, dot, dk, qg + 9 * nb + b);
+        }
+      }
     }
   }
 }
@@ -464,37 +430,18 @@ KVX_INLINE int group_size(int G, int g0) {
   return left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
+// f32 / bf16 scores of GB queries against a tile (q8/q4: int_token_scores).
 template <class R>
-void scores_tile(int GB, const float* q, int qstride, int d, int nb, const uint8_t* kb, size_t rb, int n,
-                 const float* ks, float* s, const Prefetch* pf) {
+void scores_tile(int GB, const float* q, int d, const uint8_t* kb, size_t rb, int n, float* s, const Prefetch* pf) {
   const uint8_t* rows[12];
-  const float* kst[8];
-  if constexpr (!R::kQuant) {
-    const int TB = 12 / GB;
-    for (int t0 = 0; t0 < n; t0 += TB) {
-      if (pf) pf->rows(t0 * rb, (t0 + TB) * rb);
-      for (int i = 0; i < TB; ++i) rows[i] = kb + std::min(t0 + i, n - 1) * rb;
-      switch (GB) {
-        case 1: dot_plain<R, 1, 12>(q, d, rows, s + t0); break;
-        case 2: dot_plain<R, 2, 6>(q, d, rows, s + t0); break;
-        default: dot_plain<R, 4, 3>(q, d, rows, s + t0); break;
-      }
-    }
-  } else {
-    const int TB = GB == 4 ? 2 : 4 / GB;
-    const size_t qoff = 2 * static_cast<size_t>(nb);
-    for (int t0 = 0; t0 < n; t0 += TB) {
-      if (pf) pf->rows(t0 * rb, (t0 + TB) * rb);
-      for (int i = 0; i < TB; ++i) {
-        const int t = std::min(t0 + i, n - 1);
-        rows[i] = kb + t * rb + qoff;
-        kst[i] = ks + t * nb;
-      }
-      switch (GB) {
-        case 1: dot_quant<R, 1, 4>(q, qstride, nb, rows, kst, s + t0); break;
-        case 2: dot_quant<R, 2, 2>(q, qstride, nb, rows, kst, s + t0); break;
-        default: dot_quant_g4<R>(q, qstride, nb, rows, kst, s + t0); break;
-      }
+  const int TB = 12 / GB;
+  for (int t0 = 0; t0 < n; t0 += TB) {
+    if (pf) pf->rows(t0 * rb, (t0 + TB) * rb);
+    for (int i = 0; i < TB; ++i) rows[i] = kb + std::min(t0 + i, n - 1) * rb;
+    switch (GB) {
+      case 1: dot_plain<R, 1, 12>(q, d, rows, s + t0); break;
+      case 2: dot_plain<R, 2, 6>(q, d, rows, s + t0); break;
+      default: dot_plain<R, 4, 3>(q, d, rows, s + t0); break;
     }
   }
 }
@@ -577,7 +524,7 @@ struct Latents {
 
 // The latent reader of the dense kernel, which has none (and so carries no latent code).
 struct NoLatents {
-  static constexpr bool kQuant = false, kOffset8 = false, kPair = false, kIntScores = false;
+  static constexpr bool kQuant = false, kOffset8 = false, kPair = false;
 };
 
 // Runs pieces tile by tile; qs: a KV head's G queries (detail::avx2_prepare_queries).
@@ -589,7 +536,7 @@ class PieceRunner {
   static constexpr bool kLatent = !std::is_same_v<RR, NoLatents>;
   PieceRunner(const KVStore& kv, int G, const Latents& lat = {})
       : kv_(kv), G_(G), d_(kv.head_dim()), P_(kv.page_tokens()), nb_(R::kQuant ? d_ / kQBlock : 1),
-        qstride_(R::kIntScores ? static_cast<int>(detail::int_query_floats(d_)) : d_), rb_(kv.row_bytes()), sc_(thread_scratch()), lat_(lat), r_(lat.r) {
+        qstride_(R::kQuant ? static_cast<int>(detail::int_query_floats(d_)) : d_), rb_(kv.row_bytes()), sc_(thread_scratch()), lat_(lat), r_(lat.r) {
     // Scores s[g * kRow + t] (then probabilities); q8/q4 weights w[(g * kTile + t) * nb + b] =
     // p_gt * (V scale of row t, block b), and their block sums (q4's offset).
     sc_.s.resize(static_cast<size_t>(G) * kRow);
@@ -676,7 +623,7 @@ template <class R, class RR>
 void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, const Prefetch& pf) const {
   const int G = G_;
   const size_t span = static_cast<size_t>(n) * rrb_;
-  constexpr int TB = RR::kQuant && !RR::kIntScores ? 4 : 8;  // rows per score block
+  constexpr int TB = 8;  // rows per score block
   const int nt = (n + TB - 1) / TB;
   const size_t parts = static_cast<size_t>(G) * nt;
   const bool fine = span / G > kLatentBurstBytes;  // the next tile's latent K rows: a part per head, or per score block
@@ -690,33 +637,14 @@ void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, co
     const float* qh = lat_.qb + h * lat_.qb_stride;
     const uint8_t* base = rows0 + rcodes_ + h * latent_bytes_;
     float* sh = s + h * kRow;
-    if constexpr (RR::kIntScores) {  // K scales [block][kTile]
-      const uint8_t* rows[8];
-      const float* kT = sc_.rks.data() + static_cast<size_t>(h) * rnb_ * kTile;
-      for (int t0 = 0; t0 < n; t0 += 8) {
-        fetch(h, t0);
-        for (int i = 0; i < 8; ++i) rows[i] = base + std::min(t0 + i, n - 1) * read_rb_;
-        q4_token_scores<true>(rows, rnb_, qh, 0, 1, kT + t0, sh + t0);
-      }
-    } else if constexpr (RR::kQuant) {
-      const uint8_t* rows[4];
-      const float* kst[4];
-      for (int t0 = 0; t0 < n; t0 += 4) {
-        fetch(h, t0);
-        for (int i = 0; i < 4; ++i) {
-          const int t = std::min(t0 + i, n - 1);
-          rows[i] = base + t * read_rb_;
-          kst[i] = sc_.rks.data() + t * nbr_ + h * rnb_;
-        }
-        dot_quant<RR, 1, 4, true>(qh, static_cast<int>(lat_.qb_stride), rnb_, rows, kst, sh + t0);
-      }
-    } else {
-      const uint8_t* rows[8];
-      for (int t0 = 0; t0 < n; t0 += 8) {
-        fetch(h, t0);
-        for (int i = 0; i < 8; ++i) rows[i] = base + std::min(t0 + i, n - 1) * read_rb_;
-        dot_plain<RR, 1, 8, true>(qh, r_, rows, sh + t0);
-      }
+    const uint8_t* rows[TB];
+    for (int t0 = 0; t0 < n; t0 += TB) {
+      fetch(h, t0);
+      for (int i = 0; i < TB; ++i) rows[i] = base + std::min(t0 + i, n - 1) * read_rb_;
+      if constexpr (RR::kQuant)  // K scales [block][kTile]
+        int_token_scores<RR, true>(rows, rnb_, qh, 0, 1, sc_.rks.data() + static_cast<size_t>(h) * rnb_ * kTile + t0, sh + t0);
+      else
+        dot_plain<RR, 1, TB, true>(qh, r_, rows, sh + t0);
     }
   }
 }
@@ -765,12 +693,10 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
   const int n = static_cast<int>(std::min<int64_t>({kTileRows, pc.r1 - r, P - off}));
   const uint8_t* kb = kv_.k_rows(page, pc.head) + off * rb;
   const uint8_t* vb = kv_.v_rows(page, pc.head) + off * rb;
-  if constexpr (R::kIntScores) load_scales_transposed(kb, rb, n, nb, sc.ks.data());
-  if constexpr (R::kQuant)
-    for (int t = 0; t < n; ++t) {
-      if constexpr (!R::kIntScores) load_scales(kb + t * rb, nb, sc.ks.data() + t * nb);
-      load_scales(vb + t * rb, nb, sc.vs.data() + t * nb);
-    }
+  if constexpr (R::kQuant) {  // K scales [block][kTile] (token lanes), V scales [row][block]
+    load_scales_transposed(kb, rb, n, nb, sc.ks.data());
+    for (int t = 0; t < n; ++t) load_scales(vb + t * rb, nb, sc.vs.data() + t * nb);
+  }
 
   // Tiles are read column by column, which hardware prefetchers follow poorly: fetch the rows
   // `ahead` rows on (same page, this piece), K while computing the scores, V over the passes.
@@ -779,18 +705,17 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
   const size_t end = static_cast<size_t>(page_rows) * rb, next_end = has_next ? static_cast<size_t>(next_rows) * rb : 0;
   const Prefetch kpf{kb, has_next ? kv_.k_rows(page + 1, pc.head) : nullptr, ahead_ * rb, end, next_end};
   const Prefetch vpf{vb, has_next ? kv_.v_rows(page + 1, pc.head) : nullptr, ahead_ * rb, end, next_end};
-  if constexpr (R::kIntScores) {  // all G queries at once on each 8 rows' transpose
+  if constexpr (R::kQuant) {  // all G queries at once on each 8 rows' transpose
     const uint8_t* rows[8];
     for (int t0 = 0; t0 < n; t0 += 8) {
       kpf.rows(t0 * rb, (t0 + 8) * rb);
       for (int i = 0; i < 8; ++i) rows[i] = kb + std::min(t0 + i, n - 1) * rb + 2 * nb;
-      q4_token_scores<false>(rows, nb, qs, qstride, G, sc.ks.data() + t0, s + t0);
+      int_token_scores<R, false>(rows, nb, qs, qstride, G, sc.ks.data() + t0, s + t0);
     }
   } else {
     for (int g0 = 0, gb; g0 < G; g0 += gb) {
       gb = group_size(G, g0);
-      scores_tile<R>(gb, qs + static_cast<size_t>(g0) * qstride, qstride, d, nb, kb, rb, n, sc.ks.data(),
-                     s + g0 * kRow, g0 == 0 ? &kpf : nullptr);
+      scores_tile<R>(gb, qs + static_cast<size_t>(g0) * qstride, d, kb, rb, n, s + g0 * kRow, g0 == 0 ? &kpf : nullptr);
     }
   }
 
@@ -805,12 +730,10 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
     lvpf = Prefetch{rvb, has_next ? ls.v_rows(page + 1, 0) : nullptr, ahead_ * rrb_, page_rows * rrb_, next_rows * rrb_};
     lk = rkb;
     lv = rvb;
-    if constexpr (RR::kIntScores) load_scales_transposed(rkb, rrb_, n, nbr_, sc.rks.data());
-    if constexpr (RR::kQuant)
-      for (int t = 0; t < n; ++t) {
-        if constexpr (!RR::kIntScores) load_scales(rkb + t * rrb_, nbr_, sc.rks.data() + t * nbr_);
-        load_scales(rvb + t * rrb_, nbr_, sc.rvs.data() + t * nbr_);
-      }
+    if constexpr (RR::kQuant) {
+      load_scales_transposed(rkb, rrb_, n, nbr_, sc.rks.data());
+      for (int t = 0; t < n; ++t) load_scales(rvb + t * rrb_, nbr_, sc.rvs.data() + t * nbr_);
+    }
     if constexpr (kDequant) {
       const int w = G * r_;
       for (int t = 0; t < n; ++t) {
@@ -910,15 +833,17 @@ void run_split_any(const KVStore& kv, const Piece* pcs, int p0, int p1, const fl
 }
 
 // Floats per head of the query layout (detail::avx2_prepare_queries) at width d.
-size_t query_floats(KVType type, int d) { return type == KVType::Q4 ? detail::int_query_floats(d) : d; }
+size_t query_floats(KVType type, int d) {
+  return type == KVType::Q8 || type == KVType::Q4 ? detail::int_query_floats(d) : d;
+}
 
 }  // namespace
 
-// Scaled queries in the layout the kernel reads: f32/q8 [heads][d]; bf16 the same with each whole
-// 16 values as (even | odd), see BF16Row::load_pair; q4 the integer queries.
+// Scaled queries in the layout the kernel reads: f32 [heads][d]; bf16 the same with each whole
+// 16 values as (even | odd), see BF16Row::load_pair; q8/q4 the integer queries.
 void detail::avx2_prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& qs) {
   qs.resize(query_floats(type, d) * heads);
-  if (type == KVType::Q4) {
+  if (type == KVType::Q8 || type == KVType::Q4) {
     prepare_int_queries(q, heads, d, scale, type, qs.data());
     return;
   }
@@ -1163,8 +1088,8 @@ void decode_attention(const float* q, int heads, const KVStore& kv, float scale,
 }
 
 bool decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim) {
-  const bool wide = resolve_decode_isa(isa, head_dim) == DecodeIsa::Avx512;
-  return type == KVType::Q4 || (wide && type == KVType::Q8);  // both back ends score q4 in integers
+  resolve_decode_isa(isa, head_dim);  // both back ends score q8/q4 keys in integers; this checks isa
+  return type == KVType::Q8 || type == KVType::Q4;
 }
 
 void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out,

@@ -60,9 +60,9 @@ void decode_attention(const float* q, int heads, const KVStore& kv, float scale,
 void decode_attention_splits(const float* q, int heads, const KVStore& kv, float scale, float* out,
                              int threads, int splits, DecodeIsa isa = DecodeIsa::Auto, const VirtualPair* extra = nullptr);
 
-// Whether a back end quantises the query for a cache type: q4 keys on both back ends and q8 keys
-// on AVX-512 are dotted in integers against the scaled query in int8 32-blocks
-// (quantize_query_blocks, as llama.cpp does); its error is of the order of q8's own on the keys.
+// Whether a back end quantises the query for a cache type: both back ends dot q8/q4 keys in
+// integers against the scaled query in int8 32-blocks (quantize_query_blocks, as llama.cpp
+// does); its error is of the order of q8's own on the keys.
 bool decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim);
 
 // Plain reference: dequantise every stored row, two-pass softmax in double. quantized_query:

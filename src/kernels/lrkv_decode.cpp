@@ -57,8 +57,8 @@ DecodeIsa lrkv_decode_isa(DecodeIsa isa, KVType type, int head_dim, int rank) {
 }
 
 bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int rank) {
-  const bool wide = lrkv_decode_isa(isa, type, head_dim, rank) == DecodeIsa::Avx512;
-  return type == KVType::Q4 || (wide && type == KVType::Q8);  // both back ends score q4 in integers
+  lrkv_decode_isa(isa, type, head_dim, rank);  // both back ends score q8/q4 in integers; this checks isa
+  return type == KVType::Q8 || type == KVType::Q4;
 }
 
 void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, const KVStore& shared,
@@ -94,7 +94,7 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
     detail::avx2_prepare_queries(q, heads, sh.d, scale, shared.type(), qs);
     if (sh.r > 0) {
       const KVType read = detail::avx2_latent_read_type(shared.type(), sh.r);
-      if (shared.type() == KVType::Q4 && read == KVType::F32) {  // q is an integer query: qb rounded as the reference does
+      if (read != shared.type()) {  // q8/q4 latents read as f32: qb rounded as the integer q is (and the reference does)
         thread_local std::vector<float> qb_rounded;
         qb_rounded.resize(static_cast<size_t>(heads) * sh.r);
         round_query_blocks(qb, heads * sh.r, scale, qb_rounded.data());

@@ -67,7 +67,7 @@ def test_decode_attention_quantized_matches_its_reference(cache):
     q, k, v = randn(4, 64), randn(45, 2, 64), randn(45, 2, 64)
     fused = ops.decode_attention(q, k, v, kv_cache=cache)
     ref = ops.decode_attention(q, k, v, kv_cache=cache, reference=True)
-    # AVX-512 back ends quantise the query for q8/q4 (llama.cpp style); q8's own error bound then.
+    # The kernels quantise the query for q8/q4 (llama.cpp style); q8's own error bound then.
     tol = 2e-2 if cache in ("q8", "q4") else 1e-5
     np.testing.assert_allclose(fused, ref, rtol=tol, atol=tol)
     exact = softmax_attend(q, k, v, 1 / 8)
