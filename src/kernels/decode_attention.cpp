@@ -237,7 +237,8 @@ KVX_INLINE void int_token_scores(const uint8_t* const* rows, int nb, const float
 
 // ---------------------------------------------------------------------------------------------
 // Values: acc[g][..] += sum_t w(g, t, block) * v_t[..] over the n rows of a tile, 8
-// accumulators held in registers across the rows. Weight of (g, t, block b): w[g*wg + t*wt + b].
+// accumulators held in registers across the rows. Weight of (g, t): f32/bf16 w[g*wg + t], q8/q4
+// per block b w[g*wg + b*kTile + t] (fold_value_scales).
 // Passes of 4 or fewer accumulators (LRKV's latents: one query, r values) keep two sets, for even
 // and odd rows, so that the FMA latency does not bound them.
 
@@ -326,13 +327,13 @@ KVX_INLINE void acc_pass_quant(const uint8_t* v0, size_t rb, int n, const float*
     for (int i = 0; i < NA; ++i) sets[1][i] = _mm256_setzero_ps();
   auto row_into = [&](int t, __m256* a) __attribute__((always_inline)) {
     const uint8_t* row = v0 + t * rb;
-    const float* wt = w + t * nb;
+    const float* wt = w + t;
     for (int h = 0; h < HB; ++h) {
       __m256 va, vb;
       R::load_half(row, h0 + h, va, vb);
       const int blk = (h0 + h) >> 1;
       for (int g = 0; g < GB; ++g) {
-        const __m256 wv = _mm256_broadcast_ss(wt + g * wg + blk);
+        const __m256 wv = _mm256_broadcast_ss(wt + g * wg + blk * kTile);
         a[g * 2 * HB + 2 * h] = _mm256_fmadd_ps(wv, va, a[g * 2 * HB + 2 * h]);
         a[g * 2 * HB + 2 * h + 1] = _mm256_fmadd_ps(wv, vb, a[g * 2 * HB + 2 * h + 1]);
       }
@@ -377,23 +378,10 @@ Scratch& thread_scratch() {
   return sc;
 }
 
-// nb fp16 scales -> floats.
-KVX_INLINE void load_scales(const uint8_t* row, int nb, float* dst) {
-  int b = 0;
-  for (; b + 8 <= nb; b += 8)
-    _mm256_storeu_ps(dst + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * b))));
-  for (; b + 4 <= nb; b += 4)
-    _mm_storeu_ps(dst + b, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 2 * b))));
-  for (; b < nb; ++b) {
-    uint16_t h;
-    std::memcpy(&h, row + 2 * b, 2);
-    dst[b] = _cvtsh_ss(h);
-  }
-}
-
-// The same for the n rows of a tile (rb bytes apart), transposed for q4 scores with tokens in
-// lanes: dst[b * kTile + t]. 8 rows x 4 scales at a time by a 16-bit transpose (a scalar loop was
-// 7% of a dense q4 call); rows past n repeat the last (their scores land in the padding).
+// The nb fp16 block scales at the start of the n rows of a tile (rb bytes apart) as floats,
+// token-major per block as the integer scores and the value weights read them: dst[b * kTile + t].
+// 8 rows x 4 scales at a time by a 16-bit transpose (a scalar loop was 7% of a dense q4 call);
+// rows up to the next multiple of 8 repeat the last.
 KVX_INLINE void load_scales_transposed(const uint8_t* rows0, size_t rb, int n, int nb, float* dst) {
   for (int t0 = 0; t0 < n; t0 += 8) {
     const uint8_t* row[8];
@@ -456,42 +444,21 @@ KVX_INLINE void scale_floats(float* x, int n, float alpha) {
   for (; i < n; ++i) x[i] *= alpha;
 }
 
-// q8/q4 value weights of a tile: wq[t nb + b] = p[t] vs[t vstride + b] (the probabilities times the
-// rows' V block scales), n rows, nb blocks; kSum (q4's offset): also ws[b] = sum_t wq[t nb + b],
-// in two named register chains (ws and wq share a buffer: ws[b] += would chain through memory,
-// and so did an array indexed by t & 1: 11% of a dense q4 call).
+// q8/q4 value weights of a tile, token-major per block (like the K scales, see
+// load_scales_transposed): wq[b kTile + t] = p[t] vsT[b kTile + t] (the probabilities times the
+// rows' V block scales) for t < n8 (a multiple of 8; p is 0 past the tile's rows), nb blocks;
+// kSum (q4's offset): also ws[b] = sum_t wq[b kTile + t]. 8 rows to a vector (the row-major
+// scales took a broadcast per row and block: 4x the instructions).
 template <bool kSum>
-KVX_INLINE void fold_value_scales(const float* p, int n, const float* vs, int vstride, int nb, float* wq, float* ws) {
-  if (nb % 4 == 0) {
-    for (int b = 0; b < nb; b += 4) {
-      auto weight = [&](int t) {
-        const __m128 x = _mm_mul_ps(_mm_set1_ps(p[t]), _mm_loadu_ps(vs + t * vstride + b));
-        _mm_storeu_ps(wq + t * nb + b, x);
-        return x;
-      };
-      __m128 even = _mm_setzero_ps(), odd = _mm_setzero_ps();
-      int t = 0;
-      for (; t + 2 <= n; t += 2) {
-        const __m128 x0 = weight(t), x1 = weight(t + 1);
-        if constexpr (kSum) {
-          even = _mm_add_ps(even, x0);
-          odd = _mm_add_ps(odd, x1);
-        }
-      }
-      if (t < n) even = _mm_add_ps(even, weight(t));
-      if constexpr (kSum) _mm_storeu_ps(ws + b, _mm_add_ps(even, odd));
-    }
-    return;
-  }
+KVX_INLINE void fold_value_scales(const float* p, int n8, const float* vsT, int nb, float* wq, float* ws) {
   for (int b = 0; b < nb; ++b) {
-    float even = 0.0f, odd = 0.0f;
-    int t = 0;
-    for (; t + 2 <= n; t += 2) {
-      even += wq[t * nb + b] = p[t] * vs[t * vstride + b];
-      odd += wq[(t + 1) * nb + b] = p[t + 1] * vs[(t + 1) * vstride + b];
+    __m256 sum = _mm256_setzero_ps();
+    for (int t = 0; t < n8; t += 8) {
+      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_loadu_ps(vsT + b * kTile + t));
+      _mm256_storeu_ps(wq + b * kTile + t, x);
+      if constexpr (kSum) sum = _mm256_add_ps(sum, x);
     }
-    if (t < n) even += wq[t * nb + b] = p[t] * vs[t * vstride + b];
-    if constexpr (kSum) ws[b] = even + odd;
+    if constexpr (kSum) ws[b] = hsum(sum);
   }
 }
 
@@ -537,8 +504,8 @@ class PieceRunner {
   PieceRunner(const KVStore& kv, int G, const Latents& lat = {})
       : kv_(kv), G_(G), d_(kv.head_dim()), P_(kv.page_tokens()), nb_(R::kQuant ? d_ / kQBlock : 1),
         qstride_(R::kQuant ? static_cast<int>(detail::int_query_floats(d_)) : d_), rb_(kv.row_bytes()), sc_(thread_scratch()), lat_(lat), r_(lat.r) {
-    // Scores s[g * kRow + t] (then probabilities); q8/q4 weights w[(g * kTile + t) * nb + b] =
-    // p_gt * (V scale of row t, block b), and their block sums (q4's offset).
+    // Scores s[g * kRow + t] (then probabilities); q8/q4 K and V scales [nb][kTile], weights
+    // w[(g * nb + b) * kTile + t] = p_gt * (V scale of row t, block b), and their block sums (q4's offset).
     sc_.s.resize(static_cast<size_t>(G) * kRow);
     if (R::kQuant) {
       sc_.w.resize(static_cast<size_t>(G) * kTile * nb_ + static_cast<size_t>(G) * nb_ + 8);
@@ -549,7 +516,7 @@ class PieceRunner {
     ahead_ = std::max<size_t>(kTileRows, (ahead_bytes + rb_ - 1) / rb_);
     if constexpr (kLatent) {
       rrb_ = lat.store->row_bytes();
-      if constexpr (RR::kQuant) {  // K and V block scales [kTile][G rnb], weights [G][kTile][rnb] + block sums [G][rnb]
+      if constexpr (RR::kQuant) {  // K and V block scales [G rnb][kTile], weights [G][rnb][kTile] + block sums [G][rnb]
         rnb_ = r_ / kQBlock;
         nbr_ = G * rnb_;
         rcodes_ = 2 * static_cast<size_t>(nbr_);
@@ -668,7 +635,7 @@ void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float*
       const int t0 = n * i / nt, t1 = n * (i + 1) / nt;
       if constexpr (RR::kQuant)
         acc_tile_quant<RR, 1>(v0 + t0 * read_rb_, read_rb_, t1 - t0,
-                              sc_.wr.data() + (static_cast<size_t>(h) * kTile + t0) * rnb_, 0, rnb_, ar, r_, nullptr);
+                              sc_.wr.data() + static_cast<size_t>(h) * rnb_ * kTile + t0, 0, rnb_, ar, r_, nullptr);
       else
         acc_tile_plain<RR, 1>(v0 + t0 * read_rb_, read_rb_, t1 - t0, s + h * kRow + t0, kRow, ar, r_, nullptr);
     }
@@ -695,7 +662,7 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
   const uint8_t* vb = kv_.v_rows(page, pc.head) + off * rb;
   if constexpr (R::kQuant) {  // K scales [block][kTile] (token lanes), V scales [row][block]
     load_scales_transposed(kb, rb, n, nb, sc.ks.data());
-    for (int t = 0; t < n; ++t) load_scales(vb + t * rb, nb, sc.vs.data() + t * nb);
+    load_scales_transposed(vb, rb, n, nb, sc.vs.data());
   }
 
   // Tiles are read column by column, which hardware prefetchers follow poorly: fetch the rows
@@ -732,7 +699,7 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
     lv = rvb;
     if constexpr (RR::kQuant) {
       load_scales_transposed(rkb, rrb_, n, nbr_, sc.rks.data());
-      for (int t = 0; t < n; ++t) load_scales(rvb + t * rrb_, nbr_, sc.rvs.data() + t * nbr_);
+      load_scales_transposed(rvb, rrb_, n, nbr_, sc.rvs.data());
     }
     if constexpr (kDequant) {
       const int w = G * r_;
@@ -772,11 +739,11 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
     }
     l[g] += hsum(sum);
     if constexpr (kLatent && RR::kQuant)  // the latents' value weights
-      fold_value_scales<RR::kOffset8>(sg, n, sc.rvs.data() + static_cast<size_t>(g) * rnb_, nbr_, rnb_,
-                                      sc.wr.data() + static_cast<size_t>(g) * kTile * rnb_,
+      fold_value_scales<RR::kOffset8>(sg, n8, sc.rvs.data() + static_cast<size_t>(g) * rnb_ * kTile, rnb_,
+                                      sc.wr.data() + static_cast<size_t>(g) * rnb_ * kTile,
                                       sc.wr.data() + static_cast<size_t>(G) * kTile * rnb_ + static_cast<size_t>(g) * rnb_);
     if constexpr (R::kQuant)  // fold the V block scales into the weights; q4 also sums them (its offset)
-      fold_value_scales<R::kOffset8>(sg, n, sc.vs.data(), nb, nb, sc.w.data() + static_cast<size_t>(g) * kTile * nb,
+      fold_value_scales<R::kOffset8>(sg, n8, sc.vs.data(), nb, sc.w.data() + static_cast<size_t>(g) * kTile * nb,
                                      wsum + static_cast<size_t>(g) * nb);
   }
 
