@@ -183,15 +183,26 @@ KVX_INLINE void transpose_words8x4(const uint8_t* const* rows, size_t offset, __
 
 // s[g * kRow + t] (kAdd: +=) q_g . k_t for 8 rows (codes at rows[t], nb blocks) and G integer
 // queries qstride floats apart; kT: the rows' K block scales, block b at kT + b * kTile.
-template <class R, bool kAdd>
+// GB = G <= 4 known at compile time keeps the partial scores in registers across the blocks;
+// GB = 0 (any G: LRKV's H heads) passes them through s (through memory they were a store-load
+// chain: 17% of a dense Hkv=4 q8 call).
+template <class R, bool kAdd, int GB>
 KVX_INLINE void int_token_scores(const uint8_t* const* rows, int nb, const float* q, size_t qstride, int G,
                                  const float* kT, float* s) {
+  static_assert(GB >= 0 && GB <= 4, "int_token_scores keeps up to 4 queries' scores in registers");
+  if constexpr (GB > 0) G = GB;
   const __m256i ones = _mm256_set1_epi16(1);
+  __m256 part[GB > 0 ? GB : 1];
   // s_g += dot * d_k d_q (the first part of a score without kAdd: s_g = ..)
   auto accumulate = [&](int g, bool first, __m256i dot, __m256 dk, const float* dq) __attribute__((always_inline)) {
-    float* sg = s + g * kRow;
-    const __m256 prev = kAdd || !first ? _mm256_loadu_ps(sg) : _mm256_setzero_ps();
-    _mm256_storeu_ps(sg, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dk, _mm256_broadcast_ss(dq)), prev));
+    const __m256 scale = _mm256_mul_ps(dk, _mm256_broadcast_ss(dq));
+    if constexpr (GB > 0) {
+      part[g] = first ? _mm256_mul_ps(_mm256_cvtepi32_ps(dot), scale) : _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, part[g]);
+    } else {
+      float* sg = s + g * kRow;
+      const __m256 prev = kAdd || !first ? _mm256_loadu_ps(sg) : _mm256_setzero_ps();
+      _mm256_storeu_ps(sg, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, prev));
+    }
   };
   for (int b = 0; b < nb; ++b) {
     const __m256 dk = _mm256_loadu_ps(kT + b * kTile);
@@ -233,6 +244,11 @@ KVX_INLINE void int_token_scores(const uint8_t* const* rows, int nb, const float
       }
     }
   }
+  if constexpr (GB > 0)
+    for (int g = 0; g < GB; ++g) {
+      float* sg = s + g * kRow;
+      _mm256_storeu_ps(sg, kAdd ? _mm256_add_ps(_mm256_loadu_ps(sg), part[g]) : part[g]);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -609,7 +625,7 @@ void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, co
       fetch(h, t0);
       for (int i = 0; i < TB; ++i) rows[i] = base + std::min(t0 + i, n - 1) * read_rb_;
       if constexpr (RR::kQuant)  // K scales [block][kTile]
-        int_token_scores<RR, true>(rows, rnb_, qh, 0, 1, sc_.rks.data() + static_cast<size_t>(h) * rnb_ * kTile + t0, sh + t0);
+        int_token_scores<RR, true, 1>(rows, rnb_, qh, 0, 1, sc_.rks.data() + static_cast<size_t>(h) * rnb_ * kTile + t0, sh + t0);
       else
         dot_plain<RR, 1, TB, true>(qh, r_, rows, sh + t0);
     }
@@ -677,7 +693,14 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
     for (int t0 = 0; t0 < n; t0 += 8) {
       kpf.rows(t0 * rb, (t0 + 8) * rb);
       for (int i = 0; i < 8; ++i) rows[i] = kb + std::min(t0 + i, n - 1) * rb + 2 * nb;
-      int_token_scores<R, false>(rows, nb, qs, qstride, G, sc.ks.data() + t0, s + t0);
+      const float* kT = sc.ks.data() + t0;
+      switch (G) {
+        case 1: int_token_scores<R, false, 1>(rows, nb, qs, qstride, G, kT, s + t0); break;
+        case 2: int_token_scores<R, false, 2>(rows, nb, qs, qstride, G, kT, s + t0); break;
+        case 3: int_token_scores<R, false, 3>(rows, nb, qs, qstride, G, kT, s + t0); break;
+        case 4: int_token_scores<R, false, 4>(rows, nb, qs, qstride, G, kT, s + t0); break;
+        default: int_token_scores<R, false, 0>(rows, nb, qs, qstride, G, kT, s + t0); break;
+      }
     }
   } else {
     for (int g0 = 0, gb; g0 < G; g0 += gb) {

@@ -126,7 +126,7 @@ TEST(DecodeAttention, LargeAndOddGroups) {
       check_case({t, H, Hkv, 64, 45, 32}, seed++);
   for (KVType t : {KVType::Q8, KVType::Q4})
     for (int d : {96, 256})  // 3 and 8 blocks per row
-      for (auto [H, Hkv] : std::vector<std::pair<int, int>>{{4, 4}, {8, 2}, {6, 3}}) check_case({t, H, Hkv, d, 37, 16}, seed++);
+      for (auto [H, Hkv] : std::vector<std::pair<int, int>>{{4, 4}, {8, 2}, {6, 3}, {6, 2}}) check_case({t, H, Hkv, d, 37, 16}, seed++);
   check_case({KVType::BF16, 7, 7, 20, 19, 8}, seed++);  // head_dim 20: 8-lane chunks plus a tail
   check_case({KVType::F32, 3, 1, 3, 11, 4}, seed++);    // head_dim below one vector
 }
