@@ -258,6 +258,23 @@ KVX_INLINE void int_token_scores(const uint8_t* const* rows, int nb, const float
 // Passes of 4 or fewer accumulators (LRKV's latents: one query, r values) keep two sets, for even
 // and odd rows, so that the FMA latency does not bound them.
 
+// row_into(t, a) adds row t into the accumulators a, for rows [0, n); with NS = 2 sets, even rows
+// go to sets[0] and odd ones to sets[1] (zeroed here), merged into sets[0] at the end.
+template <int NS, int NA, class RowInto>
+KVX_INLINE void accumulate_rows(int n, __m256 (*sets)[NA], const RowInto& row_into) {
+  if constexpr (NS == 2)
+    for (int i = 0; i < NA; ++i) sets[1][i] = _mm256_setzero_ps();
+  int t = 0;
+  if constexpr (NS == 2)
+    for (; t + 2 <= n; t += 2) {
+      row_into(t, sets[0]);
+      row_into(t + 1, sets[1]);
+    }
+  for (; t < n; ++t) row_into(t, sets[0]);
+  if constexpr (NS == 2)
+    for (int i = 0; i < NA; ++i) sets[0][i] = _mm256_add_ps(sets[0][i], sets[1][i]);
+}
+
 // f32 / bf16: chunks c0 .. c0 + CB - 1.
 template <class R, int GB, int CB>
 KVX_INLINE void acc_pass_plain(const uint8_t* v0, size_t rb, int n, const float* w, int wg, float* acc, int d, int c0) {
@@ -265,8 +282,6 @@ KVX_INLINE void acc_pass_plain(const uint8_t* v0, size_t rb, int n, const float*
   __m256 sets[NS][NA];
   for (int g = 0; g < GB; ++g)
     for (int cb = 0; cb < CB; ++cb) sets[0][g * CB + cb] = _mm256_loadu_ps(acc + g * d + 8 * (c0 + cb));
-  if constexpr (NS == 2)
-    for (int i = 0; i < NA; ++i) sets[1][i] = _mm256_setzero_ps();
   auto row_into = [&](int t, __m256* a) __attribute__((always_inline)) {
     const uint8_t* row = v0 + t * rb;
     if constexpr (R::kPair && CB % 2 == 0) {  // c0 is even here: passes of 2+ chunks start at pairs
@@ -286,15 +301,7 @@ KVX_INLINE void acc_pass_plain(const uint8_t* v0, size_t rb, int n, const float*
       }
     }
   };
-  int t = 0;
-  if constexpr (NS == 2)
-    for (; t + 2 <= n; t += 2) {
-      row_into(t, sets[0]);
-      row_into(t + 1, sets[1]);
-    }
-  for (; t < n; ++t) row_into(t, sets[0]);
-  if constexpr (NS == 2)
-    for (int i = 0; i < NA; ++i) sets[0][i] = _mm256_add_ps(sets[0][i], sets[1][i]);
+  accumulate_rows<NS, NA>(n, sets, row_into);
   for (int g = 0; g < GB; ++g)
     for (int cb = 0; cb < CB; ++cb) _mm256_storeu_ps(acc + g * d + 8 * (c0 + cb), sets[0][g * CB + cb]);
 }
@@ -339,8 +346,6 @@ KVX_INLINE void acc_pass_quant(const uint8_t* v0, size_t rb, int n, const float*
   __m256 sets[NS][NA];  // [g * 2 HB + i]
   for (int g = 0; g < GB; ++g)
     for (int i = 0; i < 2 * HB; ++i) sets[0][g * 2 * HB + i] = _mm256_loadu_ps(acc + g * d + 16 * h0 + 8 * i);
-  if constexpr (NS == 2)
-    for (int i = 0; i < NA; ++i) sets[1][i] = _mm256_setzero_ps();
   auto row_into = [&](int t, __m256* a) __attribute__((always_inline)) {
     const uint8_t* row = v0 + t * rb;
     const float* wt = w + t;
@@ -355,15 +360,7 @@ KVX_INLINE void acc_pass_quant(const uint8_t* v0, size_t rb, int n, const float*
       }
     }
   };
-  int t = 0;
-  if constexpr (NS == 2)
-    for (; t + 2 <= n; t += 2) {
-      row_into(t, sets[0]);
-      row_into(t + 1, sets[1]);
-    }
-  for (; t < n; ++t) row_into(t, sets[0]);
-  if constexpr (NS == 2)
-    for (int i = 0; i < NA; ++i) sets[0][i] = _mm256_add_ps(sets[0][i], sets[1][i]);
+  accumulate_rows<NS, NA>(n, sets, row_into);
   for (int g = 0; g < GB; ++g)
     for (int i = 0; i < 2 * HB; ++i) _mm256_storeu_ps(acc + g * d + 16 * h0 + 8 * i, sets[0][g * 2 * HB + i]);
 }
