@@ -30,17 +30,18 @@ struct DecodePiece {
 size_t slot_floats(size_t n);
 float* slot_aligned(std::vector<float>& v, size_t n);
 
-// Integer queries (both back ends' q4, AVX-512's q8), int_query_floats(w) floats per head of
+// Integer queries (both back ends' q8/q4), int_query_floats(w) floats per head of
 // width w (w % 32 == 0), nq = w / 32 blocks: [nq][8] words of 4 signed codes in the order of
 // the rows' words transposed to token lanes (q8: values 4i .. 4i + 3 of the block; q4: the even
 // values of word i, then the odd ones: its low and high nibbles), then [nq] int32 biases, then
-// [nq] float scales. Rows are read unsigned (q8: code + 128; q4: the nibble, value + 8), so the
-// bias is -128 (q8) or -8 (q4) times the block's code sum. Codes: quantize_query_blocks of q * scale.
+// [nq] float scales. Rows are read unsigned (q8 on AVX-512: code + 128; q4: the nibble, value + 8),
+// so the bias is -128 (q8) or -8 (q4) times the block's code sum (AVX2 reads q8 signed and skips
+// it). Codes: quantize_query_blocks of q * scale.
 size_t int_query_floats(int w);
 void prepare_int_queries(const float* q, int heads, int w, float scale, KVType type, float* out);
 
 // AVX2 back end (decode_attention.cpp), for LRKV's driver. Scaled queries in its layout: f32
-// [heads][d], bf16 (even | odd) per whole 16 values, q8 [heads][d], q4 the integer queries.
+// [heads][d], bf16 (even | odd) per whole 16 values, q8/q4 the integer queries.
 void avx2_prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& qs);
 // The type LRKV's latents of rank r are read as (and their qb prepared for): their own, or f32 for
 // q8/q4 with r % 32 != 0 (rows dequantised per tile: blocks would straddle heads).
