@@ -193,11 +193,12 @@ KVX_INLINE void int_token_scores(const uint8_t* const* rows, int nb, const float
   if constexpr (GB > 0) G = GB;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 part[GB > 0 ? GB : 1];
-  // s_g += dot * d_k d_q (the first part of a score without kAdd: s_g = ..)
+  for (auto& x : part) x = _mm256_setzero_ps();
+  // s_g += dot * d_k d_q (through s: the first part of a score without kAdd sets s_g)
   auto accumulate = [&](int g, bool first, __m256i dot, __m256 dk, const float* dq) __attribute__((always_inline)) {
     const __m256 scale = _mm256_mul_ps(dk, _mm256_broadcast_ss(dq));
     if constexpr (GB > 0) {
-      part[g] = first ? _mm256_mul_ps(_mm256_cvtepi32_ps(dot), scale) : _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, part[g]);
+      part[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, part[g]);
     } else {
       float* sg = s + g * kRow;
       const __m256 prev = kAdd || !first ? _mm256_loadu_ps(sg) : _mm256_setzero_ps();
@@ -497,7 +498,7 @@ constexpr size_t kLatentBurstBytes = 2048;
 // weights, head by head.
 struct Latents {
   const KVStore* store = nullptr;
-  const float* qb = nullptr;  // prepared as the queries are, at width r (read as detail::avx2_latent_read_type says)
+  const float* qb = nullptr;  // detail::avx2_prepare_latent_queries
   size_t qb_stride = 0;       // floats per head
   int r = 0;
 };
@@ -509,7 +510,7 @@ struct NoLatents {
 
 // Runs pieces tile by tile; qs: a KV head's G queries (detail::avx2_prepare_queries).
 // A piece's partial result part = [m[G], l[G], acc[G][d]], then with latents acc_r[G][r].
-// RR: the latents' reader (of detail::avx2_latent_read_type), or NoLatents.
+// RR: the latents' reader (of latent_read_type), or NoLatents.
 template <class R, class RR = NoLatents>
 class PieceRunner {
  public:
@@ -940,13 +941,24 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
   return isa;
 }
 
+namespace {
+// The type LRKV's latents are read as: their own (f32, bf16, and q8/q4 with r % 32 == 0, so that a
+// block lies in one head), or f32 from rows dequantised tile by tile (q8/q4 blocks that straddle heads).
+KVType latent_read_type(KVType type, int r) {
+  return (type == KVType::Q8 || type == KVType::Q4) && r % kQBlock != 0 ? KVType::F32 : type;
+}
+}  // namespace
+
 namespace detail {
 size_t slot_floats(size_t n) { return (n + 1023) / 1024 * 1024; }
 
-// The latents' own type (f32, bf16, and q8/q4 with r % 32 == 0, so that a block lies in one head),
-// or f32 from rows dequantised tile by tile (q8/q4 blocks that straddle heads).
-KVType avx2_latent_read_type(KVType type, int r) {
-  return (type == KVType::Q8 || type == KVType::Q4) && r % kQBlock != 0 ? KVType::F32 : type;
+void avx2_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, std::vector<float>& qbs) {
+  const KVType read = latent_read_type(type, r);
+  if (read == type) return avx2_prepare_queries(qb, heads, r, scale, read, qbs);
+  thread_local std::vector<float> rounded;  // q8/q4 read as f32: qb as the integer q is rounded
+  rounded.resize(static_cast<size_t>(heads) * r);
+  round_query_blocks(qb, heads * r, scale, rounded.data());
+  avx2_prepare_queries(rounded.data(), heads, r, 1.0f, read, qbs);
 }
 
 void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
@@ -958,7 +970,7 @@ void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodeP
     return;
   }
   Latents lat{residual, qbs, 0, residual->head_dim() / H};
-  const KVType read = avx2_latent_read_type(type, lat.r);
+  const KVType read = latent_read_type(type, lat.r);
   lat.qb_stride = query_floats(read, lat.r);
   auto run = [&](auto row, auto latent_row) {
     run_split<decltype(row), decltype(latent_row)>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);

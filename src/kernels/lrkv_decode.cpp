@@ -92,17 +92,7 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
       detail::avx512_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size, scr + i * scratch_size);
   } else {  // the same on the AVX2 machinery, in its query layout
     detail::avx2_prepare_queries(q, heads, sh.d, scale, shared.type(), qs);
-    if (sh.r > 0) {
-      const KVType read = detail::avx2_latent_read_type(shared.type(), sh.r);
-      if (read != shared.type()) {  // q8/q4 latents read as f32: qb rounded as the integer q is (and the reference does)
-        thread_local std::vector<float> qb_rounded;
-        qb_rounded.resize(static_cast<size_t>(heads) * sh.r);
-        round_query_blocks(qb, heads * sh.r, scale, qb_rounded.data());
-        detail::avx2_prepare_queries(qb_rounded.data(), heads, sh.r, 1.0f, read, qbs);
-      } else {
-        detail::avx2_prepare_queries(qb, heads, sh.r, scale, read, qbs);
-      }
-    }
+    if (sh.r > 0) detail::avx2_prepare_latent_queries(qb, heads, sh.r, scale, shared.type(), qbs);
     const float *qsp = qs.data(), *qbp = qbs.data();
 #pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
     for (int i = 0; i < ns; ++i) detail::avx2_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size);
