@@ -319,19 +319,29 @@ struct PassPrefetch {
   }
 };
 
+// Rows go in blocks of row_block through all the passes (a pass reads a few lines of every row
+// of its block). Where one group of queries is the only reader of the tile from memory, blocks of
+// 8 rows beat whole tiles: dense Hkv=4 f32 at 16K, caches emptied, Zen 3, 4-20% faster in each of
+// 10 alternating rounds. LRKV's four groups over one V_s tile keep whole tiles (8 was slower).
 template <class R, int GB>
-void acc_tile_plain(const uint8_t* v0, size_t rb, int n, const float* w, int wg, float* acc, int d, const Prefetch* pf) {
+void acc_tile_plain(const uint8_t* v0, size_t rb, int n, const float* w, int wg, float* acc, int d, const Prefetch* pf,
+                    int row_block) {
   constexpr int CB = 8 / GB;
-  const int nc = d >> 3;
-  PassPrefetch pp{pf, rb, n, std::max(1, (nc + CB - 1) / CB)};
-  int c = 0;
-  for (; c + CB <= nc; c += CB, pp.next()) acc_pass_plain<R, GB, CB>(v0, rb, n, w, wg, acc, d, c);
-  if constexpr (CB > 4)
-    for (; c + 4 <= nc; c += 4, pp.next()) acc_pass_plain<R, GB, 4>(v0, rb, n, w, wg, acc, d, c);
-  if constexpr (CB > 2)
-    for (; c + 2 <= nc; c += 2, pp.next()) acc_pass_plain<R, GB, 2>(v0, rb, n, w, wg, acc, d, c);
-  if constexpr (CB > 1)
-    for (; c < nc; ++c, pp.next()) acc_pass_plain<R, GB, 1>(v0, rb, n, w, wg, acc, d, c);
+  const int nc = d >> 3, nblk = (n + row_block - 1) / row_block;
+  PassPrefetch pp{pf, rb, n, nblk * std::max(1, (nc + CB - 1) / CB)};
+  for (int t0 = 0; t0 < n; t0 += row_block) {
+    const uint8_t* vb = v0 + t0 * rb;
+    const float* wb = w + t0;
+    const int m = std::min(row_block, n - t0);
+    int c = 0;
+    for (; c + CB <= nc; c += CB, pp.next()) acc_pass_plain<R, GB, CB>(vb, rb, m, wb, wg, acc, d, c);
+    if constexpr (CB > 4)
+      for (; c + 4 <= nc; c += 4, pp.next()) acc_pass_plain<R, GB, 4>(vb, rb, m, wb, wg, acc, d, c);
+    if constexpr (CB > 2)
+      for (; c + 2 <= nc; c += 2, pp.next()) acc_pass_plain<R, GB, 2>(vb, rb, m, wb, wg, acc, d, c);
+    if constexpr (CB > 1)
+      for (; c < nc; ++c, pp.next()) acc_pass_plain<R, GB, 1>(vb, rb, m, wb, wg, acc, d, c);
+  }
   while (pp.p < pp.np) pp.next();
   for (int i = nc * 8; i < d; ++i)
     for (int t = 0; t < n; ++t)
@@ -653,7 +663,7 @@ void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float*
         acc_tile_quant<RR, 1>(v0 + t0 * read_rb_, read_rb_, t1 - t0,
                               sc_.wr.data() + static_cast<size_t>(h) * rnb_ * kTile + t0, 0, rnb_, ar, r_, nullptr);
       else
-        acc_tile_plain<RR, 1>(v0 + t0 * read_rb_, read_rb_, t1 - t0, s + h * kRow + t0, kRow, ar, r_, nullptr);
+        acc_tile_plain<RR, 1>(v0 + t0 * read_rb_, read_rb_, t1 - t0, s + h * kRow + t0, kRow, ar, r_, nullptr, t1 - t0);
     }
   }
   if constexpr (RR::kOffset8) subtract_q4_offset(acc_r, G, r_, rnb_, sc_.wr.data() + static_cast<size_t>(G) * kTile * rnb_);
@@ -776,10 +786,11 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
     const Prefetch* vp = g0 == 0 ? &vpf : nullptr;
     if constexpr (!R::kQuant) {
       const float* w = s + g0 * kRow;
+      const int row_block = gb == G ? 8 : n;  // one group reads the tile: rows in blocks (acc_tile_plain)
       switch (gb) {
-        case 1: acc_tile_plain<R, 1>(vb, rb, n, w, kRow, ag, d, vp); break;
-        case 2: acc_tile_plain<R, 2>(vb, rb, n, w, kRow, ag, d, vp); break;
-        default: acc_tile_plain<R, 4>(vb, rb, n, w, kRow, ag, d, vp); break;
+        case 1: acc_tile_plain<R, 1>(vb, rb, n, w, kRow, ag, d, vp, row_block); break;
+        case 2: acc_tile_plain<R, 2>(vb, rb, n, w, kRow, ag, d, vp, row_block); break;
+        default: acc_tile_plain<R, 4>(vb, rb, n, w, kRow, ag, d, vp, row_block); break;
       }
     } else {
       const float* w = sc.w.data() + static_cast<size_t>(g0) * kTile * nb;
