@@ -24,7 +24,7 @@ namespace kvx::kernels {
 
 namespace {
 
-// Rows per online-softmax step: 24 for f32/bf16 (a multiple of their 12/6/3-row score blocks),
+// Rows per online-softmax step: 24 for f32/bf16 (a multiple of their 8/6/3-row score blocks),
 // 32 for q8/q4 (8-row integer score blocks). Smaller tiles keep the current and the prefetched tile in L1
 // (measured: 24 beats 32 for f32/bf16 streaming from memory; q8/q4 are compute-bound).
 constexpr int kTile = 32;          // the largest tile: scratch strides
