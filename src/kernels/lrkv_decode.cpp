@@ -70,30 +70,32 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
   const int ns = static_cast<int>(std::clamp<int64_t>(splits, 1, L));
   const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
   const bool wide = lrkv_decode_isa(isa, shared.type(), sh.d, sh.r) == DecodeIsa::Avx512;
-  thread_local std::vector<float> parts, qs, qbs, scratch;
+  thread_local std::vector<float> parts, qbuf, qbbuf, scratch;
   thread_local std::vector<detail::DecodePiece> pieces;
   const size_t part_size = detail::slot_floats(sh.part());
   float* pp = detail::slot_aligned(parts, part_size * ns);
   pieces.clear();  // one piece (row range of the shared head) per split
   for (int i = 0; i < ns; ++i) pieces.push_back({0, L * i / ns, L * (i + 1) / ns});
   const detail::DecodePiece* pcs = pieces.data();
+  // Queries page-aligned (slot_aligned): no query load splits a cache line.
+  const float *qsp = nullptr, *qbp = nullptr;
   if (wide) {  // queries in the AVX-512 layout, scaled
-    qs.resize(detail::avx512_query_floats(sh.d, shared.type()) * heads);
-    detail::avx512_prepare_queries(q, heads, sh.d, scale, shared.type(), qs.data());
+    float* qs = detail::slot_aligned(qbuf, detail::avx512_query_floats(sh.d, shared.type()) * heads);
+    detail::avx512_prepare_queries(q, heads, sh.d, scale, shared.type(), qs);
+    qsp = qs;
     if (sh.r > 0) {
-      qbs.resize(detail::avx512_query_floats(sh.r, shared.type()) * heads);
-      detail::avx512_prepare_queries(qb, heads, sh.r, scale, shared.type(), qbs.data());
+      float* qbs = detail::slot_aligned(qbbuf, detail::avx512_query_floats(sh.r, shared.type()) * heads);
+      detail::avx512_prepare_queries(qb, heads, sh.r, scale, shared.type(), qbs);
+      qbp = qbs;
     }
     const size_t scratch_size = detail::slot_floats(detail::avx512_scratch_floats(heads, sh.d, shared.type(), sh.r * heads));
     float* scr = detail::slot_aligned(scratch, scratch_size * ns);
-    const float *qsp = qs.data(), *qbp = qbs.data();
 #pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
     for (int i = 0; i < ns; ++i)
       detail::avx512_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size, scr + i * scratch_size);
   } else {  // the same on the AVX2 machinery, in its query layout
-    detail::avx2_prepare_queries(q, heads, sh.d, scale, shared.type(), qs);
-    if (sh.r > 0) detail::avx2_prepare_latent_queries(qb, heads, sh.r, scale, shared.type(), qbs);
-    const float *qsp = qs.data(), *qbp = qbs.data();
+    qsp = detail::avx2_prepare_queries(q, heads, sh.d, scale, shared.type(), qbuf);
+    if (sh.r > 0) qbp = detail::avx2_prepare_latent_queries(qb, heads, sh.r, scale, shared.type(), qbbuf);
 #pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
     for (int i = 0; i < ns; ++i) detail::avx2_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size);
   }
