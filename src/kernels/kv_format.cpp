@@ -272,6 +272,21 @@ void dequantize_row(KVType t, const uint8_t* src, int n, float* dst) {
       const uint8_t* q = src + 2 * (n / kQBlock);
       for (int b = 0; b < n / kQBlock; ++b) {
         const float d = fp16_to_float(load_u16(src + 2 * b));
+#if defined(__AVX2__)
+        // The scalar loop below, 8 lanes at a time (the same codes and products): LRKV's q4 latents
+        // of r % 32 != 0 are dequantised row by row every tile, where the scalar loop took 20% of the call.
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kQBlock / 2));
+        const __m128i nibble = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(bytes, nibble), eight);
+        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), eight);
+        const __m128i codes[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};  // values 0-15, 16-31
+        const __m256 dv = _mm256_set1_ps(d);
+        for (int k = 0; k < 4; ++k) {
+          const __m128i c = k % 2 ? _mm_srli_si128(codes[k / 2], 8) : codes[k / 2];
+          _mm256_storeu_ps(dst + b * kQBlock + 8 * k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), dv));
+        }
+        continue;
+#endif
         for (int j = 0; j < kQBlock / 2; ++j) {
           const uint8_t byte = q[b * kQBlock / 2 + j];
           dst[b * kQBlock + 2 * j] = static_cast<float>((byte & 0xf) - 8) * d;

@@ -178,6 +178,29 @@ TEST(KVFormat, Q4ErrorWithinHalfAStepExceptTheClampedSide) {
   EXPECT_EQ(round_trip(KVType::Q4, x), x);
 }
 
+// dequantize_row (vectorised where the build allows) against the formats' definition read from
+// the raw bytes: [nb fp16 scales][codes], q8 one signed byte a value, q4 two values a byte (low
+// nibble first), value = (code - 8 for q4) * scale.
+TEST(KVFormat, DequantizeRowMatchesTheByteLayout) {
+  std::mt19937 rng(21);
+  for (KVType t : {KVType::Q8, KVType::Q4})
+    for (int n : {32, 96, 512}) {
+      const auto x = random_row(n, 3.0f, rng);
+      std::vector<uint8_t> buf(row_bytes(t, n));
+      quantize_row(t, x.data(), n, buf.data());
+      std::vector<float> y(n);
+      dequantize_row(t, buf.data(), n, y.data());
+      const int nb = n / 32;
+      for (int i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, buf.data() + 2 * (i / 32), 2);
+        const uint8_t* codes = buf.data() + 2 * nb;
+        const int code = t == KVType::Q8 ? static_cast<int8_t>(codes[i]) : (i % 2 ? codes[i / 2] >> 4 : codes[i / 2] & 0xf) - 8;
+        EXPECT_EQ(y[i], static_cast<float>(code) * fp16_to_float(h)) << kv_type_name(t) << " n " << n << " value " << i;
+      }
+    }
+}
+
 TEST(KVFormat, NonFiniteAndOversizedValuesAreRejected) {
   std::vector<float> x(32, 1.0f);
   std::vector<uint8_t> buf(64);
