@@ -901,25 +901,32 @@ void detail::prepare_int_queries(const float* q, int heads, int w, float scale, 
   const bool q4 = type == KVType::Q4;
   const int nq = w / kQBlock;
   const size_t stride = int_query_floats(w);
-  int8_t c[kQBlock];
-  float scaled[kQBlock];
+  thread_local std::vector<float> scaled;
+  thread_local std::vector<int8_t> q4_codes;
+  scaled.resize(w);
+  q4_codes.resize(w);
   for (int h = 0; h < heads; ++h) {
     float* qh = out + h * stride;
     int8_t* words = reinterpret_cast<int8_t*>(qh);
+    const float* x = q + static_cast<size_t>(h) * w;
+    for (int i = 0; i < w; ++i) scaled[i] = x[i] * scale;
+    // Word i of a block: q8 its values 4i .. 4i + 3, so the codes in order; q4 the even values of
+    // word i, then (16 bytes on) the odd ones.
+    int8_t* c = q4 ? q4_codes.data() : words;
+    quantize_query_blocks(scaled.data(), w, c, qh + 9 * nq);  // all the head's blocks in one call
     for (int b = 0; b < nq; ++b) {
-      const float* x = q + static_cast<size_t>(h) * w + kQBlock * b;
-      for (int i = 0; i < kQBlock; ++i) scaled[i] = x[i] * scale;
-      quantize_query_blocks(scaled, kQBlock, c, qh + 9 * nq + b);
+      const int8_t* cb = c + kQBlock * b;
       int sum = 0;
-      for (int i = 0; i < kQBlock; ++i) sum += c[i];
+      for (int i = 0; i < kQBlock; ++i) sum += cb[i];
       const int32_t bias = (q4 ? -8 : -128) * sum;
       std::memcpy(qh + 8 * nq + b, &bias, sizeof bias);
-      int8_t* y = words + kQBlock * b;
-      for (int i = 0; i < 4; ++i)  // word i: 4 values (q8), or the even / odd values of word i (q4)
-        for (int k = 0; k < 4; ++k) {
-          y[4 * i + k] = q4 ? c[8 * i + 2 * k] : c[4 * i + k];
-          y[16 + 4 * i + k] = q4 ? c[8 * i + 2 * k + 1] : c[16 + 4 * i + k];
+      if (q4) {
+        int8_t* y = words + kQBlock * b;
+        for (int j = 0; j < kQBlock / 2; ++j) {
+          y[j] = cb[2 * j];
+          y[kQBlock / 2 + j] = cb[2 * j + 1];
         }
+      }
     }
   }
 }
