@@ -99,7 +99,7 @@ class DenseAttention : public Mixer {
   torch::Tensor forward_after_document(const torch::Tensor& x, int64_t offset,
                                        const std::function<DocumentAttention(const torch::Tensor&)>& document);
 
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   nn::RMSNorm q_norm{nullptr}, k_norm{nullptr};  // Qwen3 (config qk_norm): over each head's d_h before RoPE
 
  private:

@@ -86,7 +86,7 @@ class GdnLayerBase : public Mixer {
   double cache_bytes_per_token(kernels::KVType type) const override { return shape_.cache_bytes(type); }
   double state_bytes() const override { return shape_.state_bytes(); }
 
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, a_proj{nullptr}, b_proj{nullptr}, g_proj{nullptr},
+  nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, a_proj{nullptr}, b_proj{nullptr}, g_proj{nullptr},
       o_proj{nullptr};
   nn::CausalConv1d q_conv1d{nullptr}, k_conv1d{nullptr}, v_conv1d{nullptr};
   torch::Tensor A_log, dt_bias;  // [H]

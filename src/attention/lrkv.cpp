@@ -107,7 +107,7 @@ LrkvAttention::LrkvAttention(const model::ModelConfig& c, int layer)
 void LrkvAttention::initialize() {
   if (rank_ == 0) return;
   torch::NoGradGuard ng;
-  auto scale_residual = [&](torch::nn::Linear& shared, torch::nn::Linear& down, torch::Tensor& up, bool scale_down) {
+  auto scale_residual = [&](nn::Linear& shared, nn::Linear& down, torch::Tensor& up, bool scale_down) {
     const double target = 0.1 * shared->weight.norm().item<double>();
     for (int64_t h = 0; h < heads_; ++h) {
       auto u = down->weight.narrow(0, h * rank_, rank_);  // [r, d] = U_h^T

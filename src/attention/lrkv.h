@@ -85,7 +85,7 @@ class LrkvAttention : public Mixer {
   int64_t rank() const { return rank_; }
   const nn::Rope& latent_rope() const { return latent_rope_; }  // pair_aligned: rope~ on the latent
 
-  torch::nn::Linear q_proj{nullptr}, k_shared_proj{nullptr}, v_shared_proj{nullptr}, k_down_proj{nullptr},
+  nn::Linear q_proj{nullptr}, k_shared_proj{nullptr}, v_shared_proj{nullptr}, k_down_proj{nullptr},
       v_down_proj{nullptr}, o_proj{nullptr};
   torch::Tensor k_up, v_up;  // [H, r, d_h]; pair_aligned: k_up a fixed 0/1 plane selection (a buffer)
 

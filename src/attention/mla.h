@@ -48,7 +48,7 @@ class MlaAttention : public Mixer {
   double cache_bytes_per_token(kernels::KVType type) const override { return shape_.cache_bytes(type); }
   bool head_projections(torch::Tensor& wq, torch::Tensor& wk) const override;
 
-  torch::nn::Linear q_proj{nullptr}, kv_a_proj_with_mqa{nullptr}, kv_b_proj{nullptr}, o_proj{nullptr};
+  nn::Linear q_proj{nullptr}, kv_a_proj_with_mqa{nullptr}, kv_b_proj{nullptr}, o_proj{nullptr};
 
  private:
   // q [B, H, T, d_h] (no RoPE part), qr [B, H, T, d_R] (RoPE applied), c [B, 1, T, d_c],

@@ -121,7 +121,7 @@ class NatslAttention : public GdnLayerBase {
   // The routes of the last forward, [B, NB, H] (0 softmax, 1 GDN), for the routing statistics.
   const torch::Tensor& last_routes() const { return last_routes_; }
 
-  torch::nn::Linear mix_proj{nullptr}, router{nullptr};
+  nn::Linear mix_proj{nullptr}, router{nullptr};
   nn::RMSNorm q_norm{nullptr}, k_norm{nullptr}, gdn_norm{nullptr}, attn_norm{nullptr};
 
  private:

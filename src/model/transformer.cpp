@@ -53,7 +53,7 @@ TransformerImpl::TransformerImpl(const ModelConfig& c) : config_(c) {
   for (int i = 0; i < c.num_hidden_layers; ++i) layers->push_back(Block(c, i));
   norm = register_module("norm", nn::RMSNorm(c.hidden_size, c.rms_norm_eps));
   if (!c.tie_word_embeddings) lm_head = register_module("lm_head", nn::linear_no_bias(c.hidden_size, c.vocab_size));
-  if (c.exit_gate) early_exit_gate = register_module("early_exit_gate", torch::nn::Linear(c.hidden_size, 1));
+  if (c.exit_gate) early_exit_gate = register_module("early_exit_gate", nn::Linear(c.hidden_size, 1));
   init_weights();
 }
 
@@ -74,7 +74,7 @@ void TransformerImpl::init_weights() {
 }
 
 torch::Tensor TransformerImpl::head(const torch::Tensor& x) {
-  return config_.tie_word_embeddings ? torch::matmul(x, embed_tokens->weight.t()) : lm_head(x);
+  return config_.tie_word_embeddings ? nn::linear(x, embed_tokens->weight) : lm_head(x);
 }
 
 torch::Tensor TransformerImpl::logits(const torch::Tensor& h) { return head(norm(h)); }

@@ -80,8 +80,8 @@ class TransformerImpl : public torch::nn::Module {
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers;
   nn::RMSNorm norm{nullptr};
-  torch::nn::Linear lm_head{nullptr};
-  torch::nn::Linear early_exit_gate{nullptr};  // d -> 1 with bias, when config.exit_gate
+  nn::Linear lm_head{nullptr};
+  nn::Linear early_exit_gate{nullptr};  // d -> 1 with bias, when config.exit_gate
 
  private:
   // The loops over the stack; returns the last state before the final norm and, when `normed` is

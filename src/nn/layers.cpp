@@ -47,9 +47,18 @@ torch::Tensor Rope::apply(const torch::Tensor& x, int64_t start) const {
   return torch::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1);
 }
 
-torch::nn::Linear linear_no_bias(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+  const bool one_row = x.dim() >= 1 && x.size(-1) > 0 && x.numel() == x.size(-1);
+  const bool blas = x.device().is_cpu() && x.scalar_type() == weight.scalar_type() &&
+                    (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble);
+  if (!one_row || !blas) return torch::linear(x, weight, bias);
+  const auto v = x.reshape({x.size(-1)});
+  auto shape = x.sizes().vec();
+  shape.back() = weight.size(0);
+  return (bias.defined() ? torch::addmv(bias, weight, v) : torch::mv(weight, v)).view(shape);
 }
+
+Linear linear_no_bias(int64_t in, int64_t out) { return Linear(torch::nn::LinearOptions(in, out).bias(false)); }
 
 SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden) {
   gate_proj = register_module("gate_proj", linear_no_bias(dim, hidden));

@@ -36,12 +36,29 @@ class Rope {
   mutable torch::Tensor cos_, sin_;  // [P, width/2], grown on demand
 };
 
+// x W^T (+ b) over x's last dimension, as torch::linear, except that a single row (a decode
+// step's one token) goes through a matrix-vector product: libtorch 1.13's sgemm packs W on every
+// call, which made a one-row 384 -> 1024 projection 5x slower (120 us against 23 on this
+// project's VM).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {});
+
+// torch::nn::Linear with its forward through nn::linear; the same parameters ("weight", "bias"),
+// so checkpoints do not change. Every projection of kvx's models is one.
+class LinearImpl : public torch::nn::LinearImpl {
+ public:
+  using torch::nn::LinearImpl::LinearImpl;
+  torch::Tensor forward(const torch::Tensor& x) { return linear(x, weight, bias); }
+};
+TORCH_MODULE(Linear);
+
+Linear linear_no_bias(int64_t in, int64_t out);
+
 // down(silu(gate(x)) * up(x))
 class SwiGLUImpl : public torch::nn::Module {
  public:
   SwiGLUImpl(int64_t dim, int64_t hidden);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(SwiGLU);
 
@@ -57,7 +74,5 @@ class CausalConv1dImpl : public torch::nn::Module {
   torch::Tensor weight;  // [C, 1, K], torch's depthwise conv1d layout
 };
 TORCH_MODULE(CausalConv1d);
-
-torch::nn::Linear linear_no_bias(int64_t in, int64_t out);
 
 }  // namespace kvx::nn
