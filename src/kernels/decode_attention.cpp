@@ -504,10 +504,11 @@ KVX_INLINE void subtract_q4_offset(float* acc, int heads, int w, int nb, const f
     }
 }
 
-// Prefetch of LRKV's latent rows: a head's share of the next tile over this many bytes is fetched
-// in parts spread over its score blocks and value parts (bursts of 48 lines stalled on outstanding
-// misses: 16K r=32 f32 7-14% faster on Zen 3), smaller shares (bf16/q8/q4 at r=32, 1.1-1.5 KB)
-// in one burst per head (1-2% faster so).
+// Prefetch of LRKV's latent rows read head by head (q8/q4 scores, all latent values): a head's
+// share of the next tile over this many bytes is fetched in parts spread over its score blocks and
+// value parts (bursts of 48 lines stalled on outstanding misses: 16K r=32 f32 7-14% faster on
+// Zen 3), smaller shares (bf16/q8/q4 at r=32, 1.1-1.5 KB) in one burst per head (1-2% faster so).
+// f32/bf16 scores, read in 4-row blocks, fetch each block's share of the next tile per head pair.
 constexpr size_t kLatentBurstBytes = 2048;
 
 // LRKV's latent path (lrkv_decode.h): a second store whose row per token is [R_0 | .. | R_{G-1}]
@@ -904,7 +905,7 @@ void detail::prepare_int_queries(const float* q, int heads, int w, float scale, 
   thread_local std::vector<float> scaled;
   thread_local std::vector<int8_t> q4_codes;
   scaled.resize(w);
-  q4_codes.resize(w);
+  if (q4) q4_codes.resize(w);
   for (int h = 0; h < heads; ++h) {
     float* qh = out + h * stride;
     int8_t* words = reinterpret_cast<int8_t*>(qh);

@@ -17,8 +17,8 @@
 // whose keys are dotted in integers against the int8 query and qb; f32/bf16 latents of any r end
 // in a masked group) or AVX2 (the dense AVX2 kernel's machinery in the same arrangement, float
 // queries, f32/bf16 latent scores two heads at a time over 4-row blocks; q8/q4 latents of
-// r % 32 != 0 are dequantised per tile). The reference dequantises
-// everything and works in double.
+// r % 32 != 0 are dequantised per tile). The reference dequantises everything and works in
+// double.
 #pragma once
 #include "kernels/decode_attention.h"
 #include "kernels/kv_store.h"

@@ -49,9 +49,9 @@ torch::Tensor Rope::apply(const torch::Tensor& x, int64_t start) const {
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
   const bool one_row = x.dim() >= 1 && x.size(-1) > 0 && x.numel() == x.size(-1);
-  const bool blas = x.device().is_cpu() && x.scalar_type() == weight.scalar_type() &&
-                    (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble);
-  if (!one_row || !blas) return torch::linear(x, weight, bias);
+  const bool cpu_float = x.device().is_cpu() && x.scalar_type() == weight.scalar_type() &&
+                         (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kDouble);
+  if (!one_row || !cpu_float) return torch::linear(x, weight, bias);
   const auto v = x.reshape({x.size(-1)});
   auto shape = x.sizes().vec();
   shape.back() = weight.size(0);
