@@ -121,10 +121,8 @@ struct Prefetch {
 
 // f32 / bf16: GB * TB = 8 or 12 accumulators (fewer would make the FMA latency the bound), q
 // rows d floats apart. kAdd: s += (LRKV's latent scores onto the shared ones).
-// goff: query g reads its rows goff * g bytes on (LRKV's heads' latent segments of the same rows;
-// 0: all queries read the same rows).
 template <class R, int GB, int TB, bool kAdd = false>
-KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* const* rows, float* s, size_t goff = 0) {
+KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* const* rows, float* s) {
   constexpr int NA = GB * TB;
   static_assert(NA == 12 || NA == 8 || NA == 4, "dot_plain reduces 4, 8 or 12 accumulators");
   __m256 acc[NA];
@@ -137,7 +135,6 @@ KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* const* rows, flo
         __m256 ka, kb;
         R::template load_pair<(GB * TB > 8)>(rows[t], c >> 1, ka, kb);
         for (int g = 0; g < GB; ++g) {
-          if (g > 0 && goff != 0) R::template load_pair<(GB * TB > 8)>(rows[t] + g * goff, c >> 1, ka, kb);
           acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + 8 * c), ka, acc[g * TB + t]);
           acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + 8 * c + 8), kb, acc[g * TB + t]);
         }
@@ -146,17 +143,66 @@ KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* const* rows, flo
     for (int t = 0; t < TB; ++t) {
       const __m256 k = R::load8(rows[t], c);
       for (int g = 0; g < GB; ++g)
-        acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + 8 * c), g > 0 && goff != 0 ? R::load8(rows[t] + g * goff, c) : k,
-                                          acc[g * TB + t]);
+        acc[g * TB + t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + 8 * c), k, acc[g * TB + t]);
     }
   alignas(32) float r[12];
   if constexpr (NA >= 8) _mm256_store_ps(r, reduce8(acc));
   if constexpr (NA != 8) _mm_store_ps(r + NA - 4, reduce4(acc + NA - 4));
   for (int i = nc * 8; i < d; ++i)  // widths that are not a multiple of 8
     for (int g = 0; g < GB; ++g)
-      for (int t = 0; t < TB; ++t) r[g * TB + t] += q[g * d + i] * R::at(rows[t] + g * goff, i);
-  for (int g = 0; g < GB; ++g)
-    for (int t = 0; t < TB; ++t) s[g * kRow + t] = kAdd ? s[g * kRow + t] + r[g * TB + t] : r[g * TB + t];
+      for (int t = 0; t < TB; ++t) r[g * TB + t] += q[g * d + i] * R::at(rows[t], i);
+  if constexpr (GB == 1 && TB == 8) {  // one vector of 8 rows' scores
+    const __m256 v = _mm256_load_ps(r);
+    _mm256_storeu_ps(s, kAdd ? _mm256_add_ps(_mm256_loadu_ps(s), v) : v);
+  } else {
+    for (int g = 0; g < GB; ++g)
+      for (int t = 0; t < TB; ++t) s[g * kRow + t] = kAdd ? s[g * kRow + t] + r[g * TB + t] : r[g * TB + t];
+  }
+}
+
+// LRKV latent values of one head over m <= 8 rows: acc[0, w) += sum_t w_t row_t[0, w) (bf16 in
+// its pair lane order), two partial sums (even, odd rows) per 8 values.
+template <class R>
+KVX_INLINE void latent_rows_into(const uint8_t* const* rows, int m, const float* w, float* acc, int width) {
+  const int nc = width >> 3;
+  int c = 0;
+  if constexpr (R::kPair)
+    for (; c + 2 <= nc; c += 2) {
+      __m256 a0 = _mm256_loadu_ps(acc + 8 * c), a1 = _mm256_loadu_ps(acc + 8 * c + 8);
+      __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+      int t = 0;
+      for (; t + 2 <= m; t += 2) {
+        __m256 va, vb, ua, ub;
+        R::template load_pair<false>(rows[t], c >> 1, va, vb);
+        R::template load_pair<false>(rows[t + 1], c >> 1, ua, ub);
+        const __m256 w0 = _mm256_broadcast_ss(w + t), w1 = _mm256_broadcast_ss(w + t + 1);
+        a0 = _mm256_fmadd_ps(w0, va, a0);
+        a1 = _mm256_fmadd_ps(w0, vb, a1);
+        b0 = _mm256_fmadd_ps(w1, ua, b0);
+        b1 = _mm256_fmadd_ps(w1, ub, b1);
+      }
+      if (t < m) {
+        __m256 va, vb;
+        R::template load_pair<false>(rows[t], c >> 1, va, vb);
+        const __m256 w0 = _mm256_broadcast_ss(w + t);
+        a0 = _mm256_fmadd_ps(w0, va, a0);
+        a1 = _mm256_fmadd_ps(w0, vb, a1);
+      }
+      _mm256_storeu_ps(acc + 8 * c, _mm256_add_ps(a0, b0));
+      _mm256_storeu_ps(acc + 8 * c + 8, _mm256_add_ps(a1, b1));
+    }
+  for (; c < nc; ++c) {
+    __m256 a = _mm256_loadu_ps(acc + 8 * c), b = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 2 <= m; t += 2) {
+      a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + t), R::load8(rows[t], c), a);
+      b = _mm256_fmadd_ps(_mm256_broadcast_ss(w + t + 1), R::load8(rows[t + 1], c), b);
+    }
+    if (t < m) a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + t), R::load8(rows[t], c), a);
+    _mm256_storeu_ps(acc + 8 * c, _mm256_add_ps(a, b));
+  }
+  for (int i = nc * 8; i < width; ++i)
+    for (int t = 0; t < m; ++t) acc[i] += w[t] * R::at(rows[t], i);
 }
 
 // q8 / q4 scores in integers with tokens in lanes (the AVX-512 back end's token_scores, with
@@ -504,11 +550,10 @@ KVX_INLINE void subtract_q4_offset(float* acc, int heads, int w, int nb, const f
     }
 }
 
-// Prefetch of LRKV's latent rows read head by head (q8/q4 scores, all latent values): a head's
-// share of the next tile over this many bytes is fetched in parts spread over its score blocks and
-// value parts (bursts of 48 lines stalled on outstanding misses: 16K r=32 f32 7-14% faster on
-// Zen 3), smaller shares (bf16/q8/q4 at r=32, 1.1-1.5 KB) in one burst per head (1-2% faster so).
-// f32/bf16 scores, read in 4-row blocks, fetch each block's share of the next tile per head pair.
+// Prefetch of LRKV's q8/q4 latent rows, read head by head: a head's share of the next tile over
+// this many bytes is fetched in parts spread over its score blocks and value parts (bursts of 48
+// lines stalled on outstanding misses), smaller shares (q8/q4 at r=32, 1.1 KB) in one burst per
+// head (1-2% faster so). f32/bf16: PieceRunner::prefetch_block_share.
 constexpr size_t kLatentBurstBytes = 2048;
 
 // LRKV's latent path (lrkv_decode.h): a second store whose row per token is [R_0 | .. | R_{G-1}]
@@ -597,6 +642,8 @@ class PieceRunner {
   }
 
   void latent_scores(const uint8_t* rows0, int n, float* s, const Prefetch& pf) const;
+  void prefetch_block_share(const Prefetch& pf, int t0, int m, int h) const;
+  static constexpr int kLatentBlock = 8;  // rows per block of f32/bf16 latent scores and values
   void latent_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const;
 
   static constexpr int kTileRows = R::kQuant ? 32 : 24;
@@ -616,35 +663,34 @@ class PieceRunner {
   size_t rrb_ = 0, read_rb_ = 0, rcodes_ = 0, latent_bytes_ = 0;
 };
 
+// Prefetch of the next tile's latent rows, spread over the work on this one: f32/bf16 (and rows
+// dequantised from q8/q4) go in blocks of kLatentBlock rows, and each block's bytes of the next
+// tile are fetched in one share per head, before that head's part of the block.
+template <class R, class RR>
+KVX_INLINE void PieceRunner<R, RR>::prefetch_block_share(const Prefetch& pf, int t0, int m, int h) const {
+  const size_t b0 = static_cast<size_t>(t0) * rrb_, b1 = static_cast<size_t>(t0 + m) * rrb_;
+  const size_t share = ((b1 - b0) / G_ + 63) & ~size_t{63};
+  const size_t from = b0 + static_cast<size_t>(h) * share;
+  if (from < b1) pf.rows(from, std::min(b1, from + share));
+}
+
 // s[h * kRow + t] += qb_h . R_h,t for the tile's n rows (rows0: row 0 as read); the latent rows
 // `ahead` are fetched along the way.
-// f32/bf16 (and rows dequantised from q8/q4): rows in blocks of 4 with the heads inner, two at a
-// time (dot_plain over two heads' segments of the same rows), so that a block's rows are read
-// front to back. Against each head's column of 8-row blocks (Zen 3, alternating rounds in one
-// process): 512 tokens in cache, one thread, 3-4% faster a call (f32 and bf16, r = 8 and 32);
-// 16K with the caches emptied, two threads, unchanged within this VM's noise.
+// f32/bf16 (and rows dequantised from q8/q4): blocks of 8 rows with the heads inner, one head's
+// 8 scores a dot_plain (one vector added to s), so that a block's rows are read front to back.
 // q8/q4: each head's column, 8 rows at a time (one integer transpose per 8 rows and head).
 template <class R, class RR>
 void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, const Prefetch& pf) const {
   const int G = G_;
   if constexpr (!RR::kQuant) {
-    constexpr int TB = 4;
-    const int pairs = (G + 1) / 2;
+    constexpr int TB = kLatentBlock;
     for (int t0 = 0; t0 < n; t0 += TB) {
-      const uint8_t* rows[TB];
+      const uint8_t* rows[TB];  // rows past the tile's end repeat its last (their scores land in the padding)
       for (int i = 0; i < TB; ++i) rows[i] = rows0 + std::min(t0 + i, n - 1) * read_rb_;
-      // the next tile's rows of this block, a share per head pair
-      const size_t b0 = static_cast<size_t>(t0) * rrb_, b1 = static_cast<size_t>(std::min(t0 + TB, n)) * rrb_;
-      const size_t share = ((b1 - b0) / pairs + 63) & ~size_t{63};
-      for (int h = 0; h < G; h += 2) {
-        const size_t from = b0 + static_cast<size_t>(h / 2) * share;
-        if (from < b1) pf.rows(from, std::min(b1, from + share));
-        const float* qh = lat_.qb + h * lat_.qb_stride;  // qb_stride == r_ for float queries
-        if (h + 1 < G)
-          dot_plain<RR, 2, TB, true>(qh, r_, rows, s + h * kRow + t0, latent_bytes_);
-        else
-          dot_plain<RR, 1, TB, true>(qh, r_, rows, s + h * kRow + t0);
-        for (auto& row : rows) row += 2 * latent_bytes_;
+      for (int h = 0; h < G; ++h) {
+        prefetch_block_share(pf, t0, std::min(TB, n - t0), h);
+        dot_plain<RR, 1, TB, true>(lat_.qb + h * lat_.qb_stride, r_, rows, s + h * kRow + t0);
+        for (auto& row : rows) row += latent_bytes_;
       }
     }
   } else {
@@ -673,30 +719,45 @@ void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, co
 }
 
 // acc_r[h] += sum_t w(h, t) R_h,t over the tile (w: the probabilities s, q8/q4 times the rows' V
-// block scales), head by head.
+// block scales). f32/bf16 (and dequantised rows): blocks of 8 rows with the heads inner, like
+// the scores (latent_rows_into); q8/q4: head by head.
+// Blocks against head by head, with the scores' blocks (Zen 3, alternating calls in one process,
+// 16K, caches emptied, two threads, 20-40 calls): r = 32 f32 4-13% faster, bf16 8-9%; r = 8
+// and 512 tokens in cache unchanged.
 template <class R, class RR>
 void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const {
   const int G = G_;
-  const size_t span = static_cast<size_t>(n) * rrb_;
-  constexpr int TB = 8;  // rows per part where the prefetch is split finer
-  const bool fine = span / G > kLatentBurstBytes;
-  const int nt = fine ? (n + TB - 1) / TB : 1;
-  const size_t parts = static_cast<size_t>(G) * nt;
-  for (int h = 0; h < G; ++h) {
-    const uint8_t* v0 = rows0 + rcodes_ + h * latent_bytes_;
-    float* ar = acc_r + static_cast<size_t>(h) * r_;
-    for (int i = 0; i < nt; ++i) {
-      const size_t k = static_cast<size_t>(h) * nt + i;
-      pf.rows(span * k / parts, span * (k + 1) / parts);
-      const int t0 = n * i / nt, t1 = n * (i + 1) / nt;
-      if constexpr (RR::kQuant)
-        acc_tile_quant<RR, 1>(v0 + t0 * read_rb_, read_rb_, t1 - t0,
-                              sc_.wr.data() + static_cast<size_t>(h) * rnb_ * kTile + t0, 0, rnb_, ar, r_, nullptr);
-      else
-        acc_tile_plain<RR, 1>(v0 + t0 * read_rb_, read_rb_, t1 - t0, s + h * kRow + t0, kRow, ar, r_, nullptr, t1 - t0);
+  if constexpr (!RR::kQuant) {
+    constexpr int TB = kLatentBlock;
+    for (int t0 = 0; t0 < n; t0 += TB) {
+      const int m = std::min(TB, n - t0);
+      const uint8_t* rows[TB];
+      for (int i = 0; i < m; ++i) rows[i] = rows0 + (t0 + i) * read_rb_;
+      for (int h = 0; h < G; ++h) {
+        prefetch_block_share(pf, t0, m, h);
+        latent_rows_into<RR>(rows, m, s + h * kRow + t0, acc_r + static_cast<size_t>(h) * r_, r_);
+        for (int i = 0; i < m; ++i) rows[i] += latent_bytes_;
+      }
     }
+  } else {
+    const size_t span = static_cast<size_t>(n) * rrb_;
+    constexpr int TB = 8;  // rows per part where the prefetch is split finer
+    const bool fine = span / G > kLatentBurstBytes;
+    const int nt = fine ? (n + TB - 1) / TB : 1;
+    const size_t parts = static_cast<size_t>(G) * nt;
+    for (int h = 0; h < G; ++h) {
+      const uint8_t* v0 = rows0 + rcodes_ + h * latent_bytes_;
+      float* ar = acc_r + static_cast<size_t>(h) * r_;
+      for (int i = 0; i < nt; ++i) {
+        const size_t k = static_cast<size_t>(h) * nt + i;
+        pf.rows(span * k / parts, span * (k + 1) / parts);
+        const int t0 = n * i / nt, t1 = n * (i + 1) / nt;
+        acc_tile_quant<RR, 1>(v0 + t0 * read_rb_, read_rb_, t1 - t0, sc_.wr.data() + static_cast<size_t>(h) * rnb_ * kTile + t0,
+                              0, rnb_, ar, r_, nullptr);
+      }
+    }
+    if constexpr (RR::kOffset8) subtract_q4_offset(acc_r, G, r_, rnb_, sc_.wr.data() + static_cast<size_t>(G) * kTile * rnb_);
   }
-  if constexpr (RR::kOffset8) subtract_q4_offset(acc_r, G, r_, rnb_, sc_.wr.data() + static_cast<size_t>(G) * kTile * rnb_);
 }
 
 template <class R, class RR>
