@@ -170,51 +170,6 @@ KVX_INLINE void dot_plain(const float* q, int d, const uint8_t* const* rows, flo
   }
 }
 
-// LRKV latent values of one head over m <= 8 rows: acc[0, w) += sum_t w_t row_t[0, w) (bf16 in
-// its pair lane order), two partial sums (even, odd rows) per 8 values.
-template <class R>
-KVX_INLINE void latent_rows_into(const uint8_t* const* rows, int m, const float* w, float* acc, int width) {
-  const int nc = width >> 3;
-  int c = 0;
-  if constexpr (R::kPair)
-    for (; c + 2 <= nc; c += 2) {
-      __m256 a0 = _mm256_loadu_ps(acc + 8 * c), a1 = _mm256_loadu_ps(acc + 8 * c + 8);
-      __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-      int t = 0;
-      for (; t + 2 <= m; t += 2) {
-        __m256 va, vb, ua, ub;
-        R::template load_pair<false>(rows[t], c >> 1, va, vb);
-        R::template load_pair<false>(rows[t + 1], c >> 1, ua, ub);
-        const __m256 w0 = _mm256_broadcast_ss(w + t), w1 = _mm256_broadcast_ss(w + t + 1);
-        a0 = _mm256_fmadd_ps(w0, va, a0);
-        a1 = _mm256_fmadd_ps(w0, vb, a1);
-        b0 = _mm256_fmadd_ps(w1, ua, b0);
-        b1 = _mm256_fmadd_ps(w1, ub, b1);
-      }
-      if (t < m) {
-        __m256 va, vb;
-        R::template load_pair<false>(rows[t], c >> 1, va, vb);
-        const __m256 w0 = _mm256_broadcast_ss(w + t);
-        a0 = _mm256_fmadd_ps(w0, va, a0);
-        a1 = _mm256_fmadd_ps(w0, vb, a1);
-      }
-      _mm256_storeu_ps(acc + 8 * c, _mm256_add_ps(a0, b0));
-      _mm256_storeu_ps(acc + 8 * c + 8, _mm256_add_ps(a1, b1));
-    }
-  for (; c < nc; ++c) {
-    __m256 a = _mm256_loadu_ps(acc + 8 * c), b = _mm256_setzero_ps();
-    int t = 0;
-    for (; t + 2 <= m; t += 2) {
-      a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + t), R::load8(rows[t], c), a);
-      b = _mm256_fmadd_ps(_mm256_broadcast_ss(w + t + 1), R::load8(rows[t + 1], c), b);
-    }
-    if (t < m) a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + t), R::load8(rows[t], c), a);
-    _mm256_storeu_ps(acc + 8 * c, _mm256_add_ps(a, b));
-  }
-  for (int i = nc * 8; i < width; ++i)
-    for (int t = 0; t < m; ++t) acc[i] += w[t] * R::at(rows[t], i);
-}
-
 // q8 / q4 scores in integers with tokens in lanes (the AVX-512 back end's token_scores, with
 // vpmaddubsw standing in for its VNNI): 8 rows' code words transposed so that lane t of w[i]
 // holds word i of row t, dotted with the query's int8 codes (prepare_int_queries) broadcast a
@@ -732,7 +687,7 @@ void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, co
 
 // acc_r[h] += sum_t w(h, t) R_h,t over the tile (w: the probabilities s, q8/q4 times the rows' V
 // block scales). f32/bf16 (and dequantised rows): blocks of 8 rows with the heads inner, like
-// the scores (latent_rows_into); q8/q4: head by head.
+// the scores, each head's part one acc_tile_plain; q8/q4: head by head.
 // Blocks against head by head, with the scores' blocks (Zen 3, alternating calls in one process,
 // 16K, caches emptied, two threads, 20-40 calls): r = 32 f32 4-13% faster, bf16 8-9%; r = 8
 // and 512 tokens in cache unchanged.
@@ -743,12 +698,10 @@ void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float*
     constexpr int TB = kLatentBlock;
     for (int t0 = 0; t0 < n; t0 += TB) {
       const int m = std::min(TB, n - t0);
-      const uint8_t* rows[TB];
-      for (int i = 0; i < m; ++i) rows[i] = rows0 + (t0 + i) * read_rb_;
-      for (int h = 0; h < G; ++h) {
+      const uint8_t* v0 = rows0 + t0 * read_rb_;
+      for (int h = 0; h < G; ++h, v0 += latent_bytes_) {
         prefetch_block_share(pf, t0, m, h);
-        latent_rows_into<RR>(rows, m, s + h * kRow + t0, acc_r + static_cast<size_t>(h) * r_, r_);
-        for (int i = 0; i < m; ++i) rows[i] += latent_bytes_;
+        acc_tile_plain<RR, 1>(v0, read_rb_, m, s + h * kRow + t0, kRow, acc_r + static_cast<size_t>(h) * r_, r_, nullptr, m);
       }
     }
   } else {
