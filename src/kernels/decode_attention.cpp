@@ -518,7 +518,7 @@ KVX_INLINE void subtract_q4_offset(float* acc, int heads, int w, int nb, const f
 // Prefetch of LRKV's q8/q4 latent rows, read head by head: a head's share of the next tile over
 // this many bytes is fetched in parts spread over its score blocks and value parts (bursts of 48
 // lines stalled on outstanding misses), smaller shares (q8/q4 at r=32, 1.1 KB) in one burst per
-// head (1-2% faster so). f32/bf16: PieceRunner::prefetch_block_share.
+// head (1-2% faster so). f32/bf16: PieceRunner::prefetch_block_share, latent_values_by_rows.
 constexpr size_t kLatentBurstBytes = 2048;
 
 // LRKV's latent path (lrkv_decode.h): a second store whose row per token is [R_0 | .. | R_{G-1}]
@@ -748,10 +748,9 @@ void PieceRunner<R, RR>::latent_values_by_rows(const uint8_t* rows0, int n, cons
 // acc_r[h] += sum_t w(h, t) R_h,t over the tile (w: the probabilities s, q8/q4 times the rows' V
 // block scales). f32/bf16 (and dequantised rows): by whole rows where a row is whole groups of
 // 8 vectors (latent_values_by_rows), else blocks of 8 rows with the heads inner, like the scores,
-// each head's part one acc_tile_plain; q8/q4: head by head.
-// Blocks against head by head, with the scores' blocks (Zen 3, alternating calls in one process,
-// 16K, caches emptied, two threads, 20-40 calls): r = 32 f32 4-13% faster, bf16 8-9%; r = 8
-// and 512 tokens in cache unchanged.
+// each head's part one acc_tile_plain (those blocks against head by head, with the scores'
+// blocks, Zen 3, alternating calls in one process, 16K, caches emptied, two threads, 20-40
+// calls: r = 32 f32 4-13% faster, bf16 8-9%); q8/q4: head by head.
 template <class R, class RR>
 void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const {
   const int G = G_;

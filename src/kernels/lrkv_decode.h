@@ -16,8 +16,8 @@
 // groups of 4, each head's latent a 1-query pass; needs d_h a multiple of 32, and r too for q8/q4,
 // whose keys are dotted in integers against the int8 query and qb; f32/bf16 latents of any r end
 // in a masked group) or AVX2 (the dense AVX2 kernel's machinery in the same arrangement, float
-// queries, f32/bf16 latents read in 8-row blocks, all heads on each; q8/q4 latents of
-// r % 32 != 0 are dequantised per tile). The reference dequantises everything and works in
+// queries, f32/bf16 latent scores in 8-row blocks with all heads on each and latent values by
+// whole rows; q8/q4 latents of r % 32 != 0 are dequantised per tile). The reference dequantises everything and works in
 // double.
 #pragma once
 #include "kernels/decode_attention.h"
