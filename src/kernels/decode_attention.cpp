@@ -814,9 +814,9 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
 
   // Tiles are read column by column, which hardware prefetchers follow poorly: fetch the rows
   // `ahead` rows on (same page, this piece), K while computing the scores, V over the passes,
-  // a share per group of queries (LRKV's 16 heads on K_s, V_s: against all of it in the first
-  // group's work, 16K with the caches emptied, two threads, alternating calls in one process on
-  // Zen 3: r=32 f32 6% faster, r=8 15-19%, bf16 and q8 unchanged).
+  // f32/bf16 a share per group of queries (LRKV's 16 heads on K_s, V_s: against all of it in the
+  // first group's work, 16K with the caches emptied, two threads, alternating calls in one
+  // process on Zen 3: r=32 f32 6% faster, r=8 15-19%, bf16 unchanged).
   const int64_t page_rows = std::min<int64_t>(P - off, pc.r1 - r), next_rows = std::min<int64_t>(P, pc.r1 - r - page_rows);
   const bool has_next = next_rows > 0;
   const size_t end = static_cast<size_t>(page_rows) * rb, next_end = has_next ? static_cast<size_t>(next_rows) * rb : 0;
@@ -906,11 +906,13 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
                                      wsum + static_cast<size_t>(g) * nb);
   }
 
-  for (int g0 = 0, gb, gi = 0; g0 < G; g0 += gb, ++gi) {  // each group fetches its share of the next V rows
+  // f32/bf16: each group fetches its share of the next V rows; q8/q4: the first group all of them
+  // (shares measured 2-3% slower for LRKV q8/q4 at 16K, alternating calls)
+  for (int g0 = 0, gb, gi = 0; g0 < G; g0 += gb, ++gi) {
     gb = group_size(G, g0);
     float* ag = acc + static_cast<size_t>(g0) * d;
     const Prefetch vsh = vpf.share(gi, groups_, tile_bytes);
-    const Prefetch* vp = &vsh;
+    const Prefetch* vp = !R::kQuant ? &vsh : g0 == 0 ? &vpf : nullptr;
     if constexpr (!R::kQuant) {
       const float* w = s + g0 * kRow;
       const int row_block = gb == G ? 8 : n;  // one group reads the tile: rows in blocks (acc_tile_plain)
