@@ -652,27 +652,23 @@ KVX_INLINE void PieceRunner<R, RR>::prefetch_block_share(const Prefetch& pf, int
 template <class R, class RR>
 void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, const Prefetch& pf) const {
   const int G = G_;
-  if constexpr (!RR::kQuant)
-    if (r_ == 8) {
-      for (int t0 = 0; t0 < n; t0 += 8) {
-        pf.rows(t0 * rrb_, std::min(t0 + 8, n) * rrb_);
-        const uint8_t* rows[8];  // rows past the tile's end repeat its last (their scores land in the padding)
-        for (int i = 0; i < 8; ++i) rows[i] = rows0 + std::min(t0 + i, n - 1) * read_rb_;
-        for (int h = 0; h < G; ++h) {
-          const __m256 qv = _mm256_loadu_ps(lat_.qb + h * lat_.qb_stride);
-          __m256 p[8];
-          for (int i = 0; i < 8; ++i) p[i] = _mm256_mul_ps(qv, RR::load8(rows[i], h));
-          float* sh = s + h * kRow + t0;
-          _mm256_storeu_ps(sh, _mm256_add_ps(_mm256_loadu_ps(sh), reduce8(p)));
-        }
-      }
-      return;
-    }
   if constexpr (!RR::kQuant) {
     constexpr int TB = kLatentBlock;
+    static_assert(TB == 8, "a block's scores are one vector");
     for (int t0 = 0; t0 < n; t0 += TB) {
       const uint8_t* rows[TB];  // rows past the tile's end repeat its last (their scores land in the padding)
       for (int i = 0; i < TB; ++i) rows[i] = rows0 + std::min(t0 + i, n - 1) * read_rb_;
+      if (r_ == 8) {  // the block's next-tile rows at once; head h's latent is vector h of a row
+        pf.rows(t0 * rrb_, std::min(t0 + TB, n) * rrb_);
+        for (int h = 0; h < G; ++h) {
+          const __m256 qv = _mm256_loadu_ps(lat_.qb + h * lat_.qb_stride);
+          __m256 p[TB];
+          for (int i = 0; i < TB; ++i) p[i] = _mm256_mul_ps(qv, RR::load8(rows[i], h));
+          float* sh = s + h * kRow + t0;
+          _mm256_storeu_ps(sh, _mm256_add_ps(_mm256_loadu_ps(sh), reduce8(p)));
+        }
+        continue;
+      }
       for (int h = 0; h < G; ++h) {
         prefetch_block_share(pf, t0, std::min(TB, n - t0), h);
         dot_plain<RR, 1, TB, true>(lat_.qb + h * lat_.qb_stride, r_, rows, s + h * kRow + t0);
@@ -754,12 +750,11 @@ void PieceRunner<R, RR>::latent_values_by_rows(const uint8_t* rows0, int n, cons
 template <class R, class RR>
 void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const {
   const int G = G_;
-  if constexpr (!RR::kQuant)
+  if constexpr (!RR::kQuant) {
     if ((G * r_) % 64 == 0 && (!RR::kPair || r_ % 16 == 0 || r_ == 8)) {
       latent_values_by_rows(rows0, n, s, acc_r, pf);
       return;
     }
-  if constexpr (!RR::kQuant) {
     constexpr int TB = kLatentBlock;
     for (int t0 = 0; t0 < n; t0 += TB) {
       const int m = std::min(TB, n - t0);

@@ -51,9 +51,9 @@ float* avx2_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
 // Page-aligned in buf, as avx2_prepare_queries.
 float* avx2_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, std::vector<float>& buf);
 // LRKV factored decode on the dense kernel's machinery: pieces are row ranges of the shared store
-// (head 0) for all H queries (qs, groups of 4 sharing each K_s/V_s load), each head's latent
-// values a 1-query pass, f32/bf16 latent scores two heads at a time over 4-row blocks; qbs from
-// avx2_prepare_latent_queries. part p = [m[H], l[H], acc_s[H][d], acc_r[H][r]] at
+// (head 0) for all H queries (qs, groups of 4 sharing each K_s/V_s load), f32/bf16 latents in
+// 8-row blocks with every head on each (values by whole rows where they can), q8/q4 latents head
+// by head; qbs from avx2_prepare_latent_queries. part p = [m[H], l[H], acc_s[H][d], acc_r[H][r]] at
 // parts + p * part_size.
 void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
                    const float* qs, const float* qbs, int H, float* parts, size_t part_size);

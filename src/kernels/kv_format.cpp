@@ -273,7 +273,7 @@ void dequantize_row(KVType t, const uint8_t* src, int n, float* dst) {
       for (int b = 0; b < n / kQBlock; ++b) {
         const float d = fp16_to_float(load_u16(src + 2 * b));
 #if defined(__AVX2__)
-        // The scalar loop below, 8 lanes at a time (the same codes and products): LRKV's q4 latents
+        // The scalar loop (#else), 8 lanes at a time (the same codes and products): LRKV's q4 latents
         // of r % 32 != 0 are dequantised row by row every tile, where the scalar loop took 20% of the call.
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kQBlock / 2));
         const __m128i nibble = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
@@ -285,13 +285,13 @@ void dequantize_row(KVType t, const uint8_t* src, int n, float* dst) {
           const __m128i c = k % 2 ? _mm_srli_si128(codes[k / 2], 8) : codes[k / 2];
           _mm256_storeu_ps(dst + b * kQBlock + 8 * k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), dv));
         }
-        continue;
-#endif
+#else
         for (int j = 0; j < kQBlock / 2; ++j) {
           const uint8_t byte = q[b * kQBlock / 2 + j];
           dst[b * kQBlock + 2 * j] = static_cast<float>((byte & 0xf) - 8) * d;
           dst[b * kQBlock + 2 * j + 1] = static_cast<float>((byte >> 4) - 8) * d;
         }
+#endif
       }
       return;
     }
