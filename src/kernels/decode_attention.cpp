@@ -325,12 +325,21 @@ KVX_INLINE void acc_pass_plain(const uint8_t* v0, size_t rb, int n, const float*
 
 // The V prefetch is spread over the passes: pass p of np fetches rows [p n / np, (p+1) n / np)
 // of the tile `ahead` (one burst per tile would leave the memory idle during the other passes).
+// `also` (with rb2 bytes per row of progress): a second stream fetched along (LRKV's latent rows
+// during the shared phases).
 struct PassPrefetch {
   const Prefetch* pf;
   size_t rb;
-  int n, np, p = 0;
+  int n, np;
+  const Prefetch* also = nullptr;
+  size_t rb2 = 0;
+  int p = 0;
   KVX_INLINE void next() {
-    if (pf && p < np) pf->rows(static_cast<size_t>(p * n / np) * rb, static_cast<size_t>((p + 1) * n / np) * rb);
+    if (p < np) {
+      const size_t t0 = static_cast<size_t>(p * n / np), t1 = static_cast<size_t>((p + 1) * n / np);
+      if (pf) pf->rows(t0 * rb, t1 * rb);
+      if (also) also->rows(t0 * rb2, t1 * rb2);
+    }
     ++p;
   }
 };
@@ -341,10 +350,10 @@ struct PassPrefetch {
 // 10 alternating rounds. LRKV's four groups over one V_s tile keep whole tiles (8 was slower).
 template <class R, int GB>
 void acc_tile_plain(const uint8_t* v0, size_t rb, int n, const float* w, int wg, float* acc, int d, const Prefetch* pf,
-                    int row_block) {
+                    int row_block, const Prefetch* also = nullptr, size_t also_rb = 0) {
   constexpr int CB = 8 / GB;
   const int nc = d >> 3, nblk = (n + row_block - 1) / row_block;
-  PassPrefetch pp{pf, rb, n, nblk * std::max(1, (nc + CB - 1) / CB)};
+  PassPrefetch pp{pf, rb, n, nblk * std::max(1, (nc + CB - 1) / CB), also, also_rb};
   for (int t0 = 0; t0 < n; t0 += row_block) {
     const uint8_t* vb = v0 + t0 * rb;
     const float* wb = w + t0;
@@ -461,12 +470,15 @@ KVX_INLINE int group_size(int G, int g0) {
 // f32 / bf16 scores of GB queries against a tile (q8/q4: int_token_scores). One query takes 8
 // rows at a time, not 12: fewer rows in flight, and bf16 keeps its mask register (dense Hkv=16
 // at 16K, caches emptied, Zen 3: f32 7-25% and bf16 8-16% faster in each of 9 alternating rounds).
+// also / also_rb: a second stream fetched along, as PassPrefetch.
 template <class R>
-void scores_tile(int GB, const float* q, int d, const uint8_t* kb, size_t rb, int n, float* s, const Prefetch* pf) {
+void scores_tile(int GB, const float* q, int d, const uint8_t* kb, size_t rb, int n, float* s, const Prefetch* pf,
+                 const Prefetch* also = nullptr, size_t also_rb = 0) {
   const uint8_t* rows[12];
   const int TB = GB == 1 ? 8 : 12 / GB;
   for (int t0 = 0; t0 < n; t0 += TB) {
     if (pf) pf->rows(t0 * rb, (t0 + TB) * rb);
+    if (also) also->rows(t0 * also_rb, std::min(t0 + TB, n) * also_rb);
     for (int i = 0; i < TB; ++i) rows[i] = kb + std::min(t0 + i, n - 1) * rb;
     switch (GB) {
       case 1: dot_plain<R, 1, 8>(q, d, rows, s + t0); break;
@@ -520,6 +532,9 @@ KVX_INLINE void subtract_q4_offset(float* acc, int heads, int w, int nb, const f
 // lines stalled on outstanding misses), smaller shares (q8/q4 at r=32, 1.1 KB) in one burst per
 // head (1-2% faster so). f32/bf16: PieceRunner::prefetch_block_share, latent_values_by_rows.
 constexpr size_t kLatentBurstBytes = 2048;
+// f32/bf16 latent rows up to this many bytes are fetched whole during LRKV's shared phases, longer
+// ones half there (PieceRunner::latent_split_).
+constexpr size_t kLatentInSharedBytes = 1024;
 
 // LRKV's latent path (lrkv_decode.h): a second store whose row per token is [R_0 | .. | R_{G-1}]
 // (r values per query head), scored onto the shared scores and accumulated with the same
@@ -569,6 +584,13 @@ class PieceRunner {
       }
       latent_bytes_ = (rrb_ - rcodes_) / G;
       read_rb_ = rrb_;
+      // f32/bf16: the shared phases (16 heads on one K_s, V_s: compute-bound) carry up to 1 KB of
+      // the next tile's latent K rows (and as much of V) per row, the latent phases the rest.
+      // Against all in the latent phases, 16K, caches emptied, two threads, alternating calls
+      // (min / quartile / median, 5-14 rounds of 24 calls): f32 r=32 (half) 0-20% faster a call,
+      // bf16 r=32 (all) 10-15%, f32 r=8 (all) 12-15%, bf16 r=8 3-8%. q8/q4 keep theirs in the
+      // latent phases (all in the shared ones: 5-10% slower).
+      if constexpr (!R::kQuant && !RR::kQuant) latent_split_ = rrb_ <= kLatentInSharedBytes ? 1 : 2;
       if constexpr (kDequant) {  // rows of G r floats
         sc_.rk.resize(static_cast<size_t>(kTile) * G * r_);
         sc_.rv.resize(sc_.rk.size());
@@ -621,6 +643,9 @@ class PieceRunner {
   const size_t rb_;
   size_t ahead_;
   int groups_ = 0;  // groups of queries (group_size) on a tile
+  // Which phases fetch the next tile's latent rows: 0 the latent phases; k > 0: the shared
+  // phases the first 1/k of them (the latent phases the rest, k = 2).
+  int latent_split_ = 0;
   Scratch& sc_;
   // Latents: r per head; rrb_ the store's row bytes, read_rb_ the rows' as read (dequantised:
   // G r floats); rnb_ blocks per head, nbr_ per row, rcodes_ scale bytes before the codes;
@@ -631,7 +656,8 @@ class PieceRunner {
   size_t rrb_ = 0, read_rb_ = 0, rcodes_ = 0, latent_bytes_ = 0;
 };
 
-// Prefetch of the next tile's latent rows, spread over the work on this one: f32/bf16 (and rows
+// Prefetch of the next tile's latent rows (the part pf covers: see latent_split_), spread over
+// the work on this one: f32/bf16 (and rows
 // dequantised from q8/q4) go in blocks of kLatentBlock rows, and each block's bytes of the next
 // tile are fetched in one share per head, before that head's part of the block.
 template <class R, class RR>
@@ -642,8 +668,8 @@ KVX_INLINE void PieceRunner<R, RR>::prefetch_block_share(const Prefetch& pf, int
   if (from < b1) pf.rows(from, std::min(b1, from + share));
 }
 
-// s[h * kRow + t] += qb_h . R_h,t for the tile's n rows (rows0: row 0 as read); the latent rows
-// `ahead` are fetched along the way.
+// s[h * kRow + t] += qb_h . R_h,t for the tile's n rows (rows0: row 0 as read); pf's part of the
+// next tile's latent rows is fetched along the way.
 // f32/bf16 (and rows dequantised from q8/q4): blocks of 8 rows with the heads inner, one head's
 // 8 scores a dot_plain (one vector added to s), so that a block's rows are read front to back;
 // at r = 8 a head's latent is one vector: 8 products reduced to 8 scores (with the values by
@@ -818,6 +844,27 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
   const Prefetch kpf{kb, has_next ? kv_.k_rows(page + 1, pc.head) : nullptr, ahead_ * rb, end, next_end};
   const Prefetch vpf{vb, has_next ? kv_.v_rows(page + 1, pc.head) : nullptr, ahead_ * rb, end, next_end};
   const size_t tile_bytes = static_cast<size_t>(n) * rb;
+
+  // LRKV's latent rows of the next tile: the shared phases (compute-bound: 16 heads on one K_s,
+  // V_s) fetch the part 1 / latent_split_ of them, a share per group of queries, the latent
+  // phases the rest (latent_split_ 0: all).
+  [[maybe_unused]] const uint8_t *rkb = nullptr, *rvb = nullptr;
+  [[maybe_unused]] Prefetch lk_all{}, lv_all{}, lkpf{}, lvpf{};
+  [[maybe_unused]] const int lsplit = latent_split_;
+  [[maybe_unused]] const size_t latent_span = static_cast<size_t>(n) * rrb_;
+  [[maybe_unused]] const size_t latent_part = lsplit > 0 ? latent_span / lsplit : 0;
+  [[maybe_unused]] const size_t latent_rb = lsplit > 0 ? rrb_ / lsplit : 0;  // bytes per row of progress
+  if constexpr (kLatent) {
+    const KVStore& ls = *lat_.store;
+    rkb = ls.k_rows(page, 0) + off * rrb_;
+    rvb = ls.v_rows(page, 0) + off * rrb_;
+    lk_all = Prefetch{rkb, has_next ? ls.k_rows(page + 1, 0) : nullptr, ahead_ * rrb_, page_rows * rrb_, next_rows * rrb_};
+    lv_all = Prefetch{rvb, has_next ? ls.v_rows(page + 1, 0) : nullptr, ahead_ * rrb_, page_rows * rrb_, next_rows * rrb_};
+    const Prefetch none{rkb, nullptr, 0, 0, 0};
+    lkpf = lsplit == 0 ? lk_all : lsplit == 1 ? none : lk_all.share(1, 2, latent_span);
+    lvpf = lsplit == 0 ? lv_all : lsplit == 1 ? none : lv_all.share(1, 2, latent_span);
+  }
+
   if constexpr (R::kQuant) {  // all G queries at once on each 8 rows' transpose
     const uint8_t* rows[8];
     for (int t0 = 0; t0 < n; t0 += 8) {
@@ -835,20 +882,16 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
   } else {  // each group of queries fetches its share of the next tile's K rows
     for (int g0 = 0, gb, gi = 0; g0 < G; g0 += gb, ++gi) {
       gb = group_size(G, g0);
-      const Prefetch pf = kpf.share(gi, groups_, tile_bytes);
-      scores_tile<R>(gb, qs + static_cast<size_t>(g0) * qstride, d, kb, rb, n, s + g0 * kRow, &pf);
+      const Prefetch pf = kpf.share(gi, groups_, tile_bytes), lpf = lk_all.share(gi, groups_, latent_part);
+      scores_tile<R>(gb, qs + static_cast<size_t>(g0) * qstride, d, kb, rb, n, s + g0 * kRow, &pf,
+                     lsplit > 0 ? &lpf : nullptr, latent_rb);
     }
   }
 
   // LRKV: the tile's latent rows (read in place, or dequantised), their scores added per head.
   [[maybe_unused]] const uint8_t *lk = nullptr, *lv = nullptr;
-  [[maybe_unused]] Prefetch lvpf{};
   if constexpr (kLatent) {
     const KVStore& ls = *lat_.store;
-    const uint8_t* rkb = ls.k_rows(page, 0) + off * rrb_;
-    const uint8_t* rvb = ls.v_rows(page, 0) + off * rrb_;
-    const Prefetch lkpf{rkb, has_next ? ls.k_rows(page + 1, 0) : nullptr, ahead_ * rrb_, page_rows * rrb_, next_rows * rrb_};
-    lvpf = Prefetch{rvb, has_next ? ls.v_rows(page + 1, 0) : nullptr, ahead_ * rrb_, page_rows * rrb_, next_rows * rrb_};
     lk = rkb;
     lv = rvb;
     if constexpr (RR::kQuant) {
@@ -911,10 +954,12 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
     if constexpr (!R::kQuant) {
       const float* w = s + g0 * kRow;
       const int row_block = gb == G ? 8 : n;  // one group reads the tile: rows in blocks (acc_tile_plain)
+      const Prefetch lpf = lv_all.share(gi, groups_, latent_part);
+      const Prefetch* lp = lsplit > 0 ? &lpf : nullptr;
       switch (gb) {
-        case 1: acc_tile_plain<R, 1>(vb, rb, n, w, kRow, ag, d, vp, row_block); break;
-        case 2: acc_tile_plain<R, 2>(vb, rb, n, w, kRow, ag, d, vp, row_block); break;
-        default: acc_tile_plain<R, 4>(vb, rb, n, w, kRow, ag, d, vp, row_block); break;
+        case 1: acc_tile_plain<R, 1>(vb, rb, n, w, kRow, ag, d, vp, row_block, lp, latent_rb); break;
+        case 2: acc_tile_plain<R, 2>(vb, rb, n, w, kRow, ag, d, vp, row_block, lp, latent_rb); break;
+        default: acc_tile_plain<R, 4>(vb, rb, n, w, kRow, ag, d, vp, row_block, lp, latent_rb); break;
       }
     } else {
       const float* w = sc.w.data() + static_cast<size_t>(g0) * kTile * nb;
