@@ -585,11 +585,12 @@ class PieceRunner {
       latent_bytes_ = (rrb_ - rcodes_) / G;
       read_rb_ = rrb_;
       // f32/bf16: the shared phases (16 heads on one K_s, V_s: compute-bound) carry up to 1 KB of
-      // the next tile's latent K rows (and as much of V) per row, the latent phases the rest.
-      // Against all in the latent phases, 16K, caches emptied, two threads, alternating calls
-      // (min / quartile / median, 5-14 rounds of 24 calls): f32 r=32 (half) 0-20% faster a call,
-      // bf16 r=32 (all) 10-15%, f32 r=8 (all) 12-15%, bf16 r=8 3-8%. q8/q4 keep theirs in the
-      // latent phases (all in the shared ones: 5-10% slower).
+      // the next tile's latent K rows (and as much of V) per row, the latent phases the rest
+      // (alone, the two parts' times added up). Against all in the latent phases, 16K, caches
+      // emptied, two threads, alternating calls (min / quartile / median of 4 rounds of 24 calls):
+      // f32 r=32 (half) 12-19% faster a call, bf16 r=32 (all) 10-23%, f32 r=8 (all) 10-18%; half
+      // against all at f32 r=32 10% faster, equal at bf16 r=32. q8/q4 keep theirs in the latent
+      // phases (all in the shared ones: 5-10% slower).
       if constexpr (!R::kQuant && !RR::kQuant) latent_split_ = rrb_ <= kLatentInSharedBytes ? 1 : 2;
       if constexpr (kDequant) {  // rows of G r floats
         sc_.rk.resize(static_cast<size_t>(kTile) * G * r_);
@@ -657,9 +658,9 @@ class PieceRunner {
 };
 
 // Prefetch of the next tile's latent rows (the part pf covers: see latent_split_), spread over
-// the work on this one: f32/bf16 (and rows
-// dequantised from q8/q4) go in blocks of kLatentBlock rows, and each block's bytes of the next
-// tile are fetched in one share per head, before that head's part of the block.
+// the work on this one: f32/bf16 (and rows dequantised from q8/q4) go in blocks of kLatentBlock
+// rows, and each block's bytes of the next tile are fetched in one share per head, before that
+// head's part of the block.
 template <class R, class RR>
 KVX_INLINE void PieceRunner<R, RR>::prefetch_block_share(const Prefetch& pf, int t0, int m, int h) const {
   const size_t b0 = static_cast<size_t>(t0) * rrb_, b1 = static_cast<size_t>(t0 + m) * rrb_;
