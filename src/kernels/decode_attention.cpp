@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -641,6 +642,7 @@ class PieceRunner {
   void prefetch_block_share(const Prefetch& pf, int t0, int m, int h) const;
   static constexpr int kLatentBlock = 8;  // rows per block of f32/bf16 latent scores and values
   void latent_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const;
+  template <int kPer>
   void latent_values_by_rows(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const;
 
   static constexpr int kTileRows = R::kQuant ? 32 : 24;
@@ -741,35 +743,46 @@ void PieceRunner<R, RR>::latent_scores(const uint8_t* rows0, int n, float* s, co
 // 8-row blocks (Zen 3, alternating calls in one process, one thread): r = 8 f32 9% faster a call
 // with 72 tokens in L2 and 7% with 512 in L3, r = 32 1-2%; 16K with the caches emptied, two
 // threads, r = 8 3% (median of 40 calls), r = 32 3-9%.
+// kPer = gcd(r / 8, 8) vectors in a row share a head, so one broadcast of its weight serves them
+// (against one a vector, f32, one thread, 480 tokens in L2/L3, alternating calls: r = 32 3-7%
+// faster a call, r = 64 2-5%; bf16, against one a pair: within 1%).
 template <class R, class RR>
+template <int kPer>
 void PieceRunner<R, RR>::latent_values_by_rows(const uint8_t* rows0, int n, const float* s, float* acc_r,
                                                const Prefetch& pf) const {
   const int nv = G_ * r_ / 8, per_head = r_ / 8;  // vectors in a row, and per head
   const size_t span = static_cast<size_t>(n) * rrb_;
-  const bool pairs = RR::kPair && r_ % 16 == 0;
+  const bool pairs = RR::kPair && r_ % 16 == 0;  // so kPer >= 2
   for (int v0 = 0; v0 < nv; v0 += 8) {
     pf.rows(span * v0 / nv, span * (v0 + 8) / nv);
     float* acc = acc_r + 8 * static_cast<size_t>(v0);
     __m256 a[8];
-    const float* w[8];  // the weights of vector v0 + i's head
-    for (int i = 0; i < 8; ++i) {
-      a[i] = _mm256_loadu_ps(acc + 8 * i);
-      w[i] = s + ((v0 + i) / per_head) * kRow;
-    }
+    const float* w[8 / kPer];  // the weights of vectors v0 + j kPer .. v0 + (j + 1) kPer - 1
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
+    for (int j = 0; j < 8 / kPer; ++j) w[j] = s + ((v0 + j * kPer) / per_head) * kRow;
     const uint8_t* row = rows0;
     if (pairs) {
-      if constexpr (RR::kPair)
+      if constexpr (RR::kPair && kPer >= 2)
         for (int t = 0; t < n; ++t, row += read_rb_)
-          for (int i = 0; i < 8; i += 2) {
-            __m256 va, vb;
-            RR::template load_pair<false>(row, (v0 + i) >> 1, va, vb);
-            const __m256 wt = _mm256_broadcast_ss(w[i] + t);
-            a[i] = _mm256_fmadd_ps(wt, va, a[i]);
-            a[i + 1] = _mm256_fmadd_ps(wt, vb, a[i + 1]);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8 / kPer; ++j) {
+            const __m256 wt = _mm256_broadcast_ss(w[j] + t);
+#pragma GCC unroll 8
+            for (int i = j * kPer; i < (j + 1) * kPer; i += 2) {
+              __m256 va, vb;
+              RR::template load_pair<false>(row, (v0 + i) >> 1, va, vb);
+              a[i] = _mm256_fmadd_ps(wt, va, a[i]);
+              a[i + 1] = _mm256_fmadd_ps(wt, vb, a[i + 1]);
+            }
           }
     } else {
       for (int t = 0; t < n; ++t, row += read_rb_)
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[i] + t), RR::load8(row, v0 + i), a[i]);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8 / kPer; ++j) {
+          const __m256 wt = _mm256_broadcast_ss(w[j] + t);
+#pragma GCC unroll 8
+          for (int i = j * kPer; i < (j + 1) * kPer; ++i) a[i] = _mm256_fmadd_ps(wt, RR::load8(row, v0 + i), a[i]);
+        }
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
   }
@@ -786,7 +799,12 @@ void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float*
   const int G = G_;
   if constexpr (!RR::kQuant) {
     if ((G * r_) % 64 == 0 && (!RR::kPair || r_ % 16 == 0 || r_ == 8)) {
-      latent_values_by_rows(rows0, n, s, acc_r, pf);
+      switch (std::gcd(r_ / 8, 8)) {  // vectors of a row per weight
+        case 8: latent_values_by_rows<8>(rows0, n, s, acc_r, pf); break;
+        case 4: latent_values_by_rows<4>(rows0, n, s, acc_r, pf); break;
+        case 2: latent_values_by_rows<2>(rows0, n, s, acc_r, pf); break;
+        default: latent_values_by_rows<1>(rows0, n, s, acc_r, pf); break;
+      }
       return;
     }
     constexpr int TB = kLatentBlock;

@@ -81,9 +81,10 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
     for (int H : {1, 3, 6})
       for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 0}, {40, 5}, {32, 8}, {64, 12}, {64, 24}, {128, 32}, {96, 40}})
         for (int64_t L : {1, 7, 33, 70}) check(t, H, d, r, L, 16, {}, seed++);
-  // H r a multiple of 64: the latent values by whole rows (bf16 at r % 16 == 0 or r = 8; r = 24 not)
+  // H r a multiple of 64: the latent values by whole rows (bf16 at r % 16 == 0 or r = 8; r = 24 not),
+  // gcd(r / 8, 8) = 1, 2, 4, 8 vectors of a row to a weight
   for (KVType t : {KVType::F32, KVType::BF16})
-    for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 8}, {64, 16}, {64, 24}, {128, 32}})
+    for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 8}, {64, 16}, {64, 24}, {128, 32}, {96, 48}, {128, 64}})
       for (int64_t L : {1, 7, 33, 70}) check(t, 8, d, r, L, 16, {}, seed++);
   for (KVType t : {KVType::Q8, KVType::Q4})
     for (int H : {1, 5})
