@@ -798,7 +798,7 @@ template <class R, class RR>
 void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const {
   const int G = G_;
   if constexpr (!RR::kQuant) {
-    if ((G * r_) % 64 == 0 && (!RR::kPair || r_ % 16 == 0 || r_ == 8)) {
+    if (r_ % 8 == 0 && (G * r_) % 64 == 0 && (!RR::kPair || r_ % 16 == 0 || r_ == 8)) {
       switch (std::gcd(r_ / 8, 8)) {  // vectors of a row per weight
         case 8: latent_values_by_rows<8>(rows0, n, s, acc_r, pf); break;
         case 4: latent_values_by_rows<4>(rows0, n, s, acc_r, pf); break;

@@ -86,6 +86,8 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
   for (KVType t : {KVType::F32, KVType::BF16})
     for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 8}, {64, 16}, {64, 24}, {128, 32}, {96, 48}, {128, 64}})
       for (int64_t L : {1, 7, 33, 70}) check(t, 8, d, r, L, 16, {}, seed++);
+  // H r a multiple of 64 with r not a multiple of 8 (vectors straddle heads): heads' blocks
+  for (KVType t : {KVType::F32, KVType::BF16, KVType::Q8, KVType::Q4}) check(t, 16, 64, 12, 45, 16, {}, seed++);
   for (KVType t : {KVType::Q8, KVType::Q4})
     for (int H : {1, 5})
       for (auto [d, r] : std::vector<std::pair<int, int>>{{32, 0}, {64, 32}, {128, 64}})
