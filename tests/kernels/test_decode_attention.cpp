@@ -131,6 +131,22 @@ TEST(DecodeAttention, LargeAndOddGroups) {
   check_case({KVType::F32, 3, 1, 3, 11, 4}, seed++);    // head_dim below one vector
 }
 
+// Random shapes (seeded): groupings, widths, lengths and page sizes the lists above do not name.
+// q8/q4 need d a multiple of 32 (their blocks).
+TEST(DecodeAttention, RandomShapesMatchReference) {
+  std::mt19937 rng(2026);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const KVType types[] = {KVType::F32, KVType::BF16, KVType::Q8, KVType::Q4};
+  for (int i = 0; i < 200; ++i) {
+    const KVType t = types[i % 4];
+    const bool quant = t == KVType::Q8 || t == KVType::Q4;
+    const int kv_heads = pick(1, 6), group = pick(1, 7), d = quant ? 32 * pick(1, 6) : pick(1, 200);
+    const int64_t len = pick(1, 400);
+    const int page = pick(1, 4) == 1 ? pick(1, 20) : pick(21, 300);
+    check_case({t, kv_heads * group, kv_heads, d, len, page}, 8000 + i);
+  }
+}
+
 TEST(DecodeAttention, RunningMaxRisesEveryTile) {
   // Scores grow with position, so every tile raises the max and rescales the accumulator.
   for (KVType t : {KVType::F32, KVType::Q4}) {
