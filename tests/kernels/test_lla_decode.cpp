@@ -102,6 +102,43 @@ TEST(LlaDecodeKernel, MatchesTheReferenceForEveryShapeThreadsAndSplits) {
     }
 }
 
+// Random shapes (seeded): groupings, even head widths, ranks, lengths, tails and sink + window
+// segments the fixed cases do not name, both read modes, 1 and 2 threads, forced splits.
+TEST(LlaDecodeKernel, RandomShapesMatchTheReference) {
+  std::mt19937 rng(2026);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int i = 0; i < 100; ++i) {
+    Case c;
+    c.kv_heads = pick(1, 4);
+    c.heads = c.kv_heads * pick(1, 3);
+    c.groups = pick(0, 1) ? c.kv_heads : 1;
+    c.head_dim = 2 * pick(1, 40);
+    c.rk = pick(1, 40), c.rv = pick(1, 40);
+    c.rows = pick(0, 3) == 0 ? pick(0, 3) : pick(4, 700);
+    c.tail = c.rows == 0 ? pick(1, 3) : pick(0, 3);
+    if (c.rows > 0) {
+      if (pick(0, 2) == 0 && c.rows > 8) {  // a sink and a window whose positions run on
+        const int64_t sink = pick(1, 4), start = pick(static_cast<int>(sink), static_cast<int>(c.rows) - 1);
+        c.history = {{0, sink, 0}, {start, c.rows, start + pick(0, 500)}};
+      } else {
+        c.history = {{0, c.rows, 0}};
+      }
+    }
+    const auto mode = i % 2 ? LlaReadMode::Absorbed : LlaReadMode::Reconstruct;
+    auto d = make(c, 7000 + i, mode);
+    std::vector<float> ref(static_cast<size_t>(c.heads) * c.head_dim), out(ref.size());
+    lla_decode_attention_reference(d.args, d.q.data(), d.q_pre.data(), ref.data());
+    for (auto [threads, splits] : std::vector<std::pair<int, int>>{{1, 0}, {2, 0}, {2, 3}}) {
+      std::fill(out.begin(), out.end(), 0.f);
+      lla_decode_attention(d.args, d.q.data(), d.q_pre.data(), out.data(), threads, splits);
+      EXPECT_LT(max_rel_diff(out, ref), 2e-5) << "case " << i << " heads " << c.heads << "/" << c.kv_heads << " groups "
+                                              << c.groups << " d " << c.head_dim << " rk " << c.rk << " rv " << c.rv
+                                              << " rows " << c.rows << " tail " << c.tail << " threads " << threads
+                                              << " splits " << splits << " mode " << static_cast<int>(mode);
+    }
+  }
+}
+
 TEST(LlaDecodeKernel, AbsorbedEqualsReconstructWhenTheKeysCarryNoRope) {
   // theta = 0 turns RoPE off (every angle 0); then (W_up^T q) . c + q . mu is exact.
   Case c{6, 2, 10, 2, 7, 13, {{0, 4, 0}, {20, 200, 300}}, 200, 2, 0.0};
