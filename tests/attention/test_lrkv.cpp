@@ -131,8 +131,10 @@ INSTANTIATE_TEST_SUITE_P(RopeModes, LrkvModes,
 
 // The fused torch-free kernel path (f32 cache, float32 arithmetic) against the fp64 forward.
 TEST(Lrkv, FusedDecodeMatchesForward) {
-  for (const Mode& mode : {Mode{"shared_rope", 5}, Mode{"pair_aligned", 6}, Mode{"shared_rope", 0}}) {
-    const auto c = lrkv_config(3, 16, mode.rank, mode.rope);
+  // (16 heads of rank 4: a row of latents is whole vectors that straddle heads)
+  for (const auto& [heads, mode] : std::vector<std::pair<int, Mode>>{
+           {3, {"shared_rope", 5}}, {3, {"pair_aligned", 6}}, {3, {"shared_rope", 0}}, {16, {"shared_rope", 4}}}) {
+    const auto c = lrkv_config(heads, 16, mode.rank, mode.rope);
     auto m = make(c, 8);
     torch::NoGradGuard ng;
     for (auto& p : m->parameters()) p.mul_(0.4);  // keep the softmax away from one-hot
@@ -144,8 +146,8 @@ TEST(Lrkv, FusedDecodeMatchesForward) {
     for (int t = 4; t < 11; ++t) parts.push_back(m->step(x.narrow(1, t, 1), *cache));
     auto stepped = torch::cat(parts, 1);
     const double err = ((stepped - full).abs().max() / full.abs().max()).item<double>();
-    EXPECT_LT(err, 1e-5) << mode.rope << " r" << mode.rank;
-    EXPECT_EQ(cache->bytes(), static_cast<int64_t>(11 * 2 * 4.0 * 2 * (16 + 3 * mode.rank)));
+    EXPECT_LT(err, 1e-5) << mode.rope << " H" << heads << " r" << mode.rank;
+    EXPECT_EQ(cache->bytes(), static_cast<int64_t>(11 * 2 * 4.0 * 2 * (16 + heads * mode.rank)));
   }
   // expand rebuilds keys at read time: libtorch f32 cache only, with a clear error otherwise.
   auto m = make(lrkv_config(3, 16, 4, "expand"), 9);
