@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <new>
 #include <random>
 #include <string>
@@ -125,15 +127,24 @@ void KVStore::append(const float* k, const float* v) {
   if (values_are_keys_) v = k;
   float amax = 0.0f;
   for (size_t i = 0; i < n; ++i) amax = std::max(amax, std::max(std::fabs(k[i]), std::fabs(v[i])));
-  bool finite = amax <= 3.4e38f;
+  bool finite = amax <= std::numeric_limits<float>::max();
   for (size_t i = 0; i < n; ++i) finite &= (k[i] == k[i]) & (v[i] == v[i]);
   if (!finite)
     throw Error("KVStore::append: K/V holds NaN or inf at position " + std::to_string(length_) +
                 "; the model produced invalid activations, fix the forward pass before caching");
-  const float limit = type_ == KVType::Q8 ? 65504.0f * 127.0f : type_ == KVType::Q4 ? 65504.0f * 8.0f : 3.4e38f;
+  // q8/q4: the fp16 block scale times the largest code; bf16: the largest float that does not
+  // round to inf (bits 0x7f7f8000 and up do)
+  const uint32_t bf16_top_bits = 0x7f7f7fffu;
+  float bf16_top;
+  std::memcpy(&bf16_top, &bf16_top_bits, 4);
+  const float limit = type_ == KVType::Q8   ? 65504.0f * 127.0f
+                      : type_ == KVType::Q4 ? 65504.0f * 8.0f
+                      : type_ == KVType::BF16 ? bf16_top
+                                              : std::numeric_limits<float>::max();
   if (amax > limit)
-    throw Error("KVStore::append: |K/V| reaches " + std::to_string(amax) + ", beyond what a " +
-                kv_type_name(type_) + " block scale (fp16) can hold; use an f32 or bf16 cache");
+    throw Error("KVStore::append: |K/V| reaches " + std::to_string(amax) + ", beyond what " +
+                (type_ == KVType::BF16 ? std::string("bf16 can hold (it would round to inf); use an f32 cache")
+                                       : "a " + kv_type_name(type_) + " block scale (fp16) can hold; use an f32 or bf16 cache"));
   int64_t slot = length_;
   if (evict_.enabled() && length_ >= evict_.sink) slot = evict_.sink + (length_ - evict_.sink) % evict_.window;
   const Page& page = page_for_slot(slot);

@@ -38,8 +38,12 @@ void check(const float* q, const float* qb, int heads, const KVStore& shared, co
     if (residual->type() != shared.type())
       throw Error(w + ": the shared and residual stores hold different cache types (" + kv_type_name(shared.type()) + ", " +
                   kv_type_name(residual->type()) + "); make both the same");
-    if (residual->stored() != shared.stored() || residual->page_tokens() != shared.page_tokens())
-      throw Error(w + ": the shared and residual stores hold different slots (append both for every token)");
+    const Eviction &es = shared.eviction(), &er = residual->eviction();
+    if (residual->length() != shared.length() || residual->page_tokens() != shared.page_tokens() ||
+        es.sink != er.sink || es.window != er.window)
+      throw Error(w + ": the shared and residual stores hold different slots (lengths " + std::to_string(shared.length()) +
+                  " and " + std::to_string(residual->length()) +
+                  "); make them with the same page size and eviction and append both for every token");
   }
 }
 

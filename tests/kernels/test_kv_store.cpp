@@ -1,7 +1,9 @@
 // KVStore: accounting, paging without copies, clear-and-reuse, StreamingLLM eviction.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -180,4 +182,36 @@ TEST(KVStore, BadArgumentsAreErrors) {
   v[7] = NAN;
   EXPECT_THROW(s.append(k.data(), v.data()), Error);
   EXPECT_EQ(s.length(), 0);
+}
+
+// Each type takes exactly the finite values it can hold: f32 up to FLT_MAX; bf16 up to the
+// largest float that does not round to inf; q8/q4 up to their fp16 scale times the largest code.
+TEST(KVStore, RangeLimitsPerType) {
+  auto append_one = [](KVType t, float x) {
+    KVStore s(t, 1, 32);
+    std::vector<float> k(32, 0.5f), v(32, 0.5f);
+    k[3] = x;
+    s.append(k.data(), v.data());
+    std::vector<float> back(32);
+    dequantize_row(t, s.k_rows(0, 0), 32, back.data());
+    return back[3];
+  };
+  const float fmax = std::numeric_limits<float>::max();
+  EXPECT_EQ(append_one(KVType::F32, fmax), fmax);
+  EXPECT_EQ(append_one(KVType::F32, -fmax), -fmax);
+  EXPECT_THROW(append_one(KVType::F32, INFINITY), Error);
+  uint32_t below_bits = 0x7f7f7fffu, at_bits = 0x7f7f8000u;  // the last float that rounds down in bf16, the first up
+  float below, at;
+  std::memcpy(&below, &below_bits, 4);
+  std::memcpy(&at, &at_bits, 4);
+  EXPECT_TRUE(std::isfinite(append_one(KVType::BF16, below)));
+  try {
+    append_one(KVType::BF16, at);
+    FAIL() << "a bf16 value that rounds to inf was stored";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bf16 can hold"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(append_one(KVType::Q8, 65504.0f * 127.0f * 1.01f), Error);
+  EXPECT_THROW(append_one(KVType::Q4, 65504.0f * 8.0f * 1.01f), Error);
+  EXPECT_NEAR(append_one(KVType::Q8, 1000.0f), 1000.0f, 1000.0f / 127);
 }

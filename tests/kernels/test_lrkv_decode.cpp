@@ -148,4 +148,22 @@ TEST(LrkvDecode, MismatchedStoresAreClearErrors) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("different cache types"), std::string::npos) << e.what();
   }
+  // Stores whose rings hold different tokens in the same slots, though they store as many: other
+  // eviction settings (sink 4 + window 28 against window 32), or one token more in one of them.
+  auto filled = [&](Eviction e, int tokens, int width) {
+    KVStore st(KVType::F32, 1, width, e, 16);
+    std::vector<float> row(width, 0.5f);
+    for (int t = 0; t < tokens; ++t) st.append(row.data(), row.data());
+    return st;
+  };
+  const KVStore ring_s = filled({4, 28}, 100, 32), ring_r = filled({0, 32}, 100, 3 * 8), ring_late = filled({4, 28}, 101, 3 * 8);
+  ASSERT_EQ(ring_s.stored(), ring_r.stored());
+  for (const KVStore* other : {&ring_r, &ring_late}) {
+    try {
+      lrkv_decode_attention(q.data(), qb.data(), 3, ring_s, other, 1.0f, os.data(), orr.data(), 1);
+      ADD_FAILURE() << "stores holding different tokens in the same slots were accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("different slots"), std::string::npos) << e.what();
+    }
+  }
 }
