@@ -22,11 +22,13 @@ struct Case {
   int heads, kv_heads, d;
   int64_t len;
   int page_tokens;
+  Eviction evict = {};
 };
 
 std::string name(const Case& c) {
   return kv_type_name(c.type) + " H" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " d" +
-         std::to_string(c.d) + " L" + std::to_string(c.len) + " P" + std::to_string(c.page_tokens);
+         std::to_string(c.d) + " L" + std::to_string(c.len) + " P" + std::to_string(c.page_tokens) +
+         (c.evict.enabled() ? " sink " + std::to_string(c.evict.sink) + " window " + std::to_string(c.evict.window) : "");
 }
 
 std::vector<float> randn(size_t n, float sd, std::mt19937& rng) {
@@ -71,7 +73,7 @@ std::vector<DecodeIsa> isas(int d) {
 
 void check_case(const Case& c, uint32_t seed) {
   std::mt19937 rng(seed);
-  KVStore s(c.type, c.kv_heads, c.d, {}, c.page_tokens);
+  KVStore s(c.type, c.kv_heads, c.d, c.evict, c.page_tokens);
   fill(s, c.len, rng);
   const auto q = randn(static_cast<size_t>(c.heads) * c.d, 2.5f, rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
@@ -117,6 +119,9 @@ TEST(DecodeAttention, LongerContextsAcrossPagesAndSplits) {
     check_case({t, 8, 2, 128, 700, 256}, seed++);  // default-sized pages, partial last page
     check_case({t, 4, 4, 64, 515, 100}, seed++);   // pages that are not a multiple of the tile
   }
+  // stores past 2 MiB, whose pages are carved from chunks (KVStore): f32 6 MB, q4 2.5 MB
+  check_case({KVType::F32, 8, 4, 128, 3000, 256}, seed++);
+  check_case({KVType::Q4, 16, 8, 128, 4500, 256}, seed++);
 }
 
 TEST(DecodeAttention, LargeAndOddGroups) {
@@ -131,8 +136,8 @@ TEST(DecodeAttention, LargeAndOddGroups) {
   check_case({KVType::F32, 3, 1, 3, 11, 4}, seed++);    // head_dim below one vector
 }
 
-// Random shapes (seeded): groupings, widths, lengths and page sizes the lists above do not name.
-// q8/q4 need d a multiple of 32 (their blocks).
+// Random shapes (seeded): groupings, widths, lengths, page sizes and sink + window eviction the
+// lists above do not name. q8/q4 need d a multiple of 32 (their blocks).
 TEST(DecodeAttention, RandomShapesMatchReference) {
   std::mt19937 rng(2026);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
@@ -143,7 +148,9 @@ TEST(DecodeAttention, RandomShapesMatchReference) {
     const int kv_heads = pick(1, 6), group = pick(1, 7), d = quant ? 32 * pick(1, 6) : pick(1, 200);
     const int64_t len = pick(1, 400);
     const int page = pick(1, 4) == 1 ? pick(1, 20) : pick(21, 300);
-    check_case({t, kv_heads * group, kv_heads, d, len, page}, 8000 + i);
+    Eviction evict;
+    if (pick(0, 4) == 0) evict = {pick(0, 8), pick(1, 64)};
+    check_case({t, kv_heads * group, kv_heads, d, len, page, evict}, 8000 + i);
   }
 }
 
