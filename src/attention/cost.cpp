@@ -1,4 +1,5 @@
 #include "attention/cost.h"
+#include <algorithm>
 
 #include <cstdio>
 #include <sstream>
@@ -115,6 +116,11 @@ void AttentionShape::validate() const {
   if (kind == "lrkv" && (rank < 0 || rank > head_dim))
     throw Error(what + ": r (" + std::to_string(rank) + ") must be in [0, d_h = " + std::to_string(head_dim) +
                 "]; a residual rank above the head width adds cache without adding rank");
+  if (kind == "lrkv") {
+    const auto modes = model::lrkv_rope_modes();
+    if (std::find(modes.begin(), modes.end(), rope) == modes.end())
+      throw Error(what + ": rope '" + rope + "' is not one of expand, shared_rope, pair_aligned");
+  }
   if (kind == "mla" && (latent < 1 || rope_dim < 0))
     throw Error(what + ": needs d_c >= 1 and d_R >= 0");
   if ((kind == "gdn" || kind == "natsl") && (value_dim < 1 || conv < 1))

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <thread>
@@ -401,6 +402,9 @@ void cmd_cost(const std::string& config_path, const std::vector<std::string>& sh
     std::string file = config_path;
     if (io::file_exists(config_path + "/config.json") || io::file_exists(config_path + "/LATEST"))
       file = train::resolve_model_dir(config_path) + "/config.json";
+    else if (std::filesystem::is_directory(config_path))
+      throw Error("cost --config: '" + config_path + "' is a directory with neither config.json (a model) nor LATEST (a run); "
+                  "give a config file or a model or run directory");
     const auto config = model::ModelConfig::from_json(io::parse_json_file(file));
     const auto kinds = config.layer_kinds();
     double elements = 0, mha = 0;

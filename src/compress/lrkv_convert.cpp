@@ -1,5 +1,7 @@
 #include "compress/lrkv_convert.h"
 
+#include <cmath>
+
 #include <iostream>
 
 #include "attention/dense.h"
@@ -10,6 +12,7 @@
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 #include "util/error.h"
+#include "util/strings.h"
 
 namespace kvx::compress {
 
@@ -37,9 +40,11 @@ void factor(const torch::Tensor& W, int64_t r, torch::Tensor& shared, torch::Ten
 
 }  // namespace
 
-model::Transformer convert_to_lrkv(const model::Transformer& dense, const LrkvConversion& o) {
-  torch::NoGradGuard ng;
-  model::ModelConfig c = dense->config();
+model::ModelConfig lrkv_config_for(const model::ModelConfig& dense, const LrkvConversion& o) {
+  model::ModelConfig c = dense;
+  if (c.qk_norm)
+    throw Error("convert lrkv: the model normalises each head's keys (qk_norm, as Qwen3), which LRKV's shared keys do not; "
+                "only models without qk_norm can be converted");
   const auto kinds = c.layer_kinds();
   std::string layout;
   for (size_t i = 0; i < kinds.size(); ++i) {
@@ -51,6 +56,13 @@ model::Transformer convert_to_lrkv(const model::Transformer& dense, const LrkvCo
   c.lrkv_rank = o.rank;
   c.lrkv_rope = o.rope;
   c.validate();  // rank within [0, d_h], even for pair_aligned, known mode
+  return c;
+}
+
+model::Transformer convert_to_lrkv(const model::Transformer& dense, const LrkvConversion& o) {
+  torch::NoGradGuard ng;
+  const model::ModelConfig c = lrkv_config_for(dense->config(), o);
+  const auto kinds = dense->config().layer_kinds();
   model::Transformer out(c);
   // Shared names (embeddings, norms, MLPs, q_proj, o_proj) copy over; the K/V projections are factored.
   const auto src = dense->state_dict_hf();
@@ -103,8 +115,12 @@ model::Transformer convert_to_lrkv(const model::Transformer& dense, const LrkvCo
 
 nlohmann::json convert_lrkv_run(const ConvertRun& run) {
   if (run.out.empty()) throw Error("convert lrkv: give an output directory (--out)");
+  if (run.heal_steps < 0) throw Error("convert lrkv: --heal-steps must be >= 0 (0: no healing), got " + std::to_string(run.heal_steps));
+  if (run.heal_steps > 0 && !(std::isfinite(run.heal_lr) && run.heal_lr > 0))
+    throw Error("convert lrkv: --heal-lr must be a positive number, got " + format_number(run.heal_lr));
   auto source = train::load_model(run.from);
   const auto& src_cfg = source.model->config();
+  lrkv_config_for(src_cfg, run.conversion);  // rank and RoPE mode checked before the data and evaluations
   const std::string data_dir = run.data_dir.empty() ? text::default_data_dir() : run.data_dir;
   const int seq_len = run.seq_len > 0 ? run.seq_len : std::min(256, src_cfg.max_position_embeddings);
   if (seq_len > src_cfg.max_position_embeddings)

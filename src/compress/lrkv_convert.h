@@ -21,6 +21,9 @@ struct LrkvConversion {
   std::string rope = "expand";
 };
 
+// The converted model's config (every layer LRKV at this rank and RoPE mode), validated; an
+// error for what cannot be converted (non-dense layers, qk_norm, a bad rank or mode).
+model::ModelConfig lrkv_config_for(const model::ModelConfig& dense, const LrkvConversion& options);
 model::Transformer convert_to_lrkv(const model::Transformer& dense, const LrkvConversion& options);
 
 // `kvx convert lrkv`: convert a trained model, evaluate validation CE before and after, heal the

@@ -24,6 +24,7 @@
 #include "train/adamw.h"
 #include "train/distributed.h"
 #include "util/error.h"
+#include "util/strings.h"
 #include "util/threads.h"
 
 namespace kvx::eval {
@@ -291,9 +292,41 @@ double prefill_seconds(model::ModelConfig config, int64_t context, int64_t chunk
 }
 
 nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
+  // Every option is checked here, before the probes and timings (minutes) run.
   if (o.heads < 1 || o.head_dim < 1) throw Error("bench decode: heads and head_dim must be positive");
-  for (int64_t c : o.contexts)
-    if (c < 1) throw Error("bench decode: --contexts must be >= 1 tokens each, got " + std::to_string(c));
+  if (o.contexts.empty()) throw Error("bench decode: --contexts is empty; give increasing contexts, e.g. 1024,4096");
+  if (o.types.empty()) throw Error("bench decode: --types is empty; give cache types, e.g. f32,q8");
+  if (o.kv_heads.empty()) throw Error("bench decode: --hkv is empty; give KV head counts, e.g. 16,4");
+  if (o.isas.empty()) throw Error("bench decode: --isa is empty; give auto, avx2 or avx512");
+  if (!(o.seconds_per_point > 0 && o.seconds_per_point <= 60))
+    throw Error("bench decode: --seconds must be in (0, 60] per measurement, got " + format_number(o.seconds_per_point));
+  for (size_t i = 0; i < o.contexts.size(); ++i) {
+    if (o.contexts[i] < 1) throw Error("bench decode: --contexts must be >= 1 tokens each, got " + std::to_string(o.contexts[i]));
+    if (i > 0 && o.contexts[i] <= o.contexts[i - 1])  // the stores grow from one context to the next
+      throw Error("bench decode: --contexts must be increasing, got " + std::to_string(o.contexts[i - 1]) + " then " +
+                  std::to_string(o.contexts[i]) + "; list them in order, e.g. 1024,4096");
+  }
+  for (const auto& name : o.types) {
+    const kernels::KVType type = kernels::parse_kv_type(name);  // unknown names: an error listing the valid ones
+    if (type != kernels::KVType::Q8 && type != kernels::KVType::Q4) continue;
+    if (o.head_dim % kernels::kQBlock != 0)
+      throw Error("bench decode: a " + name + " cache needs d_h a multiple of " + std::to_string(kernels::kQBlock) + ", got " +
+                  std::to_string(o.head_dim));
+    for (int r : o.lrkv_ranks)
+      if ((static_cast<int64_t>(o.heads) * r) % kernels::kQBlock != 0)
+        throw Error("bench decode: --lrkv rank " + std::to_string(r) + " with a " + name + " cache: the latent row of H r = " +
+                    std::to_string(o.heads * r) + " values must be a multiple of " + std::to_string(kernels::kQBlock) +
+                    " (its blocks); give ranks with H r % " + std::to_string(kernels::kQBlock) + " == 0 or leave " + name +
+                    " out of --types");
+  }
+  for (const auto& name : o.isas) kernels::parse_decode_isa(name);
+  for (double budget : o.lla_budgets) {  // as the LLA rows split the ranks
+    const int total = static_cast<int>(std::lround(2.0 * o.lla_loops * o.head_dim / budget)), rk = total * 3 / 8;
+    if (rk < 1 || total - rk < 1)
+      throw Error("bench decode: --lla " + format_number(budget) + "x leaves no rank at d_h " + std::to_string(o.head_dim) +
+                  " and " + std::to_string(o.lla_loops) + " loops; give compressions up to " +
+                  std::to_string(2 * o.lla_loops * o.head_dim / 3));
+  }
   for (int h : o.kv_heads)
     if (h < 1 || o.heads % h != 0)
       throw Error("bench decode: --hkv " + std::to_string(h) + " does not divide the " + std::to_string(o.heads) +
@@ -514,7 +547,6 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   for (double budget : o.lla_budgets) {
     const int T = o.lla_loops, width = T * o.head_dim;
     const int total = static_cast<int>(std::lround(2.0 * width / budget)), rk = total * 3 / 8, rv = total - rk;
-    if (rk < 1 || rv < 1) throw Error("bench decode: LLA budget " + std::to_string(budget) + "x leaves no rank at d_h " + std::to_string(o.head_dim));
     const int H = o.heads, d = o.head_dim;
     auto panel = [&](int rank) { return torch::randn({H, rank, d}) * (1.0 / std::sqrt(static_cast<double>(rank))); };
     const auto up_k = panel(rk), up_v = panel(rv), mu_k = torch::randn({H, d}) * 0.1, mu_v = torch::randn({H, d}) * 0.1;

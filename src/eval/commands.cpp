@@ -26,12 +26,22 @@ attention::CacheOptions cache_options(const train::LoadedModel& m, const std::st
   return cache;
 }
 
+// The cache flags' own ranges, checked before any data is read or memory sized.
+void check_cache_flags(const train::LoadedModel& m, int share_kv_layers, const std::string& lla, bool lla_absorbed) {
+  const int layers = m.model->config().num_hidden_layers;
+  if (share_kv_layers < 1 || share_kv_layers > layers)
+    throw Error("--share-kv-layers must be in [1, " + std::to_string(layers) + "] (1: off; at most the model's " +
+                std::to_string(layers) + " layers), got " + std::to_string(share_kv_layers));
+  if (lla_absorbed && lla.empty()) throw Error("--lla-absorbed reads an LLA codec's history; give the codec with --lla DIR");
+}
+
 }  // namespace
 
 GenerateOutput generate_text(train::LoadedModel& m, const GenerateRequest& r,
                              const std::function<void(const std::string&)>& on_piece) {
   auto prompt = m.tokenizer.encode(r.prompt);
-  if (r.max_new < 0) throw Error("max_new must be >= 0 (it is " + std::to_string(r.max_new) + ")");
+  model::check_generation(m.model->config(), static_cast<int64_t>(prompt.size()), r.max_new, {r.temperature, r.top_p});
+  check_cache_flags(m, r.share_kv_layers, r.lla, r.lla_absorbed);
   model::require_memory(model::inference_memory(m.model->config(), 1, static_cast<int64_t>(prompt.size()),
                                                 static_cast<int64_t>(prompt.size()) + r.max_new, m.model->kv_bytes_per_token()),
                         model::available_memory_bytes(), "generation", "shorten the prompt or lower max_new");
@@ -57,6 +67,8 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
   if (!r.document_module.empty()) return compress::evaluate_module_dir(m.model, m.tokenizer, r.document_module, r.document);
   if (r.batch < 1) throw Error("batch must be >= 1 (got " + std::to_string(r.batch) + ")");
   if (r.max_windows < 0) throw Error("max_windows must be >= 0 (0: all windows; got " + std::to_string(r.max_windows) + ")");
+  if (r.seq_len < 0) throw Error("seq_len must be >= 1 (0: the model's context; got " + std::to_string(r.seq_len) + ")");
+  check_cache_flags(m, r.share_kv_layers, r.lla, r.lla_absorbed);
   const std::string dir = r.data_dir.empty() ? text::default_data_dir() : r.data_dir;
   auto sources = split_list(r.sources);
   auto split = text::parse_split(r.split);

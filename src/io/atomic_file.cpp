@@ -18,6 +18,8 @@ namespace kvx::io {
 namespace fs = std::filesystem;
 
 std::string read_file(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) throw Error("'" + path + "' is a directory where a file was expected; give the file's path");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error("cannot open '" + path + "': " + std::strerror(errno) + "; check the path");
   std::ostringstream ss;

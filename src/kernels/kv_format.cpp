@@ -190,8 +190,10 @@ size_t row_bytes(KVType t, int n) {
     case KVType::Q8:
     case KVType::Q4:
       if (n % kQBlock != 0)
-        throw Error(kv_type_name(t) + " KV cache needs head_dim to be a multiple of 32, got head_dim = " +
-                    std::to_string(n) + "; use an f32 or bf16 cache for this model");
+        throw Error(kv_type_name(t) + " KV cache needs rows of a multiple of 32 values (its blocks): a head's keys " +
+                    "(head_dim), MLA's latent plus RoPE key (kv_lora_rank + qk_rope_head_dim), NAtS-L's per-head split, " +
+                    "LRKV's latents of all heads (heads x rank); got a row of " + std::to_string(n) +
+                    "; use an f32 or bf16 cache for this model");
       return static_cast<size_t>(n / kQBlock) * (t == KVType::Q8 ? kQ8BlockBytes : kQ4BlockBytes);
   }
   throw Error("row_bytes: invalid KVType value " + std::to_string(static_cast<int>(t)));

@@ -1,8 +1,10 @@
 #include "model/sampling.h"
 
 #include <chrono>
+#include <cmath>
 
 #include "util/error.h"
+#include "util/strings.h"
 
 namespace kvx::model {
 
@@ -31,15 +33,23 @@ int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& opt, st
   return idx[keep - 1].item<int64_t>();
 }
 
+void check_generation(const ModelConfig& config, int64_t prompt_tokens, int max_new, const SamplingOptions& opt) {
+  if (prompt_tokens < 1) throw Error("generate: the prompt is empty; give at least one token of text");
+  if (max_new < 0) throw Error("generate: --max-new must be >= 0");
+  const int64_t limit = config.max_position_embeddings;
+  if (prompt_tokens + max_new > limit)
+    throw Error("generate: prompt (" + std::to_string(prompt_tokens) + " tokens) + max-new (" + std::to_string(max_new) +
+                ") exceeds the model's context limit of " + std::to_string(limit) + " tokens; shorten the prompt or lower --max-new");
+  if (!(std::isfinite(opt.temperature) && opt.temperature >= 0))
+    throw Error("generate: --temperature must be a finite number >= 0 (0 is greedy), got " + format_number(opt.temperature));
+  if (!(opt.top_p > 0 && opt.top_p <= 1))
+    throw Error("generate: --top-p must be in (0, 1] (1 keeps every token), got " + format_number(opt.top_p));
+}
+
 GenerateResult generate(Transformer& model, const std::vector<int32_t>& prompt, int max_new,
                         const SamplingOptions& opt, uint64_t seed, const std::function<void(int32_t)>& on_token,
                         const attention::CacheOptions& cache) {
-  if (prompt.empty()) throw Error("generate: the prompt is empty; give at least one token of text");
-  if (max_new < 0) throw Error("generate: --max-new must be >= 0");
-  const int64_t limit = model->config().max_position_embeddings;
-  if (static_cast<int64_t>(prompt.size()) + max_new > limit)
-    throw Error("generate: prompt (" + std::to_string(prompt.size()) + " tokens) + max-new (" + std::to_string(max_new) +
-                ") exceeds the model's context limit of " + std::to_string(limit) + " tokens; shorten the prompt or lower --max-new");
+  check_generation(model->config(), static_cast<int64_t>(prompt.size()), max_new, opt);
   torch::NoGradGuard ng;
   model->eval();
   std::mt19937_64 rng(seed);

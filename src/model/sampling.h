@@ -30,6 +30,11 @@ struct GenerateResult {
   double cache_bytes_per_token = 0;
 };
 
+// The checks generate makes before any work, for callers that size memory first: a non-empty
+// prompt, max_new >= 0, prompt + max_new within the model's context limit, temperature finite
+// and >= 0, top_p in (0, 1].
+void check_generation(const ModelConfig& config, int64_t prompt_tokens, int max_new, const SamplingOptions& opt);
+
 GenerateResult generate(Transformer& model, const std::vector<int32_t>& prompt, int max_new,
                         const SamplingOptions& opt, uint64_t seed,
                         const std::function<void(int32_t)>& on_token = nullptr,

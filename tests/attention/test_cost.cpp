@@ -63,6 +63,7 @@ TEST(Cost, BadShapesNameTheProblem) {
   EXPECT_THROW(AttentionShape::parse("ssm:H=6"), Error);
   EXPECT_THROW(AttentionShape::parse("mha:H=6,dh=128"), Error);          // unknown key
   EXPECT_THROW(AttentionShape::parse("mha:H=six,d_h=128"), Error);
+  EXPECT_THROW(AttentionShape::parse("lrkv:H=6,r=16,d_h=128,rope=bogus"), Error);  // unknown RoPE mode
   try {
     AttentionShape::parse("lrkv:H=6,r=200,d_h=128");
   } catch (const Error& e) {

@@ -73,4 +73,12 @@ TEST(LrkvConvert, BadRequestsAreClearErrors) {
   EXPECT_THROW(compress::convert_to_lrkv(dense, {9, "expand"}), Error);       // rank above d_h = 8
   EXPECT_THROW(compress::convert_to_lrkv(dense, {3, "pair_aligned"}), Error); // odd rank for whole planes
   EXPECT_THROW(compress::convert_to_lrkv(dense, {4, "full"}), Error);         // unknown mode
+  auto qk = dense_config(4, 4);
+  qk.qk_norm = true;  // per-head key norms have no place in LRKV's shared keys
+  try {
+    compress::lrkv_config_for(qk, {4, "expand"});
+    ADD_FAILURE() << "a qk_norm model was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("qk_norm"), std::string::npos) << e.what();
+  }
 }

@@ -1,6 +1,8 @@
 // Whole-model decode speed runs for every mixer family and cache kind (random history).
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -145,4 +147,14 @@ TEST(DecodeBench, RefusesOptionsThatNameNoMeasurement) {
   refuses([](eval::DecodeBenchOptions& o) { o.kv_heads = {0}; }, "--hkv 0");
   refuses([](eval::DecodeBenchOptions& o) { o.lrkv_ranks = {0}; }, "--lrkv rank 0");
   refuses([](eval::DecodeBenchOptions& o) { o.lrkv_ranks = {129}; }, "--lrkv rank 129");
+  // checked before any probe or timing runs
+  refuses([](eval::DecodeBenchOptions& o) { o.contexts.clear(); }, "--contexts is empty");
+  refuses([](eval::DecodeBenchOptions& o) { o.contexts = {4096, 1024}; }, "must be increasing");
+  refuses([](eval::DecodeBenchOptions& o) { o.types.clear(); }, "--types is empty");
+  refuses([](eval::DecodeBenchOptions& o) { o.types = {"f32", "q9"}; }, "unknown KV cache type 'q9'");
+  refuses([](eval::DecodeBenchOptions& o) { o.seconds_per_point = std::numeric_limits<double>::infinity(); }, "--seconds");
+  refuses([](eval::DecodeBenchOptions& o) { o.seconds_per_point = 0; }, "--seconds");
+  refuses([](eval::DecodeBenchOptions& o) { o.lla_budgets = {1000}; }, "--lla 1000x");
+  refuses([](eval::DecodeBenchOptions& o) { o.lrkv_ranks = {1}; }, "--lrkv rank 1 with a q8 cache");
+  refuses([](eval::DecodeBenchOptions& o) { o.isas = {"neon"}; }, "neon");
 }

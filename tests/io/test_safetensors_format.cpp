@@ -1,7 +1,10 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
+#include <unistd.h>
 
+#include "io/atomic_file.h"
 #include "io/safetensors_format.h"
 #include "util/error.h"
 
@@ -69,4 +72,18 @@ TEST(SafetensorsFormat, CorruptHeadersAreRejected) {
   EXPECT_NE(error_of(with_header(R"({"t":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}})")).find("outside"), std::string::npos);
   EXPECT_NE(error_of(with_header(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"u":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})")).find("overlap"), std::string::npos);
   EXPECT_NE(error_of(with_header(R"({"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})")).find("negative"), std::string::npos);
+}
+
+// A directory given where a file is expected (a model directory passed as its weights or
+// config) is named as such, not read as an empty or truncated file.
+TEST(ReadFile, ADirectoryIsNamedAsOne) {
+  const auto dir = std::filesystem::temp_directory_path() / ("kvx_test_read_dir_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir / "model.safetensors");
+  try {
+    read_file((dir / "model.safetensors").string());
+    ADD_FAILURE() << "a directory was read as a file";
+  } catch (const kvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is a directory"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(dir);
 }

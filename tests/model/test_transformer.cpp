@@ -149,6 +149,13 @@ TEST(Transformer, ContextPastTheLimitIsAClearError) {
   } catch (const kvx::Error& e) {
     EXPECT_NE(std::string(e.what()).find("context limit"), std::string::npos) << e.what();
   }
+  // sampling options out of range, before any work
+  EXPECT_THROW(model::check_generation(m->config(), 2, 2, {std::nan(""), 0.9}), kvx::Error);
+  EXPECT_THROW(model::check_generation(m->config(), 2, 2, {-1.0, 0.9}), kvx::Error);
+  EXPECT_THROW(model::check_generation(m->config(), 2, 2, {0.8, 0.0}), kvx::Error);
+  EXPECT_THROW(model::check_generation(m->config(), 2, 2, {0.8, 1.5}), kvx::Error);
+  EXPECT_THROW(model::check_generation(m->config(), 0, 2, {0.8, 0.9}), kvx::Error);  // empty prompt
+  model::check_generation(m->config(), 2, 2, {0.0, 1.0});
 }
 
 TEST(Sampling, FusedGreedyGenerationEqualsTheReferencePath) {
