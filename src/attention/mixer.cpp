@@ -105,8 +105,6 @@ torch::Tensor causal_softmax(const torch::Tensor& scores, int64_t q_start) {
   return torch::softmax(causal_mask(scores, q_start), -1);
 }
 
-std::vector<std::string> mixer_kinds() { return {"dense", "lrkv", "mla", "gdn", "natsl"}; }
-
 std::shared_ptr<Mixer> make_mixer(const std::string& kind, const model::ModelConfig& config, int layer) {
   if (kind == "dense") return std::make_shared<DenseAttention>(config, layer);
   if (kind == "lrkv") return std::make_shared<LrkvAttention>(config, layer);
@@ -114,7 +112,7 @@ std::shared_ptr<Mixer> make_mixer(const std::string& kind, const model::ModelCon
   if (kind == "gdn") return std::make_shared<GdnAttention>(config, layer);
   if (kind == "natsl") return std::make_shared<NatslAttention>(config, layer);
   std::string valid;
-  for (const auto& k : mixer_kinds()) valid += (valid.empty() ? "" : ", ") + k;
+  for (const auto& k : model::mixer_kinds()) valid += (valid.empty() ? "" : ", ") + k;
   throw Error("unknown mixer kind '" + kind + "' in layout (valid: " + valid + ")");
 }
 

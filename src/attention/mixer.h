@@ -106,8 +106,8 @@ class Mixer : public torch::nn::Module {
   virtual void initialize() {}
 };
 
-// The registry of mixer kinds used by layout strings. Unknown kinds get an error listing the valid ones.
+// The registry of mixer kinds used by layout strings (model::mixer_kinds names them; the config
+// refuses others). Unknown kinds get an error listing the valid ones.
 std::shared_ptr<Mixer> make_mixer(const std::string& kind, const model::ModelConfig& config, int layer);
-std::vector<std::string> mixer_kinds();
 
 }  // namespace kvx::attention

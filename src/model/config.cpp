@@ -99,6 +99,7 @@ nlohmann::json ModelConfig::to_json() const {
 }
 
 std::vector<std::string> lrkv_rope_modes() { return {"expand", "shared_rope", "pair_aligned"}; }
+std::vector<std::string> mixer_kinds() { return {"dense", "lrkv", "mla", "gdn", "natsl"}; }
 
 bool ModelConfig::uses(const std::string& kind) const {
   for (const auto& k : layer_kinds())
@@ -130,7 +131,13 @@ void ModelConfig::validate() const {
   if (head_dim % 2 != 0) throw Error("model config: head_dim must be even for RoPE, got " + std::to_string(head_dim));
   if (rope_theta <= 0) throw Error("model config: rope_theta must be positive");
   if (rms_norm_eps <= 0) throw Error("model config: rms_norm_eps must be positive");
-  layer_kinds();  // validates the layout
+  const auto known = mixer_kinds();
+  for (const auto& kind : layer_kinds())  // layer_kinds validates the layout's form
+    if (std::find(known.begin(), known.end(), kind) == known.end()) {
+      std::string valid;
+      for (const auto& k : known) valid += (valid.empty() ? "" : ", ") + k;
+      throw Error("model config: layout names an unknown mixer kind '" + kind + "' (valid: " + valid + ")");
+    }
   if (loops < 1 || loops > 64)
     throw Error("model config: loops (times the layer stack runs) must be in [1, 64], got " + std::to_string(loops));
   if (exit_gate && loops < 2)

@@ -65,6 +65,8 @@ struct ModelConfig {
 
 // LRKV RoPE modes (SPEC 1.1), each with what it costs.
 std::vector<std::string> lrkv_rope_modes();
+// The mixer kinds a layout may name (attention::make_mixer builds them).
+std::vector<std::string> mixer_kinds();
 
 // "dense*3,dense" -> 4 entries. A single kind without a count fills every layer.
 std::vector<std::string> expand_layout(const std::string& layout, int num_layers);

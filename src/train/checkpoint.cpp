@@ -12,6 +12,7 @@
 #include "io/json_config.h"
 #include "model/hf_format.h"
 #include "nn/tensor_io.h"
+#include "model/memory.h"
 #include "util/error.h"
 #include "util/fault.h"
 
@@ -122,6 +123,10 @@ LoadedModel load_model(const std::string& path) {
   if (out.tokenizer.vocab_size() > config.vocab_size)
     throw Error(out.dir + ": tokenizer.json has " + std::to_string(out.tokenizer.vocab_size()) +
                 " tokens but config.json's vocab_size is " + std::to_string(config.vocab_size) + "; they do not belong together");
+  model::MemoryEstimate need;  // the fp32 weights, and the weights file read whole beside them
+  need.weights = 2 * 4 * model::parameter_count(config);
+  model::require_memory(need, model::available_memory_bytes(), "loading " + out.dir,
+                        "check config.json's sizes (vocab_size, hidden_size, intermediate_size, num_hidden_layers)");
   out.model = model::Transformer(config);
   out.model->load_state_dict_hf(nn::load_safetensors(out.dir + "/model.safetensors"), out.dir + "/model.safetensors");
   return out;

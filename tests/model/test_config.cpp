@@ -67,6 +67,15 @@ TEST(Layout, Expands) {
     EXPECT_NE(std::string(e.what()).find("more than num_hidden_layers = 4"), std::string::npos) << e.what();
   }
   EXPECT_THROW(model::expand_layout("a*x", 1), kvx::Error);
+  model::ModelConfig c;  // the config names the mixer kinds it knows
+  c.num_hidden_layers = 2;
+  c.layout = "dense,lla";
+  try {
+    c.validate();
+    ADD_FAILURE() << "an unknown mixer kind was accepted";
+  } catch (const kvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown mixer kind 'lla'"), std::string::npos) << e.what();
+  }
 }
 
 TEST(ModelConfig, FamilySettingsOnlyWhereUsed) {
