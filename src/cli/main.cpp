@@ -166,7 +166,7 @@ void cmd_generate(const GenerateArgs& a) {
   echo_prompt();  // --max-new 0
   std::cout << std::endl;  // before the stats on stderr
   const auto& s = r.stats;
-  std::fprintf(stderr, "[%lld prompt tokens, %zu generated | prefill %.1f ms, decode %.1f tokens/s | KV cache (%s) %lld bytes = %.0f bytes/token]\n",
+  std::fprintf(stderr, "[%lld prompt tokens, %zu generated | prefill %.1f ms, decode %.1f tokens/s | KV cache (%s) holds %lld bytes, %.0f per cached token]\n",
                static_cast<long long>(r.prompt_tokens), s.tokens.size(), s.prefill_seconds * 1e3,
                s.tokens.size() > 1 ? (s.tokens.size() - 1) / std::max(s.decode_seconds, 1e-9) : 0.0, r.cache.c_str(),
                static_cast<long long>(s.cache_bytes), s.cache_bytes_per_token);
@@ -224,11 +224,12 @@ void cmd_eval(const EvalArgs& a) {
   }
   if (j.contains("cache")) {
     const auto& c = j["cache"];
-    std::printf("through the %s decode cache (%.0f bytes/token held):\n", c["kv_cache"].get<std::string>().c_str(),
-                c["bytes_per_token"].get<double>());
+    std::printf("through the %s decode cache (%.0f bytes per cached token; %.0f bytes/token held at the window's end):\n",
+                c["kv_cache"].get<std::string>().c_str(), c["bytes_per_token"].get<double>(),
+                c["held_bytes_per_token"].get<double>());
     std::printf("  cross-entropy   %.4f nats/token   (%+.4f vs f32 full forward)\n", c["cross_entropy"].get<double>(),
                 c["cross_entropy"].get<double>() - ce);
-    std::printf("  KL(f32 || cache) %.5f nats/token, top-1 agreement %.2f%%\n", c["kl_vs_f32"].get<double>(),
+    std::printf("  KL(f32 full forward || cache) %.5f nats/token, top-1 agreement %.2f%%\n", c["kl_vs_f32"].get<double>(),
                 100 * c["top1_agreement"].get<double>());
   }
 }

@@ -109,6 +109,7 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
     auto c = evaluate_lm_cached(m.model, batches, m.tokenizer, cache, cache.lla ? 1 : 0);
     j["cache"] = {{"kv_cache", cache.describe()},
                   {"bytes_per_token", c.cache_bytes_per_token},
+                  {"held_bytes_per_token", c.held_bytes_per_token},
                   {"cross_entropy", c.quality.cross_entropy},
                   {"bits_per_byte", c.quality.bits_per_byte},
                   {"kl_vs_f32", c.kl_vs_full},

@@ -77,6 +77,7 @@ CachedQuality evaluate_lm_cached(model::Transformer& model,
     }
     auto cached = torch::log_softmax(logits.to(torch::kFloat64), -1);
     out.cache_bytes_per_token = state.bytes_per_token();
+    out.held_bytes_per_token = static_cast<double>(state.bytes()) / static_cast<double>(x.numel());
     nats -= cached.gather(-1, y.unsqueeze(-1)).sum().item<double>();
     kl += (full.exp() * (full - cached)).sum().item<double>();
     agree += full.argmax(-1).eq(cached.argmax(-1)).sum().item<double>();

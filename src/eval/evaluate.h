@@ -30,7 +30,8 @@ struct CachedQuality {
   LmQuality quality;
   double kl_vs_full = 0;       // mean KL(p_full || p_cache) per token, nats
   double top1_agreement = 0;   // share of tokens whose argmax agrees with the full forward
-  double cache_bytes_per_token = 0;
+  double cache_bytes_per_token = 0;  // per cached token (a row of every layer)
+  double held_bytes_per_token = 0;   // bytes held after a window / its tokens (below the above under eviction)
 };
 CachedQuality evaluate_lm_cached(model::Transformer& model,
                                  const std::vector<std::pair<torch::Tensor, torch::Tensor>>& batches,
