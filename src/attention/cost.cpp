@@ -153,9 +153,9 @@ std::string AttentionShape::describe() const {
 
 std::vector<std::pair<int, int>> AttentionShape::cache_rows() const {
   if (kind == "dense") return {{2 * kv_heads, head_dim}};
-  if (kind == "lrkv") {  // K_s, V_s; R_h^K, R_h^V per head
+  if (kind == "lrkv") {  // K_s, V_s; the latents of all heads, [R_0 | .. | R_{H-1}], for K and for V
     std::vector<std::pair<int, int>> rows = {{2, head_dim}};
-    if (rank > 0) rows.push_back({2 * heads, rank});
+    if (rank > 0) rows.push_back({2, heads * rank});
     return rows;
   }
   if (kind == "gdn") return {};

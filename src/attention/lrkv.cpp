@@ -184,9 +184,11 @@ std::unique_ptr<MixerCache> LrkvAttention::new_cache(int64_t batch, const CacheO
                   "without --evict, or a shared_rope / pair_aligned model for compressed caches");
     return std::make_unique<LrkvCache>(batch, heads_, head_dim_, rank_);
   }
-  if ((options.type == kernels::KVType::Q8 || options.type == kernels::KVType::Q4) && rank_ % kernels::kQBlock != 0)
-    throw Error("a " + kernels::kv_type_name(options.type) + " cache quantises the LRKV latents in blocks of 32, so lrkv_rank must be a "
-                "multiple of 32 (it is " + std::to_string(rank_) + "); use f32 or bf16");
+  // q8/q4 quantise a token's latents [R_0 | .. | R_{H-1}] in blocks of 32 (blocks may span heads)
+  if ((options.type == kernels::KVType::Q8 || options.type == kernels::KVType::Q4) && (heads_ * rank_) % kernels::kQBlock != 0)
+    throw Error("a " + kernels::kv_type_name(options.type) + " cache quantises a token's LRKV latents (heads x lrkv_rank = " +
+                std::to_string(heads_ * rank_) + " values) in blocks of 32, so that must be a multiple of 32; use f32 or bf16, "
+                "or a rank that makes it one");
   return std::make_unique<LrkvFusedCache>(batch, heads_, head_dim_, rank_, options);
 }
 

@@ -116,9 +116,9 @@ py::tuple lrkv_decode(const py::array& q_in, std::optional<py::array> qb_in, con
     require_shape(rk, "r_k", {ks.size(0), H, r}, "[tokens, heads, rank] = [" + std::to_string(ks.size(0)) + ", " +
                                                      std::to_string(H) + ", " + std::to_string(r) + "]");
     require_shape(rv, "r_v", {ks.size(0), H, r}, "r_k's shape " + nn::shape_of(rk));
-    if (r > 0 && (type == kernels::KVType::Q8 || type == kernels::KVType::Q4) && r % 32 != 0)
-      throw Error("a " + kv_cache + " cache quantises the latents in blocks of 32 within each head, so the rank must be a "
-                  "multiple of 32 (it is " + std::to_string(r) + "); use f32 or bf16");
+    if (r > 0 && (type == kernels::KVType::Q8 || type == kernels::KVType::Q4) && (H * r) % 32 != 0)
+      throw Error("a " + kv_cache + " cache quantises a token's latents (heads x rank = " + std::to_string(H * r) +
+                  " values) in blocks of 32, so that must be a multiple of 32; use f32 or bf16");
     if (r > 0) {
       latents.emplace(type, 1, static_cast<int>(H * r));
       append_rows(*latents, rk, &rv);

@@ -209,7 +209,16 @@ TEST(Lrkv, CacheBytesFollowTheFormula) {
   EXPECT_EQ(cache->bytes(), 0);
   attention::CacheOptions q8;
   q8.type = kernels::KVType::Q8;
-  EXPECT_THROW(m.new_cache(1, q8), Error);  // q8 latents need r % 32 == 0
+  EXPECT_THROW(m.new_cache(1, q8), Error);  // q8 latents need H r % 32 == 0 (4 x 3 = 12)
+  // 16 heads of rank 6: 96 latent values a token, three q8 blocks that span heads
+  const auto c16 = lrkv_config(16, 32, 6, "shared_rope");
+  LrkvAttention m16(c16, 0);
+  auto quantised = m16.new_cache(1, q8), exact = m16.new_cache(1, attention::CacheOptions{});
+  auto x = torch::randn({1, 9, c16.hidden_size});
+  const auto yq = m16.step(x, *quantised), y = m16.step(x, *exact);
+  EXPECT_LT(((yq - y).abs().max() / y.abs().max()).item<double>(), 0.05);  // q8's error, no more
+  EXPECT_DOUBLE_EQ(quantised->bytes_per_token(), 2 * (kernels::row_bytes(kernels::KVType::Q8, 32) + kernels::row_bytes(kernels::KVType::Q8, 96)));
+  EXPECT_DOUBLE_EQ(m16.cache_bytes_per_token(kernels::KVType::Q8), quantised->bytes_per_token());
 }
 
 TEST(Lrkv, ResidualStartsAtATenthOfTheSharedProjection) {
