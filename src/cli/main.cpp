@@ -920,6 +920,9 @@ int main(int argc, char** argv) {
   } catch (const c10::Error& e) {
     std::cerr << "kvx: internal tensor error: " << e.what_without_backtrace() << "\n";
     return 3;
+  } catch (const std::exception& e) {  // e.g. std::filesystem errors (a full or read-only disk)
+    std::cerr << "kvx: error: " << e.what() << "\n";
+    return 2;
   }
   return 0;
 }

@@ -197,7 +197,7 @@ void save_checkpoint(const std::string& run_dir, const model::Transformer& model
     if (all[i] != name.str()) discard_checkpoint_dir(run_dir, all[i]);
 }
 
-TrainerState load_trainer_state(const std::string& dir, AdamW& optimizer) {
+TrainerState read_trainer_state(const std::string& dir) {
   nlohmann::json j = io::parse_json_file(dir + "/trainer_state.json");
   TrainerState s;
   try {
@@ -210,8 +210,11 @@ TrainerState load_trainer_state(const std::string& dir, AdamW& optimizer) {
   } catch (const std::exception& e) {
     throw Error(dir + "/trainer_state.json is incomplete (" + e.what() + "); the checkpoint cannot be resumed");
   }
-  optimizer.load_state(nn::load_safetensors(dir + "/optimizer.safetensors"), dir + "/optimizer.safetensors");
   return s;
+}
+
+void load_optimizer_state(const std::string& dir, AdamW& optimizer) {
+  optimizer.load_state(nn::load_safetensors(dir + "/optimizer.safetensors"), dir + "/optimizer.safetensors");
 }
 
 }  // namespace kvx::train

@@ -79,6 +79,25 @@ struct LossLog {
   }
 };
 
+
+// The settings that fix the order of the training data (what a resumed sampler replays), the
+// first one changed between the checkpoint's run config and this one ("" if none). Steps,
+// learning rate and evaluation settings may change on resume; these may not.
+std::string data_order_change(const RunConfig& saved, const RunConfig& now) {
+  auto changed = [](const std::string& name, const auto& a, const auto& b) {
+    return nlohmann::json(a) == nlohmann::json(b) ? std::string()
+                                                  : name + " (" + nlohmann::json(a).dump() + " -> " + nlohmann::json(b).dump() + ")";
+  };
+  for (const std::string& c : {changed("train.batch_size", saved.train.batch_size, now.train.batch_size),
+                               changed("train.seq_len", saved.train.seq_len, now.train.seq_len),
+                               changed("data.sources", saved.data.sources, now.data.sources),
+                               changed("data.mqar_fraction", saved.data.mqar_fraction, now.data.mqar_fraction),
+                               changed("data.mqar_max_pairs", saved.data.mqar_max_pairs, now.data.mqar_max_pairs),
+                               changed("data.mqar_symbols", saved.data.mqar_symbols, now.data.mqar_symbols)})
+    if (!c.empty()) return c;
+  return "";
+}
+
 }  // namespace
 
 TrainingData prepare_training_data(const RunConfig& config) {
@@ -189,15 +208,22 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
     TrainerState st;
     std::string err;
     if (root) try {  // any failure here is every rank's (agree below)
-        st = load_trainer_state(ckpt, optimizer);
-        if (RunConfig::from_json(st.run_config).model.to_json() != cfg.model.to_json())
+        st = read_trainer_state(ckpt);
+        const RunConfig saved = RunConfig::from_json(st.run_config);
+        const std::string order = data_order_change(saved, cfg);
+        if (saved.model.to_json() != cfg.model.to_json())
           err = ckpt + ": the checkpoint's model config differs from the given config; resume with the same config (see " +
                 ckpt + "/trainer_state.json) or train into a new --out directory";
+        else if (!order.empty())
+          err = ckpt + ": " + order + " differs from the checkpoint's, so the data would not continue where it stopped; "
+                "resume with the checkpoint's setting (see " + ckpt + "/trainer_state.json) or train into a new --out directory";
         else if (static_cast<int>(st.sampler_states.size()) != world)
           err = ckpt + " was written by " + std::to_string(st.sampler_states.size()) +
                 " data-parallel workers; resume it with --nproc " + std::to_string(st.sampler_states.size());
-        else
+        else {
+          load_optimizer_state(ckpt, optimizer);
           model->load_state_dict_hf(nn::load_safetensors(ckpt + "/model.safetensors"), ckpt + "/model.safetensors");
+        }
       } catch (const std::exception& e) {
         err = e.what();
       }

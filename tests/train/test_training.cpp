@@ -76,6 +76,22 @@ TEST(Training, ResumeEqualsStraightRun) {
   auto s = train::run_training(halves, data);
   EXPECT_EQ(s.step, 8);
 
+  // Resuming with settings that change the model's shapes or the data order is refused clearly,
+  // before the optimizer state is read (a wider model failed on an optimizer tensor's shape).
+  auto resume_error = [&](auto edit) {
+    train::TrainArgs changed = halves;
+    edit(changed.config);
+    try {
+      train::run_training(changed, data);
+    } catch (const kvx::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(resume_error([](train::RunConfig& c) { c.model.hidden_size = 48; }).find("model config differs"), std::string::npos);
+  EXPECT_NE(resume_error([](train::RunConfig& c) { c.train.batch_size = 2; }).find("train.batch_size (4 -> 2)"), std::string::npos);
+  EXPECT_NE(resume_error([](train::RunConfig& c) { c.train.seq_len = 16; }).find("train.seq_len"), std::string::npos);
+
   const auto a = train::latest_checkpoint(straight.run_dir), b = train::latest_checkpoint(halves.run_dir);
   expect_same_weights(nn::load_safetensors(a + "/model.safetensors"), nn::load_safetensors(b + "/model.safetensors"));
   expect_same_weights(nn::load_safetensors(a + "/optimizer.safetensors"), nn::load_safetensors(b + "/optimizer.safetensors"));
