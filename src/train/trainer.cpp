@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <filesystem>
 #include <chrono>
 #include <csignal>
 #include <functional>
@@ -78,7 +79,6 @@ struct LossLog {
     eval::plot_lines(png, "kvx train: " + name, "step", "cross-entropy (nats/token)", {train, val, unigram});
   }
 };
-
 
 // The settings that fix the order of the training data (what a resumed sampler replays), the
 // first one changed between the checkpoint's run config and this one ("" if none). Steps,
@@ -171,8 +171,15 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
                     "differs from worker 0's; start every worker with the same --config/--preset, options and data");
   }
   const std::string latest = agree([&] {
-    // Room for a checkpoint being written besides the `keep` (2) kept: weights and AdamW's two moments.
-    io::check_output_dir(args.run_dir, 3 * (12.0 * model::parameter_count(cfg.model) + (1 << 20)), job);
+    // Room for a checkpoint being written besides the `keep` (2) kept (weights and AdamW's two
+    // moments), less those a resumed run already has on disk.
+    int on_disk = 0;
+    std::error_code ec;
+    if (args.resume)
+      for (const auto& e : std::filesystem::directory_iterator(args.run_dir, ec))
+        on_disk += e.is_directory(ec) && e.path().filename().string().rfind("ckpt-", 0) == 0;
+    const int to_write = 3 - std::min(on_disk, 2);
+    io::check_output_dir(args.run_dir, to_write * (12.0 * model::parameter_count(cfg.model) + (1 << 20)), job);
     const std::string l = latest_checkpoint(args.run_dir);
     if (!l.empty() && !args.resume)
       throw Error("run directory '" + args.run_dir + "' already has a checkpoint (" + l +
