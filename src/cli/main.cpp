@@ -173,6 +173,13 @@ void cmd_generate(const GenerateArgs& a) {
 }
 
 // --- kvx eval -----------------------------------------------------------------------------------
+// "  MQAR accuracy   1 pairs: 98.0% 4 pairs: ..." (eval's rows, with and without a cache).
+void print_mqar(const nlohmann::json& rows) {
+  std::printf("  MQAR accuracy  ");
+  for (const auto& p : rows) std::printf(" %d pairs: %.1f%%", p["pairs"].get<int>(), 100 * p["accuracy"].get<double>());
+  std::printf("\n");
+}
+
 struct EvalArgs : eval::EvalRequest {
   std::string model;
   bool json = false;
@@ -217,10 +224,7 @@ void cmd_eval(const EvalArgs& a) {
               j["unigram_bits_per_byte"].get<double>());
   std::printf("  KV cache        %.0f bytes/token (f32, all layers)\n", j["kv_bytes_per_token"].get<double>());
   if (j.contains("mqar_accuracy")) {
-    std::printf("  MQAR accuracy  ");
-    for (const auto& p : j["mqar_accuracy"])
-      std::printf(" %d pairs: %.1f%%", p["pairs"].get<int>(), 100 * p["accuracy"].get<double>());
-    std::printf("\n");
+    print_mqar(j["mqar_accuracy"]);
   }
   if (j.contains("cache")) {
     const auto& c = j["cache"];
@@ -231,6 +235,7 @@ void cmd_eval(const EvalArgs& a) {
                 c["cross_entropy"].get<double>() - ce);
     std::printf("  KL(f32 full forward || cache) %.5f nats/token, top-1 agreement %.2f%%\n", c["kl_vs_f32"].get<double>(),
                 100 * c["top1_agreement"].get<double>());
+    if (c.contains("mqar_accuracy")) print_mqar(c["mqar_accuracy"]);
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <optional>
 
 #include "compress/lla_codec.h"
 #include "compress/nectar.h"
@@ -76,6 +77,22 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
   if (seq_len > m.model->config().max_position_embeddings)
     throw Error("seq_len " + std::to_string(seq_len) + " exceeds the model's context limit of " +
                 std::to_string(m.model->config().max_position_embeddings) + "; give a shorter one");
+  // MQAR pair counts, checked against this context before the cross-entropy evaluation runs
+  std::vector<int> mqar_pairs;
+  for (const auto& p : split_list(r.mqar)) {
+    size_t used = 0;
+    int n = 0;
+    try {
+      n = std::stoi(p, &used);
+    } catch (const std::exception&) {
+    }
+    if (used != p.size() || n < 1) throw Error("mqar: '" + p + "' is not a pair count; give positive integers, e.g. 1,4,16");
+    train::mqar_spec(m.model->config().vocab_size, n, seq_len, r.mqar_symbols);
+    mqar_pairs.push_back(n);
+  }
+  std::optional<attention::CacheOptions> cache;  // the decode cache asked for, if any
+  if (!r.kv_cache.empty() || !r.evict.empty() || !r.lla.empty() || r.share_kv_layers > 1)
+    cache = cache_options(m, r.kv_cache.empty() ? "f32" : r.kv_cache, r.evict, false, r.lla, r.lla_absorbed, r.share_kv_layers);
   model::require_memory(model::inference_memory(m.model->config(), r.batch, seq_len, seq_len, m.model->kv_bytes_per_token()),
                         model::available_memory_bytes(), "evaluation", "lower seq_len or batch");
   auto tokens = train::load_split_tokens(dir, sources, m.tokenizer, split);
@@ -102,12 +119,10 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
                       {"kv_cache", "f32"},
                       {"parameters", m.model->num_parameters()},
                       {"seconds", secs}};
-  if (!r.kv_cache.empty() || !r.evict.empty() || !r.lla.empty() || r.share_kv_layers > 1) {
-    auto cache = cache_options(m, r.kv_cache.empty() ? "f32" : r.kv_cache, r.evict, false, r.lla, r.lla_absorbed,
-                               r.share_kv_layers);
+  if (cache) {
     // Codes are committed after a token's loops: one token per step, so history is read from codes.
-    auto c = evaluate_lm_cached(m.model, batches, m.tokenizer, cache, cache.lla ? 1 : 0);
-    j["cache"] = {{"kv_cache", cache.describe()},
+    auto c = evaluate_lm_cached(m.model, batches, m.tokenizer, *cache, cache->lla ? 1 : 0);
+    j["cache"] = {{"kv_cache", cache->describe()},
                   {"bytes_per_token", c.cache_bytes_per_token},
                   {"held_bytes_per_token", c.held_bytes_per_token},
                   {"cross_entropy", c.quality.cross_entropy},
@@ -115,22 +130,16 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
                   {"kl_vs_f32", c.kl_vs_full},
                   {"top1_agreement", c.top1_agreement}};
   }
-  if (!r.mqar.empty()) {
-    std::vector<int> pairs;
-    for (const auto& p : split_list(r.mqar)) {
-      size_t used = 0;
-      int n = 0;
-      try {
-        n = std::stoi(p, &used);
-      } catch (const std::exception&) {
-      }
-      if (used != p.size() || n < 1) throw Error("mqar: '" + p + "' is not a pair count; give positive integers, e.g. 1,4,16");
-      pairs.push_back(n);
-    }
-    nlohmann::json acc = nlohmann::json::array();
-    for (const auto& p : mqar_accuracy(m.model, pairs, r.mqar_sequences, seq_len, r.mqar_symbols, 1234))
-      acc.push_back({{"pairs", p.pairs}, {"accuracy", p.accuracy}, {"queries", p.queries}});
-    j["mqar_accuracy"] = acc;
+  if (!mqar_pairs.empty()) {
+    auto accuracy = [&](const attention::CacheOptions* through) {
+      nlohmann::json acc = nlohmann::json::array();
+      for (const auto& p : mqar_accuracy(m.model, mqar_pairs, r.mqar_sequences, seq_len, r.mqar_symbols, 1234, through))
+        acc.push_back({{"pairs", p.pairs}, {"accuracy", p.accuracy}, {"queries", p.queries}});
+      return acc;
+    };
+    j["mqar_accuracy"] = accuracy(nullptr);
+    // also through the cache (prefilled at once: LLA codes, committed a token at a time, are left out)
+    if (cache && !cache->lla) j["cache"]["mqar_accuracy"] = accuracy(&*cache);
   }
   return j;
 }

@@ -94,6 +94,17 @@ def test_eval_full_forward_and_decode_cache_agree(micro_model):
         micro_model.eval(seq_len=32, max_windows=1, mqar="1,x")
     mqar = micro_model.eval(seq_len=32, max_windows=1, mqar=[1, 2], mqar_sequences=2)
     assert [p["pairs"] for p in mqar["mqar_accuracy"]] == [1, 2]
+    # With a cache: the bytes held per token (eviction keeps 2 + 6 of 32) and MQAR through it too.
+    evicted = micro_model.eval(seq_len=32, max_windows=1, kv_cache="f32", evict="sink=2,window=6", mqar=[1, 2],
+                               mqar_sequences=2)
+    c = evicted["cache"]
+    assert c["bytes_per_token"] == micro_model.kv_bytes_per_token()
+    assert c["held_bytes_per_token"] == pytest.approx(micro_model.kv_bytes_per_token() * 8 / 32)
+    assert [p["pairs"] for p in c["mqar_accuracy"]] == [1, 2]
+    exact = micro_model.eval(seq_len=32, max_windows=1, kv_cache="f32", mqar=[1, 2], mqar_sequences=2)
+    assert [p["accuracy"] for p in exact["cache"]["mqar_accuracy"]] == [p["accuracy"] for p in mqar["mqar_accuracy"]]
+    with pytest.raises(kvx.KvxError, match="pairs and"):  # checked before the cross-entropy runs
+        micro_model.eval(seq_len=32, max_windows=1, mqar=[500])
     with pytest.raises(kvx.KvxError, match="context limit"):
         micro_model.eval(seq_len=4096)
 
