@@ -204,8 +204,17 @@ DecodeState TransformerImpl::new_state(int64_t batch, const attention::CacheOpti
       }
     return s;
   }
+  // Eviction applies to the layers that keep per-token K/V; GDN layers (a constant-size state)
+  // keep theirs, so hybrids evict their attention layers. A model of GDN layers alone has
+  // nothing to evict.
+  const auto kinds = config_.layer_kinds();
+  attention::CacheOptions stateful = options;
+  stateful.evict = {};
+  if (options.evict.enabled() && std::all_of(kinds.begin(), kinds.end(), [](const std::string& k) { return k == "gdn"; }))
+    throw Error("every layer of this model is GDN (a constant-size state), so there is no KV to evict; drop --evict");
   for (int t = 0; t < config_.loops; ++t)
-    for (const auto& layer : *layers) s.layers.push_back(layer->as<BlockImpl>()->self_attn->new_cache(batch, options));
+    for (size_t i = 0; i < kinds.size(); ++i)
+      s.layers.push_back((*layers)[i]->as<BlockImpl>()->self_attn->new_cache(batch, kinds[i] == "gdn" ? stateful : options));
   return s;
 }
 

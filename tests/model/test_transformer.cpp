@@ -278,6 +278,36 @@ TEST(Transformer, GdnNatslDenseHybridDecodesLikeItsForward) {
   EXPECT_TRUE(m->state_dict_hf().count("model.layers.1.self_attn.router.weight"));
 }
 
+// Eviction on a GDN + dense hybrid: the dense layer holds sink + window rows, the GDN layer keeps
+// its state, and the outputs differ from the unevicted decode; a GDN-only model has nothing to evict.
+TEST(Transformer, HybridGdnDenseEvictsItsDenseLayers) {
+  auto c = tiny(4, 2);
+  c.num_hidden_layers = 2;
+  c.layout = "gdn,dense";
+  c.linear_num_heads = 2;
+  c.linear_key_head_dim = 8;
+  c.linear_value_head_dim = 6;
+  c.validate();
+  torch::manual_seed(15);
+  model::Transformer m(c);
+  torch::NoGradGuard ng;
+  auto ids = torch::randint(37, {1, 20}, torch::kLong);
+  attention::CacheOptions evicting = attention::CacheOptions::parse("f32", "sink=2,window=5", false);
+  auto state = m->new_state(1, evicting), full_state = m->new_state(1, attention::CacheOptions{});
+  torch::Tensor last, last_full;
+  for (int t = 0; t < 20; ++t) {
+    last = m->step(ids.narrow(1, t, 1), state);
+    last_full = m->step(ids.narrow(1, t, 1), full_state);
+  }
+  EXPECT_EQ(state.layers[1]->bytes(), static_cast<int64_t>(7 * state.layers[1]->bytes_per_token()));  // 2 + 5 rows held
+  EXPECT_GT((last - last_full).abs().max().item<double>(), 1e-6);  // the evicted rows mattered
+  auto g = c;
+  g.layout = "gdn";
+  g.num_hidden_layers = 1;
+  model::Transformer only_gdn(g);
+  EXPECT_THROW(only_gdn->new_state(1, evicting), kvx::Error);
+}
+
 TEST(Transformer, LoopedModelRunsItsStackTTimesAndDecodesWithACachePerLoopAndLayer) {
   auto c = tiny(4, 2);
   c.num_hidden_layers = 2;
