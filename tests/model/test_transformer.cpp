@@ -25,6 +25,17 @@ model::ModelConfig tiny(int heads, int kv_heads) {
   c.layout = "dense*3";
   return c;
 }
+
+// tiny(4, 2) with this layout and small GDN layers (2 heads of K = 8, V = 6).
+model::ModelConfig tiny_with_gdn(const std::string& layout, int layers) {
+  auto c = tiny(4, 2);
+  c.num_hidden_layers = layers;
+  c.layout = layout;
+  c.linear_num_heads = 2;
+  c.linear_key_head_dim = 8;
+  c.linear_value_head_dim = 6;
+  return c;
+}
 }  // namespace
 
 class IncrementalDecode : public ::testing::TestWithParam<std::pair<int, int>> {};
@@ -242,11 +253,7 @@ TEST(Transformer, HybridLrkvDenseModelDecodesLikeItsForward) {
 }
 
 TEST(Transformer, GdnNatslDenseHybridDecodesLikeItsForward) {
-  auto c = tiny(4, 2);
-  c.layout = "gdn,natsl,dense";
-  c.linear_num_heads = 2;
-  c.linear_key_head_dim = 8;
-  c.linear_value_head_dim = 6;
+  auto c = tiny_with_gdn("gdn,natsl,dense", 3);
   c.nats_attention_heads = 4;
   c.nats_block_size = 4;
   c.validate();
@@ -281,12 +288,7 @@ TEST(Transformer, GdnNatslDenseHybridDecodesLikeItsForward) {
 // Eviction on a GDN + dense hybrid: the dense layer holds sink + window rows, the GDN layer keeps
 // its state, and the outputs differ from the unevicted decode; a GDN-only model has nothing to evict.
 TEST(Transformer, HybridGdnDenseEvictsItsDenseLayers) {
-  auto c = tiny(4, 2);
-  c.num_hidden_layers = 2;
-  c.layout = "gdn,dense";
-  c.linear_num_heads = 2;
-  c.linear_key_head_dim = 8;
-  c.linear_value_head_dim = 6;
+  auto c = tiny_with_gdn("gdn,dense", 2);
   c.validate();
   torch::manual_seed(15);
   model::Transformer m(c);
