@@ -320,9 +320,14 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                     " out of --types");
   }
   for (const auto& name : o.isas) kernels::parse_decode_isa(name);
-  for (double budget : o.lla_budgets) {  // as the LLA rows split the ranks
+  // An LLA row's key and value ranks at a compression: 2 T d_h / budget in all, 3/8 of it for keys.
+  auto lla_ranks = [&](double budget) {
     const int total = static_cast<int>(std::lround(2.0 * o.lla_loops * o.head_dim / budget)), rk = total * 3 / 8;
-    if (rk < 1 || total - rk < 1)
+    return std::pair<int, int>{rk, total - rk};
+  };
+  for (double budget : o.lla_budgets) {
+    const auto [rk, rv] = lla_ranks(budget);
+    if (rk < 1 || rv < 1)
       throw Error("bench decode: --lla " + format_number(budget) + "x leaves no rank at d_h " + std::to_string(o.head_dim) +
                   " and " + std::to_string(o.lla_loops) + " loops; give compressions up to " +
                   std::to_string(2 * o.lla_loops * o.head_dim / 3));
@@ -545,8 +550,8 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
 
   // LLA: reconstruct-on-read over per-head codes (SPEC 1.3), one loop's read of one layer.
   for (double budget : o.lla_budgets) {
-    const int T = o.lla_loops, width = T * o.head_dim;
-    const int total = static_cast<int>(std::lround(2.0 * width / budget)), rk = total * 3 / 8, rv = total - rk;
+    const int T = o.lla_loops;
+    const auto [rk, rv] = lla_ranks(budget);
     const int H = o.heads, d = o.head_dim;
     auto panel = [&](int rank) { return torch::randn({H, rank, d}) * (1.0 / std::sqrt(static_cast<double>(rank))); };
     const auto up_k = panel(rk), up_v = panel(rv), mu_k = torch::randn({H, d}) * 0.1, mu_v = torch::randn({H, d}) * 0.1;

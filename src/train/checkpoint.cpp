@@ -185,16 +185,26 @@ void save_checkpoint(const std::string& run_dir, const model::Transformer& model
   if (fault_at("checkpoint.before_latest")) ::raise(SIGKILL);
   io::write_file_atomic(run_dir + "/LATEST", name.str() + "\n");
   // Drop all but the newest `keep` checkpoints, and saves that a killed run left unfinished.
-  std::vector<std::string> all, unfinished;
+  std::vector<std::string> unfinished;
   for (const auto& e : fs::directory_iterator(run_dir)) {
     std::string n = e.path().filename().string();
-    if (e.is_directory() && n.rfind("ckpt-", 0) == 0) all.push_back(n);
     if (e.is_directory() && n.rfind(".ckpt-", 0) == 0) unfinished.push_back(n);
   }
   for (const auto& n : unfinished) fs::remove_all(run_dir + "/" + n);
-  std::sort(all.begin(), all.end());
+  const std::vector<std::string> all = checkpoint_names(run_dir);
   for (size_t i = 0; i + keep < all.size(); ++i)
     if (all[i] != name.str()) discard_checkpoint_dir(run_dir, all[i]);
+}
+
+std::vector<std::string> checkpoint_names(const std::string& run_dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(run_dir, ec)) {
+    std::string n = e.path().filename().string();
+    if (e.is_directory(ec) && n.rfind("ckpt-", 0) == 0) names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 TrainerState read_trainer_state(const std::string& dir) {

@@ -42,6 +42,7 @@ void export_hf(const std::string& model_path, const std::string& out_dir, const 
 void save_checkpoint(const std::string& run_dir, const model::Transformer& model, const text::BpeTokenizer& tokenizer,
                      const AdamW& optimizer, const TrainerState& state, int keep = 2);
 std::string latest_checkpoint(const std::string& run_dir);  // "" if the run has none
+std::vector<std::string> checkpoint_names(const std::string& run_dir);  // complete checkpoints (ckpt-*), oldest first
 // A checkpoint's step, samplers and run config (trainer_state.json), then, once the caller has
 // compared the config, its optimizer state.
 TrainerState read_trainer_state(const std::string& checkpoint_dir);

@@ -1,6 +1,5 @@
 #include "train/trainer.h"
 
-#include <filesystem>
 #include <chrono>
 #include <csignal>
 #include <functional>
@@ -173,11 +172,7 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
   const std::string latest = agree([&] {
     // Room for a checkpoint being written besides the `keep` (2) kept (weights and AdamW's two
     // moments), less those a resumed run already has on disk.
-    int on_disk = 0;
-    std::error_code ec;
-    if (args.resume)
-      for (const auto& e : std::filesystem::directory_iterator(args.run_dir, ec))
-        on_disk += e.is_directory(ec) && e.path().filename().string().rfind("ckpt-", 0) == 0;
+    const int on_disk = args.resume ? static_cast<int>(checkpoint_names(args.run_dir).size()) : 0;
     const int to_write = 3 - std::min(on_disk, 2);
     io::check_output_dir(args.run_dir, to_write * (12.0 * model::parameter_count(cfg.model) + (1 << 20)), job);
     const std::string l = latest_checkpoint(args.run_dir);
