@@ -4,6 +4,7 @@
 #include <csignal>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include "eval/evaluate.h"
 #include "eval/plot.h"
 #include "io/atomic_file.h"
+#include "io/dir_lock.h"
 #include "model/memory.h"
 #include "model/transformer.h"
 #include "train/adamw.h"
@@ -169,12 +171,14 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
         throw Error("worker " + std::to_string(r) + "'s model config, steps, batch size, checkpoint interval or tokenizer "
                     "differs from worker 0's; start every worker with the same --config/--preset, options and data");
   }
+  std::optional<io::DirLock> run_dir_lock;  // rank 0's, for the whole run
   const std::string latest = agree([&] {
     // Room for a checkpoint being written besides the `keep` (2) kept (weights and AdamW's two
     // moments), less those a resumed run already has on disk.
     const int on_disk = args.resume ? static_cast<int>(checkpoint_names(args.run_dir).size()) : 0;
     const int to_write = 3 - std::min(on_disk, 2);
     io::check_output_dir(args.run_dir, to_write * (12.0 * model::parameter_count(cfg.model) + (1 << 20)), job);
+    run_dir_lock.emplace(args.run_dir, job);
     const std::string l = latest_checkpoint(args.run_dir);
     if (!l.empty() && !args.resume)
       throw Error("run directory '" + args.run_dir + "' already has a checkpoint (" + l +
@@ -216,6 +220,10 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
         if (saved.model.to_json() != cfg.model.to_json())
           err = ckpt + ": the checkpoint's model config differs from the given config; resume with the same config (see " +
                 ckpt + "/trainer_state.json) or train into a new --out directory";
+        else if (text::BpeTokenizer::load(ckpt + "/tokenizer.json").to_json() != data.tokenizer.to_json())
+          err = ckpt + ": the checkpoint's tokenizer.json differs from the training data's tokenizer, so token ids would change "
+                "meaning; resume with the data.sources, data.data_dir and model.vocab_size the run started with, or train into "
+                "a new --out directory";
         else if (!order.empty())
           err = ckpt + ": " + order + " differs from the checkpoint's, so the data would not continue where it stopped; "
                 "resume with the checkpoint's setting (see " + ckpt + "/trainer_state.json) or train into a new --out directory";

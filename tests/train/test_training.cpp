@@ -6,7 +6,10 @@
 #include <filesystem>
 #include <random>
 
+#include <unistd.h>
+
 #include "io/atomic_file.h"
+#include "io/dir_lock.h"
 #include "support/fixtures.h"
 #include "nn/tensor_io.h"
 #include "train/checkpoint.h"
@@ -91,6 +94,30 @@ TEST(Training, ResumeEqualsStraightRun) {
   EXPECT_NE(resume_error([](train::RunConfig& c) { c.model.hidden_size = 48; }).find("model config differs"), std::string::npos);
   EXPECT_NE(resume_error([](train::RunConfig& c) { c.train.batch_size = 2; }).find("train.batch_size (4 -> 2)"), std::string::npos);
   EXPECT_NE(resume_error([](train::RunConfig& c) { c.train.seq_len = 16; }).find("train.seq_len"), std::string::npos);
+  {  // a checkpoint whose tokenizer is not the data's (ids would change meaning)
+    train::TrainArgs other = halves;
+    other.run_dir = temp_dir("other_tokenizer");
+    fs::copy(halves.run_dir, other.run_dir, fs::copy_options::recursive);
+    text::BpeTokenizer::train("the cat sat on the mat and the cat ran far", text::BpeTrainOptions{258, 2})
+        .save(train::latest_checkpoint(other.run_dir) + "/tokenizer.json");
+    try {
+      train::run_training(other, data);
+      ADD_FAILURE() << "resuming with another tokenizer was accepted";
+    } catch (const kvx::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("tokenizer.json differs"), std::string::npos) << e.what();
+    }
+    fs::remove_all(other.run_dir);
+  }
+  {  // a second run into a directory that a live run holds
+    io::DirLock live(halves.run_dir, "test");
+    try {
+      train::run_training(halves, data);
+      ADD_FAILURE() << "a second run into a locked run directory was accepted";
+    } catch (const kvx::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("in use by another kvx process (pid " + std::to_string(::getpid()) + ")"),
+                std::string::npos) << e.what();
+    }
+  }
 
   const auto a = train::latest_checkpoint(straight.run_dir), b = train::latest_checkpoint(halves.run_dir);
   expect_same_weights(nn::load_safetensors(a + "/model.safetensors"), nn::load_safetensors(b + "/model.safetensors"));
