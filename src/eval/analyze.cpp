@@ -46,7 +46,8 @@ nlohmann::json to_json(const std::vector<HeadDiversity>& rows) {
                  {"heads", r.heads},
                  {"effective_rank", r.effective_rank},
                  {"ceiling", r.heads - 1},
-                 {"share_of_ceiling", r.share_of_ceiling()}});
+                 {"share_of_ceiling", r.share_of_ceiling()},
+                 {"share_of_heads", r.share_of_heads()}});
   return j;
 }
 

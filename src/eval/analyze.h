@@ -15,6 +15,7 @@ struct HeadDiversity {
   int heads;
   double effective_rank;  // 0 when every head has the same form (G_c = 0)
   double share_of_ceiling() const { return heads > 1 ? effective_rank / (heads - 1) : 0.0; }
+  double share_of_heads() const { return heads > 0 ? effective_rank / heads : 0.0; }  // seed 000 Table 3's unit
 };
 
 // From per-head projections wq, wk: [H, d, d_h]. Computed in double without forming A_h:

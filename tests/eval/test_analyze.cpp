@@ -64,4 +64,8 @@ TEST(HeadDiversity, WalksDenseLrkvAndMlaLayers) {
   EXPECT_GT(rows[0].effective_rank, 1.0);  // random dense heads are diverse
   EXPECT_LE(rows[0].effective_rank, 3.0 + 1e-9);
   EXPECT_GT(rows[1].effective_rank, 0.5);  // distinct queries keep r = 0 heads apart
+  // Both units: of the H-1 ceiling (the issue's) and of H (the seed's Table 3, ceiling (H-1)/H).
+  const auto j = eval::to_json(rows);
+  EXPECT_DOUBLE_EQ(j[0]["share_of_ceiling"].get<double>(), rows[0].effective_rank / 3);
+  EXPECT_DOUBLE_EQ(j[0]["share_of_heads"].get<double>(), rows[0].effective_rank / 4);
 }
