@@ -1,9 +1,11 @@
 #include "compress/lrkv_convert.h"
 
 #include <cmath>
+#include <cstdio>
 
 #include <iostream>
 
+#include "attention/cost.h"
 #include "attention/dense.h"
 #include "attention/lrkv.h"
 #include "eval/evaluate.h"
@@ -57,6 +59,25 @@ model::ModelConfig lrkv_config_for(const model::ModelConfig& dense, const LrkvCo
   c.lrkv_rope = o.rope;
   c.validate();  // rank within [0, d_h], even for pair_aligned, known mode
   return c;
+}
+
+std::string cache_growth_warning(const model::ModelConfig& source, const model::ModelConfig& lrkv) {
+  auto elements = [](const model::ModelConfig& c) {
+    double e = 0;
+    for (const auto& kind : c.layer_kinds()) e += attention::AttentionShape::of_layer(c, kind).cache_elements();
+    return e;
+  };
+  const double before = elements(source), after = elements(lrkv);
+  if (after <= before) return "";
+  // A GQA layer caches 2 Hkv d_h a token, LRKV 2 (d_h + H r): smaller while r <= (Hkv - 1) d_h / H.
+  const int H = source.num_attention_heads, hkv = source.num_key_value_heads, dh = source.head_dim;
+  const int break_even = (hkv - 1) * dh / H;
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%.1f%%", 100 * after / before);
+  return std::string("LRKV at rank ") + std::to_string(lrkv.lrkv_rank) + " caches " + buf + " of the source's KV (" +
+         std::to_string(H) + " query heads on " + std::to_string(hkv) + " KV heads: its heads of a group get identical " +
+         "residuals); " + (break_even >= 1 ? "ranks up to " + std::to_string(break_even) + " keep it no larger"
+                                           : std::string("only rank 0 (one shared K/V, as the source has) keeps it no larger"));
 }
 
 model::Transformer convert_to_lrkv(const model::Transformer& dense, const LrkvConversion& o) {
@@ -120,7 +141,9 @@ nlohmann::json convert_lrkv_run(const ConvertRun& run) {
     throw Error("convert lrkv: --heal-lr must be a positive number, got " + format_number(run.heal_lr));
   auto source = train::load_model(run.from);
   const auto& src_cfg = source.model->config();
-  lrkv_config_for(src_cfg, run.conversion);  // rank and RoPE mode checked before the data and evaluations
+  const model::ModelConfig lrkv_cfg = lrkv_config_for(src_cfg, run.conversion);  // rank and RoPE mode checked before the data
+  const std::string warning = cache_growth_warning(src_cfg, lrkv_cfg);
+  if (!warning.empty() && run.verbose) std::cerr << "warning: " << warning << "\n";
   const std::string data_dir = run.data_dir.empty() ? text::default_data_dir() : run.data_dir;
   const int seq_len = run.seq_len > 0 ? run.seq_len : std::min(256, src_cfg.max_position_embeddings);
   if (seq_len > src_cfg.max_position_embeddings)
@@ -172,6 +195,7 @@ nlohmann::json convert_lrkv_run(const ConvertRun& run) {
                            {"seq_len", seq_len},
                            {"kv_bytes_per_token_before", source.model->kv_bytes_per_token()},
                            {"kv_bytes_per_token_after", converted->kv_bytes_per_token()},
+                           {"warning", warning.empty() ? nlohmann::json(nullptr) : nlohmann::json(warning)},
                            {"before", q(before)},
                            {"converted", q(after)},
                            {"converted_model", converted_dir},

@@ -25,6 +25,10 @@ struct LrkvConversion {
 // error for what cannot be converted (non-dense layers, qk_norm, a bad rank or mode).
 model::ModelConfig lrkv_config_for(const model::ModelConfig& dense, const LrkvConversion& options);
 model::Transformer convert_to_lrkv(const model::Transformer& dense, const LrkvConversion& options);
+// "" if the LRKV config caches no more per token than the source; else a warning naming the
+// ratio and the largest rank that keeps it no larger (GQA/MQA sources: heads of a group share a KV head,
+// so their residuals are identical and LRKV stores them H/Hkv times).
+std::string cache_growth_warning(const model::ModelConfig& source, const model::ModelConfig& lrkv);
 
 // `kvx convert lrkv`: convert a trained model, evaluate validation CE before and after, heal the
 // converted model with a short fine-tune (all weights, the source's tokenizer and corpora), and

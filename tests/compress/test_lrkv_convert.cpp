@@ -68,6 +68,23 @@ TEST(LrkvConvert, GqaSourcesExpandTheirKvHeads) {
   EXPECT_LT(rel_diff(conv->forward(ids), dense->forward(ids)), 1e-5);
 }
 
+TEST(LrkvConvert, AConversionThatGrowsTheCacheIsWarnedAbout) {
+  // MHA H=4 d_h=8 caches 64 a token and layer; LRKV 2 (8 + 4 r): smaller at every rank below 8.
+  const auto mha = dense_config(4, 4);
+  EXPECT_EQ(compress::cache_growth_warning(mha, compress::lrkv_config_for(mha, {4, "expand"})), "");
+  // GQA Hkv=2 caches 32: LRKV at r=4 caches 48 (150%); r <= (Hkv-1) d_h / H = 2 keeps it no larger.
+  const auto gqa = dense_config(4, 2);
+  const std::string w = compress::cache_growth_warning(gqa, compress::lrkv_config_for(gqa, {4, "expand"}));
+  EXPECT_NE(w.find("caches 150.0% of the source's KV"), std::string::npos) << w;
+  EXPECT_NE(w.find("ranks up to 2 keep it no larger"), std::string::npos) << w;
+  EXPECT_EQ(compress::cache_growth_warning(gqa, compress::lrkv_config_for(gqa, {2, "expand"})), "");
+  // MQA: LRKV's shared K/V alone is the source's whole cache.
+  const auto mqa = dense_config(4, 1);
+  EXPECT_NE(compress::cache_growth_warning(mqa, compress::lrkv_config_for(mqa, {2, "expand"})).find("only rank 0"),
+            std::string::npos);
+  EXPECT_EQ(compress::cache_growth_warning(mqa, compress::lrkv_config_for(mqa, {0, "expand"})), "");
+}
+
 TEST(LrkvConvert, BadRequestsAreClearErrors) {
   model::Transformer dense(dense_config(4, 4));
   EXPECT_THROW(compress::convert_to_lrkv(dense, {9, "expand"}), Error);       // rank above d_h = 8
