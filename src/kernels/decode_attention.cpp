@@ -25,10 +25,13 @@ namespace kvx::kernels {
 
 namespace {
 
-// Rows per online-softmax step: 24 for f32/bf16 (a multiple of their 8/6/3-row score blocks),
-// 32 for q8/q4 (8-row integer score blocks). Smaller tiles keep the current and the prefetched tile in L1
-// (measured: 24 beats 32 for f32/bf16 streaming from memory; q8/q4 are compute-bound).
-constexpr int kTile = 32;          // the largest tile: scratch strides
+// Rows per online-softmax step (PieceRunner::kTileRows): 24 for f32/bf16 (a multiple of their
+// 8/6/3-row score blocks; smaller tiles keep the current and the prefetched tile in L1: 24 beats
+// 32 streaming from memory). q8/q4 are compute-bound and 64 rows halve the per-tile work (scale
+// transposes, softmax reductions). Against 32 at 16K, H=16, alternating calls: two threads,
+// caches emptied: dense Hkv=4 q8 2-5% and q4 5-6% faster, LRKV q8 r=8 4%, q4 r=8 4%, q4 r=32 8%,
+// q8 r=32 equal; 128 rows: dense q8 8% slower (one thread, in L3).
+constexpr int kTile = 64;          // the largest tile: scratch strides
 constexpr int kRow = kTile + 12;   // score row stride (room for a 12-wide tail)
 // Software prefetch distance: the larger of one tile and 4 KB (f32/bf16) or 8 KB (q8/q4), so a
 // tile's rows are requested while earlier tiles are computed (measured best; shorter distances
@@ -645,7 +648,7 @@ class PieceRunner {
   template <int kPer>
   void latent_values_by_rows(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const;
 
-  static constexpr int kTileRows = R::kQuant ? 32 : 24;
+  static constexpr int kTileRows = R::kQuant ? 64 : 24;  // see kTile
   // Latents read from rows dequantised to f32 (q8/q4 blocks straddling heads).
   static constexpr bool kDequant = kLatent && R::kQuant && std::is_same_v<RR, F32Row>;
   const KVStore& kv_;

@@ -8,7 +8,7 @@
 // registers: q8/q4 dot each 32-block in code space and scale the block sum, q . k =
 // sum_b d_b (q_b . code_b) (with 4 queries, codes * d_b once per vector instead), and fold the
 // V block scales into the softmax weights (bf16 and q4 unpack into permuted lanes; the query is
-// permuted to match). It is one pass with an online softmax over tiles of 24-32 rows (running
+// permuted to match). It is one pass with an online softmax over tiles of 24-64 rows (running
 // max m, running sum l, accumulator rescaled by e^(m_old - m_new)); only a tile's scores are
 // held. The (KV head, token range) work is cut into `splits` chunks shared by the threads, and
 // the partial (m, l, acc) of each chunk are merged by log-sum-exp:
