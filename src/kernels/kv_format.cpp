@@ -51,7 +51,16 @@ void check_scale(float d, KVType t) {
                 " exceeds the fp16 range (65504); K/V values this large need an f32 or bf16 cache");
 }
 
-// x ~ q * d with d = max|x| / 127 (rounded to fp16), q in [-127, 127].
+// A block scale in fp16, rounded away from zero so that no code exceeds its range (a scale
+// rounded down, most in fp16's subnormal range, clamped the largest values: at max|x| = 1e-4 a
+// q8 code rounded to 129 and lost 4 times the stated bound).
+uint16_t block_scale_fp16(float d) {
+  uint16_t h = float_to_fp16(d);
+  if (std::fabs(fp16_to_float(h)) < std::fabs(d)) ++h;  // sign-magnitude: the next larger magnitude
+  return h;
+}
+
+// x ~ q * d with d = max|x| / 127 (fp16, block_scale_fp16), q in [-127, 127].
 void quantize_q8(const float* x, int n, uint8_t* dst) {
   const int nb = n / kQBlock;
   int8_t* qs = reinterpret_cast<int8_t*>(dst + 2 * nb);
@@ -66,7 +75,7 @@ void quantize_q8(const float* x, int n, uint8_t* dst) {
     check_finite(finite, KVType::Q8);
     const float d = amax / 127.0f;
     check_scale(d, KVType::Q8);
-    const uint16_t dh = float_to_fp16(d);
+    const uint16_t dh = block_scale_fp16(d);
     const float d16 = fp16_to_float(dh);
     const float id = d16 > 0.0f ? 1.0f / d16 : 0.0f;
     store_u16(dst + 2 * b, dh);
@@ -77,7 +86,7 @@ void quantize_q8(const float* x, int n, uint8_t* dst) {
   }
 }
 
-// x ~ (q - 8) * d with d = m / -8, m the value of largest magnitude; q in [0, 15].
+// x ~ (q - 8) * d with d = m / -8 (fp16, block_scale_fp16), m the value of largest magnitude; q in [0, 15].
 void quantize_q4(const float* x, int n, uint8_t* dst) {
   const int nb = n / kQBlock;
   uint8_t* qs = dst + 2 * nb;
@@ -95,7 +104,7 @@ void quantize_q4(const float* x, int n, uint8_t* dst) {
     check_finite(finite, KVType::Q4);
     const float d = m / -8.0f;
     check_scale(d, KVType::Q4);
-    const uint16_t dh = float_to_fp16(d);
+    const uint16_t dh = block_scale_fp16(d);
     const float d16 = fp16_to_float(dh);
     const float id = d16 != 0.0f ? 1.0f / d16 : 0.0f;
     store_u16(dst + 2 * b, dh);

@@ -12,10 +12,11 @@
 //         0, 4, ..., 28. 18 bytes per block, 4.5 bits/value.
 //   The scales of a row come first (one load converts them all) and the quants are contiguous;
 //   sizes and numerics are those of q8_0/q4_0, the byte order is ours.
-// q8/q4 quantise with the fp16-rounded scale, so the error bound is in terms of the stored d:
-//   q8: |x - x~| <= d/2 (values never clamp beyond 127 * |d - fp16(d)|, far below d/2).
+// q8/q4 quantise with the stored fp16 scale d, rounded away from zero (never below the exact
+// max|x| / 127 or |m| / 8 in magnitude, so the extreme codes never clamp):
+//   q8: |x - x~| <= |d|/2.
 //   q4: |x - x~| <= |d|/2, except values of the opposite sign to m with |x| > 7.5|d|,
-//       which clamp to q = 15 and have |x - x~| <= |d| (plus fp16 rounding of d).
+//       which clamp to q = 15 and have |x - x~| <= |d|.
 #pragma once
 #include <cstddef>
 #include <cstdint>
