@@ -31,6 +31,7 @@ void FusedKVCache::append_random_history(int64_t tokens, uint32_t seed) {
 
 FusedKVCache::FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, const CacheOptions& o, bool values_are_keys)
     : threads_(o.threads > 0 ? o.threads : torch::get_num_threads()) {
+  if (batch < 1) throw Error("a KV cache needs a batch of at least 1 sequence, got " + std::to_string(batch));
   stores_.reserve(batch);
   for (int64_t b = 0; b < batch; ++b)
     stores_.emplace_back(o.type, static_cast<int>(kv_heads), static_cast<int>(head_dim), o.evict, 256, values_are_keys);

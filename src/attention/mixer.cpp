@@ -33,6 +33,7 @@ CacheOptions CacheOptions::parse(const std::string& type, const std::string& evi
       } catch (...) {
       }
       if (n < 0) throw Error("--evict: '" + value + "' is not a non-negative integer" + usage);
+      if (n > (int64_t{1} << 40)) throw Error("--evict: " + key + "=" + value + " is longer than any context (2^40 tokens)" + usage);
       if (key == "sink") {
         o.evict.sink = n;
       } else if (key == "window") {

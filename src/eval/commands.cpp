@@ -41,18 +41,24 @@ void check_cache_flags(const train::LoadedModel& m, int share_kv_layers, const s
 GenerateOutput generate_text(train::LoadedModel& m, const GenerateRequest& r,
                              const std::function<void(const std::string&)>& on_piece) {
   auto prompt = m.tokenizer.encode(r.prompt);
-  model::check_generation(m.model->config(), static_cast<int64_t>(prompt.size()), r.max_new, {r.temperature, r.top_p});
+  const auto& config = m.model->config();
+  const int64_t prompt_tokens = static_cast<int64_t>(prompt.size());
+  model::check_generation(config, prompt_tokens, r.max_new, {r.temperature, r.top_p});
   check_cache_flags(m, r.share_kv_layers, r.lla, r.lla_absorbed);
-  model::require_memory(model::inference_memory(m.model->config(), 1, static_cast<int64_t>(prompt.size()),
-                                                static_cast<int64_t>(prompt.size()) + r.max_new, m.model->kv_bytes_per_token()),
-                        model::available_memory_bytes(), "generation", "shorten the prompt or lower max_new");
   auto cache = cache_options(m, r.kv_cache, r.evict, r.reference, r.lla, r.lla_absorbed, r.share_kv_layers);
   if (!r.document_module.empty()) {
     const auto module = compress::DocumentModule::load(r.document_module, m.model);
     cache.document = module.decode_set();
+    model::check_generation(config, prompt_tokens, r.max_new, {r.temperature, r.top_p}, module.config.document_tokens);
     std::fprintf(stderr, "[document module %s: %lld document tokens answered by %.1f KiB of module weights, no document KV]\n",
                  r.document_module.c_str(), static_cast<long long>(module.config.document_tokens), module.bytes() / 1024.0);
   }
+  // The cache as asked: its element type, and at most sink + window tokens with eviction.
+  int64_t cached = prompt_tokens + r.max_new;
+  if (cache.evict.enabled()) cached = std::min(cached, cache.evict.sink + cache.evict.window);
+  model::require_memory(model::inference_memory(config, 1, prompt_tokens, cached, m.model->kv_bytes_per_token(cache.type)),
+                        model::available_memory_bytes(), "generation",
+                        "shorten the prompt, lower max_new, or hold less KV (--kv-cache q8|q4, --evict sink=S,window=W)");
   GenerateOutput out;
   out.prompt_tokens = static_cast<int64_t>(prompt.size());
   out.cache = cache.describe();
@@ -69,6 +75,8 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
   if (r.batch < 1) throw Error("batch must be >= 1 (got " + std::to_string(r.batch) + ")");
   if (r.max_windows < 0) throw Error("max_windows must be >= 0 (0: all windows; got " + std::to_string(r.max_windows) + ")");
   if (r.seq_len < 0) throw Error("seq_len must be >= 1 (0: the model's context; got " + std::to_string(r.seq_len) + ")");
+  if (!r.mqar.empty() && r.mqar_sequences < 1)
+    throw Error("mqar_sequences must be >= 1 (sequences per pair count; got " + std::to_string(r.mqar_sequences) + ")");
   check_cache_flags(m, r.share_kv_layers, r.lla, r.lla_absorbed);
   const std::string dir = r.data_dir.empty() ? text::default_data_dir() : r.data_dir;
   auto sources = split_list(r.sources);
@@ -93,6 +101,10 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
   std::optional<attention::CacheOptions> cache;  // the decode cache asked for, if any
   if (!r.kv_cache.empty() || !r.evict.empty() || !r.lla.empty() || r.share_kv_layers > 1)
     cache = cache_options(m, r.kv_cache.empty() ? "f32" : r.kv_cache, r.evict, false, r.lla, r.lla_absorbed, r.share_kv_layers);
+  if (cache && cache->evict.enabled() && cache->evict.sink + cache->evict.window >= seq_len)
+    throw Error("--evict sink=" + std::to_string(cache->evict.sink) + ",window=" + std::to_string(cache->evict.window) +
+                " keeps every token of the " + std::to_string(seq_len) + "-token windows evaluated, so nothing would be evicted; " +
+                "give sink + window below " + std::to_string(seq_len) + " (or a longer --seq-len)");
   model::require_memory(model::inference_memory(m.model->config(), r.batch, seq_len, seq_len, m.model->kv_bytes_per_token()),
                         model::available_memory_bytes(), "evaluation", "lower seq_len or batch");
   auto tokens = train::load_split_tokens(dir, sources, m.tokenizer, split);

@@ -34,6 +34,10 @@ KVStore::KVStore(KVType type, int kv_heads, int head_dim, Eviction evict, int pa
   if (evict.sink < 0 || evict.window < 0)
     throw Error("KVStore: eviction sink and window must be >= 0, got sink " + std::to_string(evict.sink) +
                 ", window " + std::to_string(evict.window));
+  constexpr int64_t kMaxTokens = int64_t{1} << 40;  // past any context; sink + window cannot overflow
+  if (evict.sink > kMaxTokens || evict.window > kMaxTokens)
+    throw Error("KVStore: eviction sink " + std::to_string(evict.sink) + " / window " + std::to_string(evict.window) +
+                " exceeds 2^40 tokens, longer than any context; give the tokens to keep");
   if (evict.sink > 0 && evict.window == 0)
     throw Error("KVStore: eviction sink " + std::to_string(evict.sink) +
                 " without a window keeps everything; set window > 0 or sink = 0");

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "attention/nectar.h"
 #include "util/error.h"
 #include "util/strings.h"
 
@@ -14,8 +15,11 @@ torch::Tensor token_batch(const std::vector<int32_t>& ids) {
 
 int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& opt, std::mt19937_64& rng) {
   auto l = logits.to(torch::kFloat64).contiguous();
+  if (l.isnan().any().item<bool>() || l.isposinf().any().item<bool>() || !torch::isfinite(l).any().item<bool>())
+    throw Error("sample_token: the model produced NaN or +inf logits (or no finite one); the weights or the cache are damaged");
   if (opt.temperature <= 0) return l.argmax().item<int64_t>();
-  auto probs = torch::softmax(l / opt.temperature, 0);
+  // (l - max) / T: at a tiny T, l / T alone overflowed to inf and the softmax to NaN
+  auto probs = torch::softmax((l - l.max()) / opt.temperature, 0);
   auto sorted = probs.sort(0, /*descending=*/true);
   auto p = std::get<0>(sorted);
   auto idx = std::get<1>(sorted);
@@ -33,13 +37,18 @@ int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& opt, st
   return idx[keep - 1].item<int64_t>();
 }
 
-void check_generation(const ModelConfig& config, int64_t prompt_tokens, int max_new, const SamplingOptions& opt) {
+void check_generation(const ModelConfig& config, int64_t prompt_tokens, int max_new, const SamplingOptions& opt,
+                      int64_t document_tokens) {
   if (prompt_tokens < 1) throw Error("generate: the prompt is empty; give at least one token of text");
   if (max_new < 0) throw Error("generate: --max-new must be >= 0");
   const int64_t limit = config.max_position_embeddings;
-  if (prompt_tokens + max_new > limit)
-    throw Error("generate: prompt (" + std::to_string(prompt_tokens) + " tokens) + max-new (" + std::to_string(max_new) +
-                ") exceeds the model's context limit of " + std::to_string(limit) + " tokens; shorten the prompt or lower --max-new");
+  if (document_tokens + prompt_tokens + std::max(max_new - 1, 0) > limit) {
+    const std::string document =
+        document_tokens > 0 ? "the document module's document (" + std::to_string(document_tokens) + " tokens) + " : "";
+    throw Error("generate: " + document + "prompt (" + std::to_string(prompt_tokens) + " tokens) + max-new (" +
+                std::to_string(max_new) + ") exceeds the model's context limit of " + std::to_string(limit) +
+                " tokens; shorten the prompt or lower --max-new");
+  }
   if (!(std::isfinite(opt.temperature) && opt.temperature >= 0))
     throw Error("generate: --temperature must be a finite number >= 0 (0 is greedy), got " + format_number(opt.temperature));
   if (!(opt.top_p > 0 && opt.top_p <= 1))
@@ -49,7 +58,8 @@ void check_generation(const ModelConfig& config, int64_t prompt_tokens, int max_
 GenerateResult generate(Transformer& model, const std::vector<int32_t>& prompt, int max_new,
                         const SamplingOptions& opt, uint64_t seed, const std::function<void(int32_t)>& on_token,
                         const attention::CacheOptions& cache) {
-  check_generation(model->config(), static_cast<int64_t>(prompt.size()), max_new, opt);
+  check_generation(model->config(), static_cast<int64_t>(prompt.size()), max_new, opt,
+                   cache.document ? cache.document->tokens : 0);
   torch::NoGradGuard ng;
   model->eval();
   std::mt19937_64 rng(seed);

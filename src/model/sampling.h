@@ -31,9 +31,11 @@ struct GenerateResult {
 };
 
 // The checks generate makes before any work, for callers that size memory first: a non-empty
-// prompt, max_new >= 0, prompt + max_new within the model's context limit, temperature finite
-// and >= 0, top_p in (0, 1].
-void check_generation(const ModelConfig& config, int64_t prompt_tokens, int max_new, const SamplingOptions& opt);
+// prompt, max_new >= 0, the positions it feeds (a Nectar document's tokens, the prompt, and all
+// but the last new token, which is sampled and not fed back) within the model's context limit,
+// temperature finite and >= 0, top_p in (0, 1].
+void check_generation(const ModelConfig& config, int64_t prompt_tokens, int max_new, const SamplingOptions& opt,
+                      int64_t document_tokens = 0);
 
 GenerateResult generate(Transformer& model, const std::vector<int32_t>& prompt, int max_new,
                         const SamplingOptions& opt, uint64_t seed,

@@ -119,6 +119,9 @@ TEST(CacheOptions, BadNamesListTheValidOnes) {
   }
   EXPECT_THROW(attention::CacheOptions::parse("f32", "sink=4", false), kvx::Error);
   EXPECT_THROW(attention::CacheOptions::parse("f32", "sink=4,window=x", false), kvx::Error);
+  // sink + window overflowed int64 (negative rows held, garbage attention)
+  EXPECT_THROW(attention::CacheOptions::parse("f32", "sink=4,window=9223372036854775807", false), kvx::Error);
+  EXPECT_THROW(kernels::KVStore(kernels::KVType::F32, 1, 8, {4, int64_t{1} << 62}), kvx::Error);
   EXPECT_THROW(attention::CacheOptions::parse("f32", "keep=4,window=8", false), kvx::Error);
   EXPECT_THROW(attention::CacheOptions::parse("q8", "", true), kvx::Error);
   auto o = attention::CacheOptions::parse("q4", "sink=4,window=60", false);
@@ -167,6 +170,18 @@ TEST(Transformer, ContextPastTheLimitIsAClearError) {
   EXPECT_THROW(model::check_generation(m->config(), 2, 2, {0.8, 1.5}), kvx::Error);
   EXPECT_THROW(model::check_generation(m->config(), 0, 2, {0.8, 0.9}), kvx::Error);  // empty prompt
   model::check_generation(m->config(), 2, 2, {0.0, 1.0});
+  // The last new token is sampled, not fed back: a prompt filling the context still gets one.
+  const int64_t limit = m->config().max_position_embeddings;
+  model::check_generation(m->config(), limit, 1, {});
+  EXPECT_THROW(model::check_generation(m->config(), limit, 2, {}), kvx::Error);
+  // A Nectar document's tokens take positions before the prompt's.
+  try {
+    model::check_generation(m->config(), 2, 2, {}, limit - 2);
+    FAIL() << "expected an error";
+  } catch (const kvx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("document (" + std::to_string(limit - 2) + " tokens)"), std::string::npos) << e.what();
+  }
+  model::check_generation(m->config(), 2, 2, {}, limit - 3);
 }
 
 TEST(Sampling, FusedGreedyGenerationEqualsTheReferencePath) {
@@ -201,6 +216,12 @@ TEST(Sampling, TopPKeepsOnlyTheNucleus) {
     auto t = model::sample_token(logits, {1.0, 0.5}, rng);
     EXPECT_EQ(t, 0);  // the top token alone holds > 0.5 of the mass
   }
+  // A tiny temperature is greedy (logits / T alone overflowed to inf, the softmax to NaN, and an
+  // arbitrary token came out); a -inf logit is a token that cannot come; NaN or +inf is damage.
+  const auto spread = torch::tensor({1.0, 3.0, 2.0, -std::numeric_limits<double>::infinity()});
+  for (double t : {1e-310, 1e-30}) EXPECT_EQ(model::sample_token(spread, {t, 1.0}, rng), 1) << t;
+  EXPECT_THROW(model::sample_token(torch::tensor({1.0, std::nan("")}), {1.0, 1.0}, rng), kvx::Error);
+  EXPECT_THROW(model::sample_token(torch::tensor({1.0, std::numeric_limits<double>::infinity()}), {1.0, 1.0}, rng), kvx::Error);
 }
 
 TEST(Transformer, MlaModelDecodesLikeItsForwardAndCountsItsLatent) {
