@@ -67,6 +67,9 @@ AttentionShape AttentionShape::parse(const std::string& spec) {
       else throw Error("shape '" + spec + "': unknown key '" + key + "'" + usage);
     }
   }
+  if ((kind == "mha" && s.kv_heads != 0 && s.kv_heads != s.heads) || (kind == "mqa" && s.kv_heads != 0 && s.kv_heads != 1))
+    throw Error("shape '" + spec + "': " + kind + " has " + (kind == "mha" ? "Hkv = H" : "Hkv = 1") + ", not Hkv=" +
+                std::to_string(s.kv_heads) + "; write gqa:H=..,Hkv=.. for another grouping" + usage);
   if (kind == "mha") s.kv_heads = s.heads;
   if (kind == "mqa") s.kv_heads = 1;
   if (kind == "gqa" && s.kv_heads == 0) throw Error("shape '" + spec + "': gqa needs Hkv" + usage);
@@ -88,6 +91,7 @@ AttentionShape AttentionShape::of_layer(const model::ModelConfig& c, const std::
   s.rope = c.lrkv_rope;
   s.latent = c.kv_lora_rank;
   s.rope_dim = c.qk_rope_head_dim;
+  s.qk_norm = c.qk_norm && kind == "dense";
   if (kind == "gdn" || kind == "natsl") {
     s.heads = c.linear_num_heads;
     s.kv_heads = 0;
@@ -120,6 +124,9 @@ void AttentionShape::validate() const {
     const auto modes = model::lrkv_rope_modes();
     if (std::find(modes.begin(), modes.end(), rope) == modes.end())
       throw Error(what + ": rope '" + rope + "' is not one of expand, shared_rope, pair_aligned");
+    if (rope == "pair_aligned" && rank % 2 != 0)
+      throw Error(what + ": rope pair_aligned keeps whole RoPE planes (2 dims each), so r (" + std::to_string(rank) +
+                  ") must be even");
   }
   if (kind == "mla" && (latent < 1 || rope_dim < 0))
     throw Error(what + ": needs d_c >= 1 and d_R >= 0");
@@ -183,6 +190,14 @@ double AttentionShape::cache_bytes(kernels::KVType type) const {
   return kind == "natsl" ? softmax_fraction * n : n;
 }
 
+bool AttentionShape::decodes_from(kernels::KVType type) const {
+  if (kind == "lrkv" && rope == "expand" && type != kernels::KVType::F32) return false;
+  if (type == kernels::KVType::Q8 || type == kernels::KVType::Q4)
+    for (auto [count, width] : cache_rows())
+      if (width % kernels::kQBlock != 0) return false;
+  return true;
+}
+
 double AttentionShape::state_elements() const {
   if (kind != "gdn" && kind != "natsl") return 0;
   const double H = heads, K = head_dim, V = value_dim, tails = (conv - 1.0) * H * (2 * K + V);
@@ -207,7 +222,7 @@ double AttentionShape::mixer_params() const {
     return p + H * K * 2 * attn_heads + d * 2 * H + 2 * K / groups + 2 * V / groups;
   }
   const double q_width = kind == "mla" ? H * (dh + rope_dim) : H * dh;
-  return d * q_width + kv_params() + H * dh * d;
+  return d * q_width + kv_params() + H * dh * d + (qk_norm ? 2 * dh : 0);  // qk_norm: one d_h RMSNorm weight each for q, k
 }
 
 double AttentionShape::kv_params() const {

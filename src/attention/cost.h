@@ -36,6 +36,7 @@ struct AttentionShape {
   int attn_heads = 0;          // natsl: HA softmax heads (a multiple of H)
   double softmax_fraction = 1;  // natsl: the KV budget (at most this fraction of blocks kept)
   int block = 64;               // natsl: routing block
+  bool qk_norm = false;         // dense: per-head q/k RMSNorm weights (Qwen3), in mixer_params
 
   // "kind:key=value,...": keys H, Hkv, d_h, d, r, rope, d_c, d_R, d_v, conv, HA, f, C; e.g.
   // "lrkv:H=18,r=55,d_h=128,d=2304", "mla:H=6,d_h=128,d_c=384,d_R=0", "gqa:H=32,Hkv=8,d_h=128"
@@ -51,6 +52,9 @@ struct AttentionShape {
   // The cache's rows and their widths (natsl: if every block were kept), for exact bytes at a KV element type.
   std::vector<std::pair<int, int>> cache_rows() const;  // (count, width)
   double cache_bytes(kernels::KVType type) const;       // q8/q4: widths must be multiples of 32
+  // Whether a decode cache of this type exists for the shape: q8/q4 need rows of whole 32-blocks;
+  // LRKV rope expand decodes from f32 only (its keys are rebuilt per head at read time).
+  bool decodes_from(kernels::KVType type) const;
   // Constant per-sequence state of the layer (gdn/natsl: the f32 GDN state and convolution tails).
   double state_elements() const;
   double state_bytes() const { return 4.0 * state_elements(); }

@@ -392,12 +392,8 @@ nlohmann::json cost_row(const attention::AttentionShape& a, const std::string& l
                         {"kind", a.kind},
                         {"cache_elements_per_token_layer", a.cache_elements()},
                         {"cache_vs_mha", a.cache_elements() / a.mha_cache_elements()}};
-  for (auto t : {kernels::KVType::F32, kernels::KVType::BF16, kernels::KVType::Q8, kernels::KVType::Q4}) {
-    try {
-      row["bytes_per_token_layer_" + kernels::kv_type_name(t)] = a.cache_bytes(t);
-    } catch (const Error&) {  // q8/q4 need widths that are multiples of 32
-    }
-  }
+  for (auto t : {kernels::KVType::F32, kernels::KVType::BF16, kernels::KVType::Q8, kernels::KVType::Q4})
+    if (a.decodes_from(t)) row["bytes_per_token_layer_" + kernels::kv_type_name(t)] = a.cache_bytes(t);
   if (a.state_elements() > 0) row["state_bytes_per_sequence_layer"] = a.state_bytes();
   if (a.hidden > 0) {
     row["kv_params"] = a.kv_params();
@@ -465,7 +461,8 @@ void cmd_cost(const std::string& config_path, const std::vector<std::string>& sh
   std::printf("\nvs MHA: the same H and d_h with full per-head K/V (cache 2 H d_h). LRKV cache 2 (d_h + H r) = 1/H + r/d_h of MHA;\n"
               "MLA d_c + d_R (the seed's MLA rows count d_c only: d_R=0). GDN/NAtS-L: vs H (K + V); NAtS-L's cache is at\n"
               "its budget f (the blocks routed to softmax; the fraction actually kept is measured by kvx compare).\n"
-              "q8 bytes need widths that are multiples of 32.\n");
+              "q8 bytes need widths that are multiples of 32; LRKV with rope expand decodes from an f32 cache only (its keys\n"
+              "are rebuilt per head at read time), shared_rope and pair_aligned from every type.\n");
 }
 
 // arms: run only these (and what they derive from); demo: each experiment's demo subset.

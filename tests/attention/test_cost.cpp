@@ -70,4 +70,22 @@ TEST(Cost, BadShapesNameTheProblem) {
     EXPECT_NE(std::string(e.what()).find("d_h = 128"), std::string::npos) << e.what();
   }
   EXPECT_THROW(AttentionShape::parse("mla:H=4,d_h=64,d_c=100").cache_bytes(kernels::KVType::Q8), Error);  // 100 % 32 != 0
+  EXPECT_THROW(AttentionShape::parse("lrkv:H=18,r=55,d_h=128,rope=pair_aligned"), Error);  // half a RoPE plane
+  EXPECT_THROW(AttentionShape::parse("mha:H=8,Hkv=2,d_h=64"), Error);  // an MHA with 2 KV heads is a gqa
+  EXPECT_THROW(AttentionShape::parse("mqa:H=8,Hkv=4,d_h=64"), Error);
+  EXPECT_EQ(AttentionShape::parse("mqa:H=8,Hkv=1,d_h=64").kv_heads, 1);
+}
+
+TEST(Cost, WhichCacheTypesAShapeDecodesFrom) {
+  // expand rebuilds keys from an f32 cache; the compressed types are for the other two modes
+  const auto expand = AttentionShape::parse("lrkv:H=16,r=32,d_h=128,rope=expand");
+  EXPECT_TRUE(expand.decodes_from(kernels::KVType::F32));
+  for (auto t : {kernels::KVType::BF16, kernels::KVType::Q8, kernels::KVType::Q4}) EXPECT_FALSE(expand.decodes_from(t));
+  for (const char* mode : {"shared_rope", "pair_aligned"})
+    for (auto t : {kernels::KVType::F32, kernels::KVType::BF16, kernels::KVType::Q8, kernels::KVType::Q4})
+      EXPECT_TRUE(AttentionShape::parse(std::string("lrkv:H=16,r=32,d_h=128,rope=") + mode).decodes_from(t)) << mode;
+  // q8/q4 rows are whole 32-blocks: H r = 6 x 46 is not, d_c = 100 is not
+  EXPECT_FALSE(AttentionShape::parse("lrkv:H=6,r=46,d_h=128,rope=shared_rope").decodes_from(kernels::KVType::Q8));
+  EXPECT_FALSE(AttentionShape::parse("mla:H=4,d_h=64,d_c=100").decodes_from(kernels::KVType::Q4));
+  EXPECT_TRUE(AttentionShape::parse("mla:H=4,d_h=64,d_c=96,d_R=32").decodes_from(kernels::KVType::Q8));
 }

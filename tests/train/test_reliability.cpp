@@ -311,9 +311,10 @@ TEST(Determinism, SameSeedConfigAndThreadsGiveTheSameLossTrace) {
 }
 
 TEST(MemoryEstimate, ParameterCountMatchesTheModel) {
-  for (const char* layout : {"dense", "lrkv", "mla", "lrkv,dense"}) {
+  for (const char* layout : {"dense", "lrkv", "mla", "lrkv,dense", "dense qk_norm"}) {
     auto c = reliability_run(1).model;
-    c.layout = layout;
+    c.layout = std::string(layout) == "dense qk_norm" ? "dense" : layout;
+    c.qk_norm = std::string(layout) == "dense qk_norm";  // its q/k norm weights count too
     c.lrkv_rank = 4;
     c.kv_lora_rank = 16;
     c.qk_rope_head_dim = 4;
