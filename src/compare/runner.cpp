@@ -228,10 +228,12 @@ struct Runner {
     what["document"] = compress::tokens_fingerprint(ids);
     what["settings"] = d.to_json();
     const std::string doc_dir = arms_dir + "/" + r.key + "/doc-" + what["document"].get<std::string>();
-    const std::string queries_file = doc_dir + "/queries.json";
     compress::QueryOptions qo;
     qo.count = d.queries;
     qo.length = d.query_length;
+    // one file per query setting: a changed setting makes new queries (the file checks it too)
+    const std::string queries_file = doc_dir + "/queries-" + std::to_string(qo.count) + "x" + std::to_string(qo.length) +
+                                     "-seed" + std::to_string(qo.seed) + ".json";
     // The document's KV and its queries only when a metric has to be computed (not for cached ones).
     std::optional<compress::DocumentKV> document_kv;
     const auto document = [&]() -> const compress::DocumentKV& {

@@ -395,6 +395,10 @@ NectarQueries load_or_make_queries(const std::string& file, model::Transformer& 
     const auto j = io::parse_json_file(file);
     if (j.at("model_fingerprint") != fingerprint || j.at("document_hash") != document_hash)
       throw Error(file + " holds queries for another model or document; delete it or give another file");
+    const nlohmann::json asked = {{"count", options.count}, {"length", options.length}, {"seed", options.seed}};
+    if (j.contains("options") && j.at("options") != asked)
+      throw Error(file + " holds queries made with " + j.at("options").dump() + ", not the " + asked.dump() +
+                  " asked for; delete it or give another file");
     auto queries = NectarQueries::from_json(j.at("splits"));
     if (queries.train.size(1) > options.length)
       throw Error(file + " holds queries of " + std::to_string(queries.train.size(1)) + " tokens, more than the " +
@@ -407,8 +411,11 @@ NectarQueries load_or_make_queries(const std::string& file, model::Transformer& 
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (seconds) *seconds = took;
   if (!file.empty())
-    io::write_file_atomic(file, nlohmann::json{{"model_fingerprint", fingerprint}, {"document_hash", document_hash},
-                                               {"seconds", took}, {"splits", queries.to_json()}}.dump() + "\n");
+    io::write_file_atomic(file, nlohmann::json{{"model_fingerprint", fingerprint},
+                                               {"document_hash", document_hash},
+                                               {"options", {{"count", options.count}, {"length", options.length}, {"seed", options.seed}}},
+                                               {"seconds", took},
+                                               {"splits", queries.to_json()}}.dump() + "\n");
   return queries;
 }
 

@@ -183,6 +183,21 @@ TEST(NectarModel, FitSaveLoadAndRefuseAnotherModel) {
   const auto module = DocumentModule::load(fit.out, loaded.model);
   const auto again = evaluate_module_dir(loaded.model, loaded.tokenizer, fit.out, "");
   EXPECT_NEAR(again["test"]["kl"].get<double>(), report["splits"]["test"]["kl"].get<double>(), 1e-6);
+  // The saved queries serve only the options they were made with (other counts reused them, mislabelled).
+  {
+    const auto doc_kv = prefill_document(loaded.model, read_document(loaded.tokenizer, document), fit.queries.length);
+    const std::string shared = dir + "/shared_queries.json";
+    const auto made = load_or_make_queries(shared, loaded.model, loaded.tokenizer, doc_kv, fit.queries);
+    EXPECT_TRUE(torch::equal(load_or_make_queries(shared, loaded.model, loaded.tokenizer, doc_kv, fit.queries).test, made.test));
+    QueryOptions fewer = fit.queries;
+    fewer.count = 20;
+    try {
+      load_or_make_queries(shared, loaded.model, loaded.tokenizer, doc_kv, fewer);
+      ADD_FAILURE() << "queries made for other options were reused";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("asked for"), std::string::npos) << e.what();
+    }
+  }
   // Another document, another model, a truncated file: refused with the reason.
   const std::string other = dir + "/other.txt";
   std::ofstream(other) << "a dog ran far.\n";
