@@ -238,6 +238,17 @@ torch::Tensor on_policy_windows(model::Transformer& model, const LlaCodec& codec
 
 nlohmann::json fit_lla_run(const FitLlaRun& run) {
   if (run.out.empty()) throw Error("fit lla: give an output directory (--out)");
+  if (!run.budget.empty() && (run.rank_k > 0 || run.rank_v > 0))
+    throw Error("fit lla: give a budget (--budget " + run.budget + ") or ranks (--ranks " + std::to_string(run.rank_k) + "," +
+                std::to_string(run.rank_v) + "), not both");
+  if (run.init != "svd" && run.init != "random") throw Error("fit lla: --init '" + run.init + "' is not one of svd, random");
+  const bool fixed_shape = run.variant == "final_loop" || run.variant == "loop_head";  // baselines defined by their structure
+  if (run.init == "random" && fixed_shape) throw Error("fit lla: --init random applies to the head and 2d codecs");
+  // Distillation trains every entry of mu, down and up, which would fill the baselines' structural
+  // zeros (final_loop reading other loops, loop_head mixing them) under the baseline's name.
+  if (run.distill_steps > 0 && fixed_shape)
+    throw Error("fit lla: the " + run.variant + " baseline is defined by its structure, which distillation would not keep; "
+                "drop the distillation steps (its fit is the SVD) or distil a head or 2d codec");
   auto teacher = train::load_model(run.teacher);
   const auto& cfg = teacher.model->config();
   auto [rank_k, rank_v] = run.variant == "final_loop" ? std::make_pair(cfg.head_dim, cfg.head_dim)
@@ -257,9 +268,6 @@ nlohmann::json fit_lla_run(const FitLlaRun& run) {
     std::cerr << "fit lla: capturing K/V of " << cfg.loops << " loops x " << cfg.num_hidden_layers << " layers on "
               << calib_windows * seq_len << " calibration tokens\n";
   const auto kv = capture_stacked_kv(teacher.model, calibration, run.variant);
-  if (run.init != "svd" && run.init != "random") throw Error("fit lla: --init '" + run.init + "' is not one of svd, random");
-  if (run.init == "random" && (shape.variant == "final_loop" || shape.variant == "loop_head"))
-    throw Error("fit lla: --init random applies to the head and 2d codecs");
   auto codec = LlaCodec::fit_svd(shape, kv.keys, kv.values);
   if (run.init == "random") {  // the ablation: random orthonormal bases, the same means
     torch::manual_seed(1234);

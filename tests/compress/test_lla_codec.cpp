@@ -341,6 +341,26 @@ TEST(FitLla, FitsSavesAndMeasuresTheCodecThroughDecode) {
   EXPECT_GT(rnd["distillation"]["init_kl"].get<double>(), report["distillation"]["init_kl"].get<double>());
   run.init = "pca";
   EXPECT_THROW(compress::fit_lla_run(run), Error);
+  run.init = "svd";
+  // Refused before any work: a budget and ranks together (accounted at one, fitted at the other),
+  // and distilling a baseline (training fills the structural zeros that define it).
+  auto refusal = [&](compress::FitLlaRun bad) {
+    try {
+      compress::fit_lla_run(bad);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  compress::FitLlaRun both = run;
+  both.rank_k = both.rank_v = 4;
+  EXPECT_NE(refusal(both).find("not both"), std::string::npos);
+  for (const char* baseline : {"final_loop", "loop_head"}) {
+    compress::FitLlaRun bad = run;
+    bad.variant = baseline;
+    bad.budget = std::string(baseline) == "final_loop" ? "" : "2x";
+    EXPECT_NE(refusal(bad).find("defined by its structure"), std::string::npos) << baseline;
+  }
   EXPECT_LE(on["kl_vs_teacher"].get<double>(), on["distillation"]["init_kl"].get<double>() + 1e-12);
   EXPECT_EQ(report["codec"]["rank_k"], 6);
   EXPECT_EQ(report["codec"]["rank_v"], 10);
