@@ -57,6 +57,14 @@ int64_t parse_integer(const std::string& s, const std::string& option) {
   throw Error(option + ": '" + s + "' is not a whole number");
 }
 
+// A comma-separated list that was given, so must name something ("," alone selected nothing,
+// which read as "no selection": everything).
+std::vector<std::string> nonempty_list(const std::string& option, const std::string& s) {
+  auto items = split_list(s);
+  if (items.empty()) throw Error(option + " '" + s + "' names nothing; give comma-separated names");
+  return items;
+}
+
 std::string data_dir_or_default(const std::string& d) { return d.empty() ? text::default_data_dir() : d; }
 
 // --- kvx data fetch ---------------------------------------------------------------------------
@@ -918,7 +926,7 @@ int main(int argc, char** argv) {
     if (cost_cmd->parsed()) cmd_cost(cost_config, cost_shapes, cost_seed, bench_json);
     if (compare_cmd->parsed())
       cmd_compare(compare_name, compare_preset, compare_out, compare_data,
-                  compare_arms.empty() ? std::vector<std::string>{} : split_list(compare_arms), false, compare_document);
+                  compare_arms.empty() ? std::vector<std::string>{} : nonempty_list("--arms", compare_arms), false, compare_document);
     if (demo->parsed()) cmd_demo(demo_out, demo_data);
   } catch (const Error& e) {
     std::cerr << "kvx: error: " << e.what() << "\n";

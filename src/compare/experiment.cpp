@@ -1,7 +1,9 @@
 #include "compare/experiment.h"
 
 #include <cmath>
+#include <algorithm>
 #include <filesystem>
+#include <set>
 
 #include "io/json_config.h"
 #include "text/corpus.h"
@@ -338,7 +340,69 @@ void apply_patch(Experiment& e, const nlohmann::json& patch) {
   }
   r.finish();
   out.base.validate();
+  validate_experiment(out);
   e = std::move(out);
+}
+
+void validate_experiment(const Experiment& e) {
+  const std::string what = "experiment '" + e.name + "'";
+  if (e.arms.empty()) throw Error(what + " has no arms; declare at least one (see experiment.json of a built-in one)");
+  const std::vector<std::string> kinds = {"train", "posthoc", "convert", "lla", "nectar", "document"};
+  std::set<std::string> names;
+  for (const auto& a : e.arms) {
+    const std::string arm = what + ", arm '" + a.name + "'";
+    if (a.name.empty()) throw Error(what + ": an arm has no name");
+    if (!names.insert(a.name).second) throw Error(arm + " is declared twice; give each arm its own name");
+    if (std::find(kinds.begin(), kinds.end(), a.kind) == kinds.end())
+      throw Error(arm + ": unknown kind '" + a.kind + "' (known: train, posthoc, convert, lla, nectar, document)");
+    if (!a.spec.is_object()) throw Error(arm + ": spec must be a JSON object");
+    if (a.kind == "train") {
+      if (!a.spec.contains("model") || !a.spec.at("model").is_object())
+        throw Error(arm + ": a train arm's spec needs \"model\": {overrides of the base model} ({} for none)");
+      continue;
+    }
+    if (!a.spec.contains("base") || !a.spec.at("base").is_string())
+      throw Error(arm + ": a " + a.kind + " arm's spec needs \"base\": the name of the train arm it starts from");
+    if (find_arm(e, a.spec.at("base").get<std::string>()).kind != "train")
+      throw Error(arm + ": its base '" + a.spec.at("base").get<std::string>() + "' is not a train arm");
+    if (a.kind == "lla" && a.spec.contains("budget") && a.spec.contains("ranks"))
+      throw Error(arm + ": give \"budget\" or \"ranks\", not both");
+    if ((a.kind == "nectar" || a.kind == "document") && !a.spec.contains("document"))
+      throw Error(arm + ": a " + a.kind + " arm's spec needs \"document\" (kjv, brown or a file)");
+  }
+  for (const auto& g : e.groups)
+    if (g != "quality" && g != "mqar" && g != "decode" && g != "capacity" && g != "document")
+      throw Error(what + ": unknown metric group '" + g + "' (known: quality, mqar, decode, capacity, document)");
+  const auto& s = e.eval;
+  auto at_least = [&](const std::string& key, int64_t v, int64_t lo) {
+    if (v < lo) throw Error(what + ": eval." + key + " must be >= " + std::to_string(lo) + ", got " + std::to_string(v));
+  };
+  at_least("test_windows", s.test_windows, 1);
+  at_least("long_context_tokens", s.long_context_tokens, 1);
+  at_least("mqar_sequences", s.mqar_sequences, 1);
+  at_least("capacity tokens", s.capacity_tokens, 0);
+  at_least("capacity MiB", s.capacity_mib, 1);
+  for (int m : s.context_multiples) at_least("context_multiples", m, 1);
+  for (int p : s.mqar_pairs) at_least("mqar_pairs", p, 1);
+  // Metric names count contexts in K tokens (decode_tok_s@4K): other contexts would share names.
+  for (const auto* list : {&s.decode_contexts, &s.prefill_contexts})
+    for (int64_t c : *list)
+      if (c < 1024 || c % 1024 != 0)
+        throw Error(what + ": decode and prefill contexts must be positive multiples of 1024 (their metrics are named in K "
+                    "tokens), got " + std::to_string(c));
+  if (s.capacity_tokens % 1024 != 0)
+    throw Error(what + ": eval.capacity tokens must be a multiple of 1024 (its metric is named in K tokens), got " +
+                std::to_string(s.capacity_tokens));
+  if (!(std::isfinite(s.decode_seconds) && s.decode_seconds > 0))
+    throw Error(what + ": eval.decode_seconds must be a positive number of seconds");
+  const auto& d = e.document;
+  for (auto [key, v] : std::vector<std::pair<std::string, int>>{{"queries", d.queries}, {"query_length", d.query_length},
+                                                                {"batch", d.batch}, {"max_tokens", d.max_tokens},
+                                                                {"prompt_tokens", d.prompt_tokens}, {"new_tokens", d.new_tokens},
+                                                                {"repeats", d.repeats}})
+    if (v < 1) throw Error(what + ": document." + key + " must be >= 1, got " + std::to_string(v));
+  if (d.steps < 0) throw Error(what + ": document.steps must be >= 0, got " + std::to_string(d.steps));
+  if (!(std::isfinite(d.lr) && d.lr > 0)) throw Error(what + ": document.lr must be a positive number");
 }
 
 void use_document(Experiment& e, const std::string& path) {

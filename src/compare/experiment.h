@@ -87,6 +87,9 @@ attention::CacheOptions arm_cache(const Arm& arm);
 // An lla arm's codec settings (what its fit depends on: not its eviction or read mode).
 nlohmann::json lla_fit_spec(const Arm& arm);
 const Arm& find_arm(const Experiment& e, const std::string& name);
+// What a declaration must hold before anything runs (arms, kinds, bases, eval and document
+// settings); throws kvx::Error naming the arm or setting and the fix. run_experiment calls it.
+void validate_experiment(const Experiment& e);
 // Changes an experiment by a JSON merge patch (RFC 7386) on its to_json() form, e.g.
 // {"base": {"train": {"steps": 6}}, "groups": ["quality"], "arms": [...]} (an array replaces the
 // whole array). Settings to_json leaves out keep their values; unknown keys are refused by name.

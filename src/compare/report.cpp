@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "eval/plot.h"
@@ -214,11 +215,20 @@ std::string write_report(const ExperimentResult& r) {
   const auto& b = e.base;
   if (e.name == "doc") {
     const auto& d = e.document;
+    std::set<std::string> documents;
+    for (const auto& a : e.arms)
+      if (a.spec.contains("document")) documents.insert(a.spec.at("document").get<std::string>());
+    std::string which;
+    for (const auto& doc : documents)
+      which += (which.empty() ? "" : "; ") +
+               (doc == "kjv"     ? "kjv: the book of Jude"
+                : doc == "brown" ? "brown: the start of Brown ca32"
+                                 : "the file " + doc + ", used whole");
     md << "## Setup\n\n"
        << "One MHA model (d=" << b.model.hidden_size << ", " << b.model.num_hidden_layers << " layers, H=" << b.model.num_attention_heads
        << ", d_h=" << b.model.head_dim << ") trained " << b.train.steps << " steps on windows of " << b.train.seq_len
        << " tokens (its whole context), so a document and the queries after it sit at trained positions. Per document ("
-          "the built-in ones: the book of Jude and the start of Brown ca01, cut at a line to at most "
+       << which << "; the built-in ones are from the corpora's validation split, cut at a line to at most "
        << d.max_tokens << " tokens), the model makes " << d.queries << " self-study queries of " << d.query_length
        << " tokens (quote, cloze, its own sampled continuations; `kvx fit nectar`), split 80/20 with an eighth of the 80 "
           "held out for checkpoint selection; the challenge split is the quarter of the test queries least similar to any "
@@ -252,14 +262,21 @@ std::string write_report(const ExperimentResult& r) {
      << " pairs), the seed (" << b.train.seed << "), " << b.train.steps << " steps of " << b.train.batch_size << " x "
      << b.train.seq_len << " tokens, and the base model (d=" << b.model.hidden_size << ", " << b.model.num_hidden_layers
      << " layers, H=" << b.model.num_attention_heads << ", d_h=" << b.model.head_dim << ", vocab " << b.model.vocab_size
-     << "). Post-hoc arms transform the trained model named in their spec. Convert arms convert the trained model named "
+     << "), except where a train arm's spec overrides them (below). Post-hoc arms transform the trained model named in their spec. Convert arms convert the trained model named "
         "in their spec to another family (`kvx convert lrkv`) and heal it with `heal_steps` more steps of training of "
         "the whole model, so their CE also reflects that extra training. Arms are cached by content hash under "
-        "`arms/`; `experiment.json` holds the full declaration.\n\n"
-     << "## What the numbers mean\n\n"
+        "`arms/`; `experiment.json` holds the full declaration.\n\n";
+  for (const auto& arm : r.experiment.arms)
+    if (arm.kind == "train") {
+      md << "- `" << arm.name << "`: model " << arm.spec.at("model").dump();
+      if (arm.spec.contains("train")) md << ", train " << arm.spec.at("train").dump();
+      md << "\n";
+    }
+  md << "\n## What the numbers mean\n\n"
      << "- **KV bytes/token**: cache bytes per token summed over layers, at the arm's element type, at the training "
         "context (" << b.train.seq_len << " tokens); an evicting cache holds at most sink + window tokens, so its figure is "
-        "bytes held / context. **% of MHA**: against f32 MHA (2 x layers x H x d_h x 4 bytes).\n"
+        "bytes held / context. **% of MHA**: against f32 MHA of the arm's own model, or of the trained model a derived arm "
+        "starts from (2 x layers x loops x H x d_h x 4 bytes).\n"
      << "- **test CE / bits/byte**: mean next-token cross-entropy (nats) on " << e.eval.test_windows << " windows of "
      << b.train.seq_len << " tokens from the held-out test split; bits per byte divides the total by ln 2 and the UTF-8 "
         "bytes of the predicted tokens. Post-hoc arms are evaluated through their decode cache (fused kernels, every "

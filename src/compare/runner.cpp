@@ -188,13 +188,14 @@ struct Runner {
   }
 
   // A document of the doc experiment as a file: the built-in "kjv" (the book of Jude) and "brown"
-  // (the start of Brown ca01) are cut at a line to at most DocumentSettings::max_tokens tokens and
-  // written under <out>/documents/; anything else is a file path, used as it is.
+  // (the start of Brown ca32), both in the corpora's validation split so that the model has not
+  // trained on them, are cut at a line to at most DocumentSettings::max_tokens tokens and written
+  // under <out>/documents/; anything else is a file path, used as it is.
   std::string document_file(const std::string& name) {
     if (name != "kjv" && name != "brown") return name;
     auto c = with_data_dir(e.base);
     const std::string data = c.data.data_dir.empty() ? text::default_data_dir() : c.data.data_dir;
-    const std::string source = data + (name == "kjv" ? "/kjv/65_Jude.txt" : "/brown/ca01.txt");
+    const std::string source = data + (name == "kjv" ? "/kjv/65_Jude.txt" : "/brown/ca32.txt");
     std::istringstream in(io::read_file(source));
     std::string text, line;
     const auto& tok = training_data().tokenizer;
@@ -218,11 +219,22 @@ struct Runner {
     const train::RunConfig cfg = arm_run_config(e, trained);
     r.key = train_arm_key(cfg);
     const std::string label = arm.name + " (" + std::to_string(index + 1) + "/" + std::to_string(e.arms.size()) + ")";
+    const auto& d = e.document;
+    // The document, read and checked against the context before the base model trains (the
+    // model's tokenizer is the training data's).
+    const std::string path = document_file(spec.at("document").get<std::string>());
+    std::vector<int32_t> ids;
+    try {
+      ids = compress::read_document(training_data().tokenizer, path);
+    } catch (const Error& err) {
+      throw Error(arm.name + ": document '" + spec.at("document").get<std::string>() + "': " + err.what());
+    }
+    if (static_cast<int64_t>(ids.size()) + d.query_length > cfg.model.max_position_embeddings)
+      throw Error(arm.name + ": the document " + path + " (" + std::to_string(ids.size()) + " tokens) and " +
+                  std::to_string(d.query_length) + "-token queries after it exceed the model's context of " +
+                  std::to_string(cfg.model.max_position_embeddings) + " tokens; give a shorter document");
     const std::string base_dir = ensure_trained(cfg, label + " base");
     auto loaded = train::load_model(base_dir);
-    const std::string path = document_file(spec.at("document").get<std::string>());
-    const auto ids = compress::read_document(loaded.tokenizer, path);
-    const auto& d = e.document;
     // Keys: the base, the document's tokens (not its path), the arm's settings.
     nlohmann::json what = spec;
     what["document"] = compress::tokens_fingerprint(ids);
@@ -494,6 +506,7 @@ struct Runner {
 }  // namespace
 
 ExperimentResult run_experiment(const Experiment& e, const CompareOptions& o) {
+  validate_experiment(e);
   auto t0 = std::chrono::steady_clock::now();
   ExperimentResult res;
   res.experiment = e;
@@ -503,11 +516,16 @@ ExperimentResult run_experiment(const Experiment& e, const CompareOptions& o) {
   io::make_dirs(runner.arms_dir);
   io::write_file_atomic(res.dir + "/experiment.json", e.to_json().dump(2) + "\n");
   for (size_t i = 0; i < e.arms.size(); ++i) res.arms.push_back(runner.run_arm(e.arms[i], i));
-  // Budget relative to the MHA baseline at f32 (2 x layers x H x d_h x 4 bytes).
-  const auto& m = e.base.model;
-  const double mha = 2.0 * m.num_hidden_layers * m.num_attention_heads * m.head_dim * 4;
+  // Budget relative to f32 MHA of the arm's own model (a derived arm's: its base's), every layer
+  // and loop: 2 x layers x loops x H x d_h x 4 bytes (the looped teacher is 100%, its codecs a share of it).
   for (auto& a : res.arms)
-    if (a.metrics.contains("kv_bytes_per_token")) a.metrics["kv_pct_of_mha"] = 100.0 * a.metrics["kv_bytes_per_token"].get<double>() / mha;
+    if (a.metrics.contains("kv_bytes_per_token")) {
+      const Arm& arm = find_arm(e, a.name);
+      const Arm& trained = arm.kind == "train" ? arm : find_arm(e, arm.spec.at("base").get<std::string>());
+      const auto m = arm_run_config(e, trained).model;
+      const double mha = 2.0 * m.num_hidden_layers * m.loops * m.num_attention_heads * m.head_dim * 4;
+      a.metrics["kv_pct_of_mha"] = 100.0 * a.metrics["kv_bytes_per_token"].get<double>() / mha;
+    }
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return res;
 }

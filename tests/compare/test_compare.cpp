@@ -56,6 +56,8 @@ TEST(Compare, LoopedArmsAreAccountedAgainstTheLoopedTeachersFullCache) {
     if (!want.count(a.name)) continue;
     EXPECT_DOUBLE_EQ(a.metrics["kv_bytes_per_token"].get<double>(), want.at(a.name)) << a.name;
     if (a.name != "looped") EXPECT_NEAR(a.metrics["compression"].get<double>(), full / want.at(a.name), 1e-9) << a.name;
+    // % of MHA against the looped teacher's own full cache (it read 300% against the base model's)
+    EXPECT_NEAR(a.metrics["kv_pct_of_mha"].get<double>(), 100 * want.at(a.name) / full, 1e-9) << a.name;
   }
   for (const auto& a : r.arms)
     if (a.name == "lla-4x") EXPECT_EQ(a.metrics["rank_k"].get<int>() * 10 + a.metrics["rank_v"].get<int>(), 48 * 10 + 80);
@@ -276,6 +278,19 @@ TEST(Compare, DocumentExperimentFitsServesAndReportsEveryArm) {
   auto o = d.options("doc");
   const std::string file = o.out_dir + "/story.txt";
   io::write_file_atomic(file, "the cat sat on a mat and the dog ran far. a dog sat on the mat and the cat ran far away.\n");
+  {  // a missing document is reported before the base model trains
+    auto missing = e;
+    compare::use_document(missing, o.out_dir + "/no-such.txt");
+    compare::select_arms(missing, {"no-such/full-document"});
+    try {
+      compare::run_experiment(missing, o);
+      ADD_FAILURE() << "a missing document was accepted";
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find("no-such.txt"), std::string::npos) << err.what();
+    }
+    EXPECT_FALSE(fs::exists(o.out_dir + "/arms/" + compare::train_arm_key(compare::arm_run_config(missing, missing.arms[0])) +
+                            "/LATEST"));
+  }
   compare::use_document(e, file);
   compare::select_arms(e, {"story/full-document", "story/no-document", "story/mlp-10%-mixed", "story/quadrature-10%-kl"});
   ASSERT_EQ(e.arms.size(), 5u);
@@ -318,16 +333,40 @@ TEST(Compare, PatchesChangeWhatTheyNameAndRefuseUnknownKeys) {
     EXPECT_EQ(e.eval.prefill_contexts, prefill) << name;  // not in to_json: kept
   }
   auto e = compare::builtin_experiment("posthoc", "tiny");
-  compare::apply_patch(e, {{"base", {{"train", {{"steps", 7}}}}}, {"eval", {{"capacity", {64, 8}}}},
-                           {"arms", {{{"name", "a"}, {"kind", "train"}}}}});
+  compare::apply_patch(e, {{"base", {{"train", {{"steps", 7}}}}}, {"eval", {{"capacity", {2048, 8}}}},
+                           {"arms", {{{"name", "a"}, {"kind", "train"}, {"spec", {{"model", nlohmann::json::object()}}}}}}});
   EXPECT_EQ(e.base.train.steps, 7);
-  EXPECT_EQ(e.eval.capacity_tokens, 64);
+  EXPECT_EQ(e.eval.capacity_tokens, 2048);
   EXPECT_EQ(e.eval.capacity_mib, 8);
   ASSERT_EQ(e.arms.size(), 1u);
-  EXPECT_EQ(e.arms[0].spec, nlohmann::json::object());
+  EXPECT_EQ(e.arms[0].spec, (nlohmann::json{{"model", nlohmann::json::object()}}));
   EXPECT_EQ(e.base.model.hidden_size, compare::builtin_experiment("posthoc", "tiny").base.model.hidden_size);
   for (const auto& bad : {nlohmann::json{{"no_such_key", 1}}, nlohmann::json{{"eval", {{"test_windowz", 3}}}},
                           nlohmann::json{{"arms", {{{"kind", "train"}}}}}, nlohmann::json{{"base", {{"train", {{"steps", -1}}}}}},
                           nlohmann::json::array()})
     EXPECT_THROW(compare::apply_patch(e, bad), Error) << bad.dump();
+  // Declarations that failed only after earlier arms had trained, or ran and reported nonsense,
+  // are refused up front, naming the setting.
+  const auto train_arm = nlohmann::json{{"name", "a"}, {"kind", "train"}, {"spec", {{"model", nlohmann::json::object()}}}};
+  const std::vector<std::pair<nlohmann::json, std::string>> refused = {
+      {{{"eval", {{"context_multiples", {0}}}}}, "context_multiples"},  // divided by zero
+      {{{"eval", {{"test_windows", 0}}}}, "test_windows"},              // reported CE 0
+      {{{"eval", {{"decode_contexts", {512, 768}}}}}, "multiples of 1024"},  // both named decode_tok_s@0K
+      {{{"arms", nlohmann::json::array()}}, "no arms"},
+      {{{"arms", {{{"name", "a"}, {"kind", "train"}}}}}, "needs \"model\""},
+      {{{"arms", {train_arm, {{"name", "b"}, {"kind", "posthok"}, {"spec", {{"base", "a"}}}}}}}, "unknown kind 'posthok'"},
+      {{{"arms", {train_arm, {{"name", "b"}, {"kind", "posthoc"}, {"spec", {{"base", "z"}}}}}}}, "no arm 'z'"},
+      {{{"arms", {train_arm, train_arm}}}, "declared twice"},
+      {{{"arms", {train_arm, {{"name", "c"}, {"kind", "lla"}, {"spec", {{"base", "a"}, {"budget", "4x"}, {"ranks", {16, 16}}}}}}}},
+       "not both"},
+      {{{"groups", {"qualty"}}}, "unknown metric group"}};
+  for (const auto& [bad, words] : refused) {
+    auto copy = e;
+    try {
+      compare::apply_patch(copy, bad);
+      ADD_FAILURE() << "accepted " << bad.dump();
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find(words), std::string::npos) << bad.dump() << ": " << err.what();
+    }
+  }
 }
