@@ -25,6 +25,7 @@ void check_shapes(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     throw Error("gdn: expected q, k [B, H, T, K], v [B, H, T, V], g and beta [B, H, T], state [B, H, K, V]; got q " +
                 shape(q) + ", k " + shape(k) + ", v " + shape(v) + ", g " + shape(g) + ", beta " + shape(beta) +
                 (state.defined() ? ", state " + shape(state) : std::string()));
+  if (q.size(2) == 0) throw Error("gdn: the sequence is empty (T = 0); give at least one token");
 }
 
 torch::Tensor zero_state(const torch::Tensor& q, const torch::Tensor& v) {
@@ -184,6 +185,7 @@ torch::Tensor GdnAttention::finish(const torch::Tensor& o, const torch::Tensor& 
 }
 
 torch::Tensor GdnAttention::forward(const torch::Tensor& x) {
+  if (x.dim() == 3 && x.size(1) == 0) throw Error("GdnAttention::forward: the sequence is empty; give at least one token");
   const auto in = project(x, nullptr);
   const double scale = 1.0 / std::sqrt(static_cast<double>(key_dim_));
   auto o = gdn_chunked(l2_normalize(heads_first(in.q, key_dim_)), l2_normalize(heads_first(in.k, key_dim_)),
@@ -202,6 +204,7 @@ std::unique_ptr<MixerCache> GdnAttention::new_cache(int64_t batch, const CacheOp
 torch::Tensor GdnAttention::step(const torch::Tensor& x, MixerCache& cache_base) {
   auto* cache = dynamic_cast<GdnCache*>(&cache_base);
   if (!cache) throw Error("GdnAttention::step: the cache was not made by a GDN layer (layer/cache mismatch)");
+  if (x.dim() == 3 && x.size(1) == 0) throw Error("GdnAttention::step: the chunk is empty; give at least one token");
   const auto in = project(x, &cache->tails);
   const int64_t T = x.size(1);
   const double scale = 1.0 / std::sqrt(static_cast<double>(key_dim_));

@@ -283,6 +283,7 @@ torch::Tensor NatslAttention::combine(const torch::Tensor& o_gdn, const torch::T
 }
 
 torch::Tensor NatslAttention::forward(const torch::Tensor& x) {
+  if (x.dim() == 3 && x.size(1) == 0) throw Error("NatslAttention::forward: the sequence is empty; give at least one token");
   const auto in = project(x, nullptr);
   const int64_t T = x.size(1);
   std::vector<torch::Tensor> pooled;

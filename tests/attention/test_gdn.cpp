@@ -89,6 +89,10 @@ TEST(Gdn, BadShapesNameTheExpectedLayout) {
     EXPECT_NE(std::string(e.what()).find("expected q, k [B, H, T, K]"), std::string::npos) << e.what();
   }
   EXPECT_THROW(attention::gdn_chunked(x, x, x, torch::zeros({1, 2, 3}), torch::zeros({1, 2, 3}), 1.0, {}, 0), Error);
+  // An empty sequence is a kvx error on every path (libtorch's "stack expects a non-empty TensorList" before).
+  const auto empty = torch::zeros({1, 2, 0, 4});
+  EXPECT_THROW(attention::gdn_recurrent(empty, empty, empty, torch::zeros({1, 2, 0}), torch::zeros({1, 2, 0}), 1.0), Error);
+  EXPECT_THROW(attention::gdn_chunked(empty, empty, empty, torch::zeros({1, 2, 0}), torch::zeros({1, 2, 0}), 1.0), Error);
 }
 
 // ---- The GDN layer (GdnAttention) ----
@@ -198,7 +202,10 @@ TEST(GdnLayer, FusedKernelDecodeMatchesForward) {
       for (int t = 6; t < 21; ++t) parts.push_back(m->step(x.narrow(1, t, 1), *cache));
       auto stepped = torch::cat(parts, 1);
       EXPECT_LT(((stepped - full).abs().max() / full.abs().max()).item<double>(), 1e-5) << K << "x" << V;
+      EXPECT_THROW(m->step(x.narrow(1, 0, 0), *cache), Error);  // the fused path returned an empty tensor
     }
+    EXPECT_THROW(m->step(x.narrow(1, 0, 0), *m->new_cache(2, reference_cache())), Error);
+    EXPECT_THROW(m->forward(x.narrow(1, 0, 0)), Error);
   }
 }
 

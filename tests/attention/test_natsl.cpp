@@ -295,6 +295,7 @@ TEST(NatslLayer, DecodeCommitsAfterTheBlockAndEqualsTheFullForward) {
       auto x = torch::randn({2, cs.T, c.hidden_size}, kF64);
       auto full = m->forward(x);
       const auto routes = m->last_routes();
+      EXPECT_THROW(m->forward(x.narrow(1, 0, 0)), Error);  // an empty sequence: a kvx error, not libtorch's
       auto cache_base = m->new_cache(2, cache_options(reference));
       auto& cache = dynamic_cast<attention::NatslCache&>(*cache_base);
       EXPECT_EQ(cache.fused_kv, path == 2);
