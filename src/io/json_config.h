@@ -53,6 +53,8 @@ class JsonReader {
                     std::to_string(L::max()) + "], got " + v.dump().substr(0, 80));
       return v.is_number_unsigned() ? static_cast<T>(v.get<uint64_t>()) : static_cast<T>(v.get<int64_t>());
     } else {
+      if constexpr (std::is_floating_point_v<T>)  // nlohmann reads true as 1.0
+        if (!v.is_number()) throw Error(what_ + ": key '" + key + "' must be a number, got " + v.dump().substr(0, 80));
       try {
         return v.get<T>();
       } catch (const std::exception&) {

@@ -53,17 +53,22 @@ ModelConfig translate(const nlohmann::json& hf, const std::string& what) {
   for (const char* k : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                         "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
                         "tie_word_embeddings"})
-    if (hf.contains(k)) j[k] = hf[k];
-  if (!hf.contains("tie_word_embeddings")) j["tie_word_embeddings"] = false;  // transformers' default for both
+    if (hf.contains(k) && !hf[k].is_null()) j[k] = hf[k];
+  // transformers' defaults where a field is absent or null (None), for Llama, Qwen3 and Ouro alike;
+  // kvx's own defaults differ (tied embeddings, eps 1e-5), and a tied model would drop lm_head.
+  if (!j.contains("tie_word_embeddings")) j["tie_word_embeddings"] = false;
+  if (!j.contains("rms_norm_eps")) j["rms_norm_eps"] = 1e-6;
   if (type == "qwen3" && !hf.contains("head_dim")) j["head_dim"] = 128;      // Qwen3Config's default
   j["model_type"] = "kvx";
   j["layout"] = "dense";
   if (type == "qwen3") j["qk_norm"] = true;
   if (type == "ouro") {  // SPEC 1.3: the stack runs total_ut_steps times; sandwich norms and the exit gate
-    j["loops"] = hf.value("total_ut_steps", kOuroDefaultLoops);
+    // copied as they are, for from_json's checked conversion (value() truncated 4.5 and 2^32 + 4 to 4)
+    auto given = [&](const char* k) { return hf.contains(k) && !hf.at(k).is_null(); };
+    j["loops"] = given("total_ut_steps") ? hf.at("total_ut_steps") : nlohmann::json(kOuroDefaultLoops);
     j["sandwich_norm"] = true;
     j["exit_gate"] = true;
-    j["exit_threshold"] = hf.value("early_exit_threshold", kOuroDefaultThreshold);
+    j["exit_threshold"] = given("early_exit_threshold") ? hf.at("early_exit_threshold") : nlohmann::json(kOuroDefaultThreshold);
   }
   try {
     return ModelConfig::from_json(j);

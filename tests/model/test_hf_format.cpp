@@ -144,6 +144,12 @@ TEST(HfFormat, OuroConfigTranslates) {
   EXPECT_FALSE(c.tie_word_embeddings);
   hf.erase("total_ut_steps");
   EXPECT_EQ(model::config_from_hf(hf).loops, 4);  // OuroConfig's default
+  // A loop count that is not a small whole number is refused (read as 4 before: 2^32 + 4, 4.5, true).
+  for (const auto& bad : {nlohmann::json(4294967300LL), nlohmann::json(4.5), nlohmann::json(true)}) {
+    auto j = hf;
+    j["total_ut_steps"] = bad;
+    EXPECT_THROW(model::config_from_hf(j), Error) << bad.dump();
+  }
   hf["use_sliding_window"] = true;
   EXPECT_THROW(model::config_from_hf(hf), Error);
 }
@@ -248,6 +254,22 @@ TEST(HfFormat, ConfigsKvxCannotHonourAreRefusedByName) {
   EXPECT_EQ(c.head_dim, 6);  // hidden / heads when absent
   EXPECT_FALSE(c.tie_word_embeddings);
   EXPECT_FALSE(c.qk_norm);
+  // Absent or null (Python's None) fields take transformers' defaults, not kvx's (tied embeddings
+  // dropped lm_head; eps 1e-5 against Llama's and Qwen3's 1e-6).
+  auto nulls = base;
+  nulls["tie_word_embeddings"] = nullptr;
+  nulls["rms_norm_eps"] = nullptr;
+  auto absent = base;
+  absent.erase("rms_norm_eps");
+  for (const auto& cfg : {model::config_from_hf(nulls), model::config_from_hf(absent)}) {
+    EXPECT_FALSE(cfg.tie_word_embeddings);
+    EXPECT_DOUBLE_EQ(cfg.rms_norm_eps, 1e-6);
+  }
+  {
+    auto j = base;
+    j["rope_theta"] = true;  // a boolean is not a number (nlohmann read it as 1.0)
+    EXPECT_THROW(model::config_from_hf(j), Error);
+  }
   auto qwen = base;
   qwen["model_type"] = "qwen3";
   qwen["head_dim"] = 8;
