@@ -4,6 +4,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -46,7 +47,9 @@ void fsync_dir(const std::string& dir) {
 void write_file_atomic(const std::string& path, std::string_view bytes) {
   fs::path target(path);
   if (target.has_parent_path()) make_dirs(target.parent_path().string());
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  // unique per process and per call: two threads writing one path must not share a temp file
+  static std::atomic<uint64_t> serial{0};
+  std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(serial++);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) throw Error("cannot write '" + tmp + "': " + std::strerror(errno));
   size_t done = 0;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "util/error.h"
@@ -60,11 +61,21 @@ SafetensorsView parse_safetensors(std::string_view bytes, const std::string& wha
   if (n > kMaxHeader || n > bytes.size() - 8)
     throw Error(what + ": header length " + std::to_string(n) + " exceeds the file size " + std::to_string(bytes.size()) + fix);
   nlohmann::json header;
+  std::set<std::string> names;  // nlohmann keeps the last of repeated keys: a tensor listed twice would vanish
+  std::string repeated;
+  const nlohmann::json::parser_callback_t unique_names = [&](int depth, nlohmann::json::parse_event_t event,
+                                                             nlohmann::json& parsed) {
+    if (depth == 1 && event == nlohmann::json::parse_event_t::key && !names.insert(parsed.get<std::string>()).second &&
+        repeated.empty())
+      repeated = parsed.get<std::string>();
+    return true;
+  };
   try {
-    header = nlohmann::json::parse(bytes.substr(8, n));
+    header = nlohmann::json::parse(bytes.substr(8, n), unique_names);
   } catch (const std::exception& e) {
     throw Error(what + ": header is not valid JSON (" + e.what() + ")" + fix);
   }
+  if (!repeated.empty()) throw Error(what + ": the header lists tensor '" + repeated + "' twice" + fix);
   if (!header.is_object()) throw Error(what + ": header is not a JSON object" + fix);
   SafetensorsView view;
   view.data_start = 8 + n;

@@ -7,6 +7,8 @@
 
 namespace kvx::python {
 
+using namespace pybind11::literals;
+
 namespace {
 
 template <class T>
@@ -68,7 +70,14 @@ py::object to_python(const nlohmann::json& j) { return py::module_::import("json
 
 nlohmann::json to_json(const py::handle& o) {
   if (o.is_none()) return nlohmann::json::object();
-  return nlohmann::json::parse(py::module_::import("json").attr("dumps")(o).cast<std::string>());
+  std::string text;
+  try {
+    text = py::module_::import("json").attr("dumps")(o, "allow_nan"_a = false).cast<std::string>();
+  } catch (const py::error_already_set& e) {  // NaN/inf, or objects JSON has no form for
+    throw Error("the settings are not JSON (" + std::string(e.what()) + "); give numbers, strings, lists and dicts, "
+                "and finite numbers only");
+  }
+  return nlohmann::json::parse(text);
 }
 
 }  // namespace kvx::python

@@ -3,7 +3,9 @@
 // (ops.cpp). kvx::Error becomes kvx.KvxError, a ValueError.
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <mutex>
+#include <thread>
 
 #include "compare/experiment.h"
 #include "compare/report.h"
@@ -75,48 +77,54 @@ class Model {
     for (int32_t id : ids)
       if (id < 0 || id >= c.vocab_size)
         throw Error("logits: token id " + std::to_string(id) + " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
-    torch::Tensor out;
-    {
-      py::gil_scoped_release unlocked;
-      std::lock_guard<std::mutex> lock(busy_);
+    const torch::Tensor out = exclusive([&] {
       torch::NoGradGuard ng;
       m_.model->eval();
-      out = m_.model->forward(model::token_batch(ids))[0];
-    }
+      return m_.model->forward(model::token_batch(ids))[0];
+    });
     return to_array(out);
   }
   // on_piece (or None): called with each generated token's bytes as it is produced.
-  py::dict generate(const eval::GenerateRequest& r, const py::object& on_piece) {
-    eval::GenerateOutput o;
+  py::dict generate(const eval::GenerateRequest& request, const py::object& on_piece) {
+    const eval::GenerateRequest r = request;  // a copy: Python may change the object while the GIL is released
     std::function<void(const std::string&)> stream;
     if (!on_piece.is_none())
       stream = [&on_piece](const std::string& piece) {
         py::gil_scoped_acquire locked;
         on_piece(py::bytes(piece));  // a Python exception here ends the generation and is re-raised
       };
-    {
-      py::gil_scoped_release unlocked;
-      std::lock_guard<std::mutex> lock(busy_);
-      o = eval::generate_text(m_, r, stream);
-    }
+    const eval::GenerateOutput o = exclusive([&] { return eval::generate_text(m_, r, stream); });
     const auto& s = o.stats;
     return py::dict("text"_a = py::bytes(o.text), "tokens"_a = s.tokens, "prompt_tokens"_a = o.prompt_tokens,
                     "prefill_seconds"_a = s.prefill_seconds, "decode_seconds"_a = s.decode_seconds,
                     "cache"_a = o.cache, "cache_bytes"_a = s.cache_bytes, "cache_bytes_per_token"_a = s.cache_bytes_per_token);
   }
-  py::object evaluate(const eval::EvalRequest& r) {
-    nlohmann::json j;
-    {
-      py::gil_scoped_release unlocked;
-      std::lock_guard<std::mutex> lock(busy_);
-      j = eval::evaluate_model(m_, r);
-    }
-    return to_python(j);
+  py::object evaluate(const eval::EvalRequest& request) {
+    const eval::EvalRequest r = request;  // a copy, as in generate
+    return to_python(exclusive([&] { return eval::evaluate_model(m_, r); }));
   }
 
  private:
+  // Runs f without the GIL, one computation at a time: the model's caches (RoPE tables,
+  // train/eval mode) are shared. A call from the thread already computing (a generate stream
+  // callback calling back into this Model) is an error: the mutex is not recursive, and it hung.
+  template <class F>
+  auto exclusive(F&& f) -> decltype(f()) {
+    if (owner_.load() == std::this_thread::get_id())
+      throw Error("a generate stream callback called back into the same Model; collect the pieces and make the call "
+                  "after generate returns");
+    py::gil_scoped_release unlocked;
+    std::lock_guard<std::mutex> lock(busy_);
+    owner_ = std::this_thread::get_id();
+    struct Release {
+      std::atomic<std::thread::id>& owner;
+      ~Release() { owner = std::thread::id(); }
+    } release{owner_};
+    return f();
+  }
   train::LoadedModel m_;
-  std::mutex busy_;  // one computation at a time: the model's caches (RoPE tables, train/eval mode) are shared
+  std::mutex busy_;
+  std::atomic<std::thread::id> owner_{};
 };
 
 train::RunConfig run_config(const std::string& preset, const py::object& patch) {

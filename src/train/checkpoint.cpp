@@ -20,11 +20,16 @@ namespace kvx::train {
 
 namespace fs = std::filesystem;
 
+// A directory with config.json is complete (resolve_model_dir): an existing config goes first and
+// the new one is written last, so a write killed midway over an older model never pairs one
+// model's config with another's weights.
 void save_model_dir(const std::string& dir, const model::Transformer& model, const text::BpeTokenizer& tokenizer) {
   io::make_dirs(dir);
-  io::write_file_atomic(dir + "/config.json", model->config().to_json().dump(2) + "\n");
+  fs::remove(dir + "/config.json");
+  io::fsync_dir(dir);
   tokenizer.save(dir + "/tokenizer.json");
   nn::save_safetensors(dir + "/model.safetensors", model->state_dict_hf(), {{"format", "pt"}, {"producer", "kvx"}});
+  io::write_file_atomic(dir + "/config.json", model->config().to_json().dump(2) + "\n");
 }
 
 namespace {
@@ -40,7 +45,12 @@ nn::TensorMap load_hf_weights(const std::string& dir, const model::ModelConfig& 
     if (!j.contains("weight_map") || !j["weight_map"].is_object())
       throw Error(index + ": no weight_map object; is the index file truncated?");
     std::set<std::string> files;
-    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) files.insert(it.value().get<std::string>());
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      if (!it.value().is_string())
+        throw Error(index + ": weight_map['" + it.key() + "'] is " + it.value().dump().substr(0, 40) +
+                    ", not a shard file name; is the index file damaged?");
+      files.insert(it.value().get<std::string>());
+    }
     for (const auto& f : files) {
       if (f.find('/') != std::string::npos || f.find("..") != std::string::npos)
         throw Error(index + ": shard name '" + f + "' must be a file in the model directory");
@@ -97,6 +107,8 @@ void export_hf(const std::string& model_path, const std::string& out_dir, const 
     tensors["model.early_exit_gate.bias"] = torch::full({1}, model::kHfNeverExitGateBias, scalar);
   }
   io::make_dirs(out_dir);
+  fs::remove(out_dir + "/config.json");  // as save_model_dir: the directory is complete once config.json is back
+  io::fsync_dir(out_dir);
   nn::save_safetensors(out_dir + "/model.safetensors", tensors, {{"format", "pt"}, {"producer", "kvx"}});
   loaded.tokenizer.save(out_dir + "/tokenizer.json");
   io::write_file_atomic(out_dir + "/config.json", hf.dump(2) + "\n");  // last: a directory with config.json is complete

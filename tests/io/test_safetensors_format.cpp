@@ -72,6 +72,9 @@ TEST(SafetensorsFormat, CorruptHeadersAreRejected) {
   EXPECT_NE(error_of(with_header(R"({"t":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}})")).find("outside"), std::string::npos);
   EXPECT_NE(error_of(with_header(R"({"t":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"u":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})")).find("overlap"), std::string::npos);
   EXPECT_NE(error_of(with_header(R"({"t":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})")).find("negative"), std::string::npos);
+  // a tensor listed twice (the JSON parser kept the last, and the first vanished)
+  EXPECT_NE(error_of(with_header(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})"))
+                .find("'w' twice"), std::string::npos);
 }
 
 // A directory given where a file is expected (a model directory passed as its weights or

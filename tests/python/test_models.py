@@ -19,6 +19,8 @@ def test_train_writes_a_resumable_run(micro_run, tmp_path):
     assert again["step"] == 6
     with pytest.raises(kvx.KvxError, match="num_hidden_layers|layers"):
         kvx.train(tmp_path / "bad", "tiny", {"model": {"num_hidden_layers": 0}})
+    with pytest.raises(kvx.KvxError, match="finite numbers only"):  # json.dumps wrote NaN, which nlohmann refused raw
+        kvx.train(tmp_path / "nan", "tiny", {"train": {"lr": float("nan")}})
     with pytest.raises(kvx.KvxError, match="tiny"):
         kvx.preset("no-such-preset")
     assert "tiny" in kvx.presets() and kvx.preset("tiny")["model"]["hidden_size"] > 0
@@ -69,6 +71,10 @@ def test_generate_options_and_errors(micro_model):
         raise KeyboardInterrupt("stop")
     with pytest.raises(KeyboardInterrupt):
         micro_model.generate("Jesus wept", max_new=12, stream=stop)
+    # A callback calling back into the same model is refused (it deadlocked), and the model stays usable.
+    with pytest.raises(kvx.KvxError, match="called back into the same Model"):
+        micro_model.generate("Jesus wept", max_new=3, stream=lambda piece: micro_model.logits([1, 2]))
+    assert micro_model.logits([1, 2]).shape[0] == 2
     with pytest.raises(kvx.KvxError, match="prompt is empty"):
         micro_model.generate("", max_new=3)
     with pytest.raises(kvx.KvxError, match="f32"):
