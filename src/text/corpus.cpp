@@ -784,9 +784,13 @@ void fetch_corpora(const FetchOptions& opt) {
     log("corpus already present in " + dir.string() + " (MANIFEST.json ok); use --force to refetch");
     return;
   }
-  // Drop the manifest first: from here until the end the corpus is incomplete.
+  // Drop the manifest first: from here until the end the corpus is incomplete. The tokenizers and
+  // token files made from the old text go too: their names do not say which text they came from,
+  // so a refetched corpus (another source file, a changed cleaner) would have been read through them.
   std::error_code ec;
   fs::remove(dir / "MANIFEST.json", ec);
+  fs::remove_all(dir / "tokenizers", ec);
+  fs::remove_all(dir / "tokens", ec);
   make_dirs(dir / "raw");
   remove_stale_staging(dir);
   TempDir staging{dir / (".staging-" + std::to_string(::getpid()))};

@@ -161,14 +161,18 @@ TrainSummary run_training(const TrainArgs& args, const TrainingData& data) {
     return value;
   };
   if (group) {  // every worker must train the same thing on the same tokens
-    const std::string mine = text::sha256_hex(cfg.model.to_json().dump() + std::to_string(opt.steps) +
-                                              std::to_string(opt.batch_size) + std::to_string(opt.checkpoint_every) +
-                                              std::to_string(args.stop_after) + std::to_string(args.data_shards) +
+    // The whole run config (learning rate, clipping, optimizer, data and MQAR settings too: a worker
+    // with another lr applied another update to the same averaged gradient), less its name and the
+    // data path, which may differ by machine.
+    nlohmann::json same = cfg.to_json();
+    same.erase("name");
+    if (same.contains("data")) same["data"].erase("data_dir");
+    const std::string mine = text::sha256_hex(same.dump() + std::to_string(args.stop_after) + std::to_string(args.data_shards) +
                                               data.tokenizer.to_json());
     const auto all = group->gather_strings(mine);
     for (int r = 0; r < static_cast<int>(all.size()); ++r)
       if (all[r] != all[0])
-        throw Error("worker " + std::to_string(r) + "'s model config, steps, batch size, checkpoint interval or tokenizer "
+        throw Error("worker " + std::to_string(r) + "'s run config (model, training, data settings), run length or tokenizer "
                     "differs from worker 0's; start every worker with the same --config/--preset, options and data");
   }
   std::optional<io::DirLock> run_dir_lock;  // rank 0's, for the whole run

