@@ -15,7 +15,9 @@
 //    are matched in the (normalised) text before pre-tokenisation.
 //  - Rejected at load time: other normalizers, pre-tokenizers other than
 //    ByteLevel or Split(GPT-2 / Llama 3 / Qwen2 pattern) + ByteLevel, dropout,
-//    byte_fallback, prefixes/suffixes and ignore_merges.
+//    byte_fallback and prefixes/suffixes.
+//  - ignore_merges (Llama 3): a pre-token that is itself a vocabulary entry is that token, before
+//    any merge (HF's BPE does the same lookup first).
 #include "text/bpe.h"
 
 #include <algorithm>
@@ -372,6 +374,13 @@ inline bool BpeTokenizer::find_pair(int32_t a, int32_t b, uint64_t* val) const {
 // Applies merges to one pre-token: always the lowest-rank pair, leftmost first
 // (same result as HF's BPE word merge).
 void BpeTokenizer::bpe_word(std::string_view word, std::vector<int32_t>* out) const {
+  if (ignore_merges_) {
+    const auto it = whole_word_.find(std::string(word));
+    if (it != whole_word_.end()) {
+      out->push_back(it->second);
+      return;
+    }
+  }
   const size_t n0 = word.size();
   const auto* w = reinterpret_cast<const uint8_t*>(word.data());
   constexpr size_t kShort = 64;
@@ -865,6 +874,7 @@ std::string BpeTokenizer::to_json() const {
                  {"end_of_word_suffix", nullptr},
                  {"fuse_unk", false},
                  {"byte_fallback", false},
+                 {"ignore_merges", ignore_merges_},
                  {"vocab", std::move(vocab)},
                  {"merges", std::move(merges)}};
   if (split_digits_ != 0) {  // Split(regex) then ByteLevel without its own regex, as Llama 3 / Qwen2 ship it
@@ -966,7 +976,8 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
   if (is_set(model, "dropout") && !(model["dropout"].is_number() && model["dropout"].get<double>() == 0.0))
     bad_json("'model.dropout' is set but BPE dropout is not supported", OrRetrain("set it to null"));
   if (model.value("byte_fallback", false)) bad_json("'model.byte_fallback' = true is not supported");
-  if (model.value("ignore_merges", false)) bad_json("'model.ignore_merges' = true is not supported");
+  if (is_set(model, "ignore_merges") && !model["ignore_merges"].is_boolean())
+    bad_json("'model.ignore_merges' must be true or false");
   for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"})
     if (is_set(model, k) && !(model[k].is_string() && model[k].get<std::string>().empty()))
       bad_json(std::string("'model.") + k + "' is set; word prefixes/suffixes are not supported");
@@ -1003,6 +1014,9 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
     if (t.byte_id_[b] < 0)
       bad_json("'model.vocab' lacks the single-byte token for byte " + std::to_string(b) + " (\"" +
                bytes_to_unicode(std::string(1, char(b))) + "\"); all 256 bytes must be present");
+  t.ignore_merges_ = model.value("ignore_merges", false);
+  if (t.ignore_merges_)
+    for (size_t id = 0; id < n; ++id) t.whole_word_.emplace(tokens[id], int32_t(id));
 
   if (!model.contains("merges") || !model["merges"].is_array()) bad_json("'model.merges' is missing or not an array");
   const json& merges = model["merges"];

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -81,6 +82,8 @@ class BpeTokenizer {
   std::vector<int32_t> encode_normalized(std::string_view bytes, int num_threads) const;  // after NFC
   std::vector<int32_t> encode_plain(std::string_view bytes, int num_threads) const;       // no added tokens
   void bpe_word(std::string_view word, std::vector<int32_t>* out) const;
+  bool ignore_merges_ = false;                        // Llama 3: whole vocabulary words first
+  std::unordered_map<std::string, int32_t> whole_word_;  // their bytes -> id (only with ignore_merges_)
   // (a,b) -> (rank << 32 | result); returns false if (a,b) is not a merge.
   bool find_pair(int32_t a, int32_t b, uint64_t* val) const;
 

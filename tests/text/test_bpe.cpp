@@ -256,6 +256,26 @@ TEST(Bpe, JsonFormat) {
   EXPECT_EQ(BpeTokenizer::bytes_to_unicode(" \n!"), "ĠĊ!");
 }
 
+// Llama 3's ignore_merges: a pre-token that is a vocabulary entry is that entry, even where the
+// merges would split it otherwise (HF's BPE looks the whole word up first).
+TEST(Bpe, IgnoreMergesTakesWholeVocabularyWordsFirst) {
+  auto j = nlohmann::json::parse(BpeTokenizer().to_json());
+  auto& m = j["model"];
+  m["vocab"]["ab"] = 256;
+  m["vocab"]["abc"] = 257;  // in the vocabulary, but no merge makes it from "ab" + "c"
+  m["merges"] = {"a b"};
+  const auto merged = BpeTokenizer::from_json(j.dump());
+  EXPECT_EQ(merged.encode("abc"), (std::vector<int32_t>{256, 'c'}));
+  m["ignore_merges"] = true;
+  const auto whole = BpeTokenizer::from_json(j.dump());
+  EXPECT_EQ(whole.encode("abc"), (std::vector<int32_t>{257}));
+  EXPECT_EQ(whole.encode("abcab"), (std::vector<int32_t>{256, 'c', 256}));  // not a vocabulary word: merged as usual
+  EXPECT_EQ(whole.encode("ab abc"), (std::vector<int32_t>{256, ' ', 256, 'c'}));  // " abc" is not "abc"
+  EXPECT_EQ(BpeTokenizer::from_json(whole.to_json()).encode("abc"), (std::vector<int32_t>{257}));  // kept on save
+  m["ignore_merges"] = "yes";
+  EXPECT_THROW(BpeTokenizer::from_json(j.dump()), kvx::Error);
+}
+
 TEST(Bpe, BadJsonThrowsUsefulErrors) {
   const std::string good = trained().to_json();
   auto with = [&](const std::function<void(nlohmann::json&)>& edit) {
