@@ -1065,7 +1065,10 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
       tok.content = a["content"].get<std::string>();
       tok.special = a.value("special", false);
       if (tok.content.empty()) bad_json(where + " has empty content");
-      if (id < 0 || id >= (int64_t(1) << 30)) bad_json(where + " has id " + std::to_string(id) + " out of range");
+      // dense ids: an added id past the vocabulary and the added tokens (1e9) made a huge allocation
+      if (id < 0 || id >= static_cast<int64_t>(n + added.size()))
+        bad_json(where + " has id " + std::to_string(id) + "; ids must be dense, below the " +
+                 std::to_string(n + added.size()) + " tokens of the vocabulary and added_tokens");
       tok.id = int32_t(id);
       if (size_t(id) < n) {
         if (tokens[id] != tok.content)

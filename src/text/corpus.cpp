@@ -454,6 +454,10 @@ const std::map<std::string, Split>& known_splits() {
 
 }  // namespace
 
+void check_source(const std::string& source, const std::string& what) {
+  if (source != "brown" && source != "kjv") throw Error(what + ": unknown data source '" + source + "' (valid: brown, kjv)");
+}
+
 Split split_of(const Document& d) {
   std::string key = split_key(d.source, d.id);
   const auto& m = known_splits();

@@ -55,6 +55,9 @@ enum class Split { Train, Validation, Test };
 // to Validation if r % 20 == 0, Test if r % 20 == 1, else Train, so every split has documents
 // from both sources. Unknown ids fall back to key % 20 with the same rule.
 Split split_of(const Document& d);
+// Throws kvx::Error naming `what` and the valid names unless `source` is one of the corpora
+// kvx fetches (brown, kjv).
+void check_source(const std::string& source, const std::string& what);
 std::string split_name(Split s);                // "train", "validation", "test"
 Split parse_split(const std::string& s);        // "train", "validation"/"val", "test" (any case)
 // Texts of the documents in split s (in the given order), separated by "\n\n".

@@ -31,7 +31,10 @@ void MqarSpec::validate() const {
     throw Error("MQAR: " + std::to_string(pairs) + " pairs and " + std::to_string(queries) + " queries need " +
                 std::to_string(2 * pairs + 2 * queries) + " tokens but sequences have " + std::to_string(length) +
                 "; use fewer pairs or longer sequences");
-  if (key_hi - key_lo < pairs) throw Error("MQAR: the key range holds fewer keys than pairs; use a larger vocabulary");
+  if (key_hi - key_lo < pairs)
+    throw Error("MQAR: " + std::to_string(pairs) + " pairs need as many distinct keys but the key range holds " +
+                std::to_string(key_hi - key_lo) + "; use fewer pairs (data.mqar_max_pairs) or more symbols "
+                "(data.mqar_symbols, at most a quarter of the vocabulary)");
   if (value_hi <= value_lo) throw Error("MQAR: empty value range");
   if (!(key_hi <= value_lo || value_hi <= key_lo)) throw Error("MQAR: key and value ranges overlap");
 }

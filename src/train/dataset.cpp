@@ -36,8 +36,15 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 text::BpeTokenizer load_or_train_tokenizer(const std::string& data_dir, const std::vector<std::string>& sources,
                                            int vocab_size) {
+  for (const auto& s : sources) text::check_source(s, "tokenizer");
   const std::string path = data_dir + "/tokenizers/bpe-" + join(sources, "+") + "-" + std::to_string(vocab_size) + ".json";
-  if (io::file_exists(path)) return text::BpeTokenizer::load(path);
+  if (io::file_exists(path)) {
+    try {
+      return text::BpeTokenizer::load(path);
+    } catch (const Error& e) {  // a cache: made again (its advice to retrain pointed back at this same file)
+      std::cerr << "warning: the cached tokenizer is damaged (" << e.what() << "); training it again\n";
+    }
+  }
   std::string corpus = split_text(data_dir, sources, text::Split::Train);
   std::cerr << "training a " << vocab_size << "-token byte-level BPE on " << corpus.size() / 1e6 << " MB ..." << std::flush;
   auto t0 = std::chrono::steady_clock::now();
@@ -163,7 +170,8 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> evaluation_batches(const st
                                                                         int batch, int seq_len) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (n < seq_len + 1)
-    throw Error("evaluation text has " + std::to_string(n) + " tokens, fewer than seq_len + 1 = " + std::to_string(seq_len + 1));
+    throw Error("the evaluation text (the validation or test split) has " + std::to_string(n) + " tokens, fewer than seq_len + 1 = " +
+                std::to_string(seq_len + 1) + "; use a shorter train.seq_len (or --seq-len) or sources with more text");
   const int64_t max_windows = (n - 1) / seq_len;
   count = static_cast<int>(std::min<int64_t>(count, max_windows));
   const double stride = count > 1 ? static_cast<double>(n - seq_len - 1) / (count - 1) : 0.0;

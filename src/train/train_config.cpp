@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "io/json_config.h"
+#include "text/corpus.h"
 #include "text/mqar.h"
 #include "util/error.h"
 
@@ -85,8 +86,10 @@ void RunConfig::validate() const {
   if (data.sources.empty()) throw Error("run config: data.sources is empty; use [\"brown\", \"kjv\"] or a subset");
   if (data.mqar_fraction < 0 || data.mqar_fraction > 1) throw Error("run config: data.mqar_fraction must be in [0, 1]");
   if (data.mqar_fraction > 0) text::MqarSpec::for_vocab(model.vocab_size, data.mqar_max_pairs, 1, train.seq_len + 1, data.mqar_symbols);
-  for (const auto& s : data.sources)
-    if (s != "brown" && s != "kjv") throw Error("run config: unknown data source '" + s + "' (valid: brown, kjv)");
+  for (const auto& s : data.sources) text::check_source(s, "run config");
+  if (model.vocab_size < 256)  // found only after a 256-token tokenizer was trained and both splits tokenised
+    throw Error("run config: model.vocab_size " + std::to_string(model.vocab_size) +
+                " is below the 256 byte tokens a byte-level BPE starts from; set it to 256 or more");
 }
 
 RunConfig load_run_config(const std::string& path) {

@@ -374,6 +374,7 @@ TEST(Bpe, AddedTokensAreMatchedWholeAndRoundTrip) {
   bad([](nlohmann::json& k) { k["added_tokens"][1]["content"] = ""; });
   bad([](nlohmann::json& k) { k["added_tokens"][2]["id"] = 257; });               // the same id twice
   bad([](nlohmann::json& k) { k["added_tokens"][0]["content"] = "<|other|>"; });  // not its vocab entry
+  bad([](nlohmann::json& k) { k["added_tokens"][3]["id"] = 1000000000; });        // allocated 1e9 tokens first
 }
 
 // The Llama 3 / Qwen2 split pattern (a Split pre-tokenizer before ByteLevel), worked out by hand

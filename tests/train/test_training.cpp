@@ -186,6 +186,9 @@ TEST(Training, RunConfigRejectsUnknownKeysAndBadValues) {
   j = small_run(4).to_json();
   j["data"]["sources"] = {"wiki"};
   EXPECT_THROW(train::RunConfig::from_json(j), kvx::Error);
+  j = small_run(4).to_json();
+  j["model"]["vocab_size"] = 200;  // below the 256 byte tokens (failed only after tokenising)
+  EXPECT_THROW(train::RunConfig::from_json(j), kvx::Error);
   EXPECT_THROW(train::preset("huge"), kvx::Error);
 }
 
