@@ -18,6 +18,8 @@
 //    byte_fallback and prefixes/suffixes.
 //  - ignore_merges (Llama 3): a pre-token that is itself a vocabulary entry is that token, before
 //    any merge (HF's BPE does the same lookup first).
+//  - post_processor (Llama 3's TemplateProcessing adds <|begin_of_text|>) is kept for the round
+//    trip but not applied: encode is HF's encode(text, add_special_tokens=False).
 #include "text/bpe.h"
 
 #include <algorithm>
@@ -894,7 +896,7 @@ std::string BpeTokenizer::to_json() const {
              {"added_tokens", std::move(added)},
              {"normalizer", nfc_ ? ojson{{"type", "NFC"}} : ojson(nullptr)},
              {"pre_tokenizer", std::move(byte_level)},
-             {"post_processor", nullptr},
+             {"post_processor", post_processor_.empty() ? ojson(nullptr) : ojson::parse(post_processor_)},
              {"decoder", std::move(decoder)},
              {"model", std::move(model)}};
   return j.dump(2);
@@ -933,6 +935,7 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
     nfc = true;
   }
   int split_digits = 0;
+  const std::string post_processor = is_set(j, "post_processor") ? j["post_processor"].dump() : "";
   if (is_set(j, "pre_tokenizer")) {
     const json* pt = &j["pre_tokenizer"];
     json byte_level;        // the ByteLevel step of a Sequence
@@ -1093,6 +1096,7 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
 
   t.split_digits_ = split_digits;
   t.nfc_ = nfc;
+  t.post_processor_ = post_processor;
   t.tok_bytes_.clear();
   t.tok_off_.assign(1, 0);
   for (const auto& s : tokens) {

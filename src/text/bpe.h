@@ -98,6 +98,7 @@ class BpeTokenizer {
   std::vector<AddedToken> added_;  // longest content first
   int split_digits_ = 0;           // 0: GPT-2's pattern; 3: Llama 3's; 1: Qwen2's
   bool nfc_ = false;               // normalizer NFC (Qwen2/3): encode composes the text first
+  std::string post_processor_;     // tokenizer.json's post_processor, kept for saving (not applied)
   bool added_first_byte_[256] = {};
 };
 

@@ -272,6 +272,13 @@ TEST(Bpe, IgnoreMergesTakesWholeVocabularyWordsFirst) {
   EXPECT_EQ(whole.encode("abcab"), (std::vector<int32_t>{256, 'c', 256}));  // not a vocabulary word: merged as usual
   EXPECT_EQ(whole.encode("ab abc"), (std::vector<int32_t>{256, ' ', 256, 'c'}));  // " abc" is not "abc"
   EXPECT_EQ(BpeTokenizer::from_json(whole.to_json()).encode("abc"), (std::vector<int32_t>{257}));  // kept on save
+  // Llama 3's post_processor (a template adding a BOS token) is kept on save, and not applied:
+  // encode is HF's add_special_tokens=False.
+  const nlohmann::json bos = {{"type", "TemplateProcessing"}, {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}}}};
+  j["post_processor"] = bos;
+  const auto templated = BpeTokenizer::from_json(j.dump());
+  EXPECT_EQ(templated.encode("abc"), (std::vector<int32_t>{257}));
+  EXPECT_EQ(nlohmann::json::parse(templated.to_json())["post_processor"], bos);
   m["ignore_merges"] = "yes";
   EXPECT_THROW(BpeTokenizer::from_json(j.dump()), kvx::Error);
 }
