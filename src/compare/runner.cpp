@@ -229,9 +229,11 @@ struct Runner {
     } catch (const Error& err) {
       throw Error(arm.name + ": document '" + spec.at("document").get<std::string>() + "': " + err.what());
     }
-    if (static_cast<int64_t>(ids.size()) + d.query_length > cfg.model.max_position_embeddings)
-      throw Error(arm.name + ": the document " + path + " (" + std::to_string(ids.size()) + " tokens) and " +
-                  std::to_string(d.query_length) + "-token queries after it exceed the model's context of " +
+    // after the document: a query, or a served request's prompt and answer
+    const int64_t after = std::max<int64_t>(d.query_length, std::min(d.prompt_tokens, d.query_length) + d.new_tokens);
+    if (static_cast<int64_t>(ids.size()) + after > cfg.model.max_position_embeddings)
+      throw Error(arm.name + ": the document " + path + " (" + std::to_string(ids.size()) + " tokens) and the " +
+                  std::to_string(after) + " tokens of a query or request after it exceed the model's context of " +
                   std::to_string(cfg.model.max_position_embeddings) + " tokens; give a shorter document");
     const std::string base_dir = ensure_trained(cfg, label + " base");
     auto loaded = train::load_model(base_dir);

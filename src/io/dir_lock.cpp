@@ -26,7 +26,7 @@ DirLock::DirLock(const std::string& dir, const std::string& what) {
     if (e != EWOULDBLOCK) throw Error(what + ": cannot lock '" + path + "': " + std::strerror(e));
     std::string pid(holder, n > 0 ? static_cast<size_t>(n) : 0);
     while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();
-    throw Error(what + ": the directory '" + dir + "' is in use by another kvx process" +
+    throw Error(what + ": the directory '" + dir + "' is in use by another kvx run" +
                 (pid.empty() ? std::string() : " (pid " + pid + ")") +
                 "; wait for it to finish, stop it, or write to another directory");
   }

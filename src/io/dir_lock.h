@@ -10,8 +10,8 @@ namespace kvx::io {
 // holder's pid, which the refusal names.
 class DirLock {
  public:
-  // Throws kvx::Error naming `what`, the directory and the holder's pid if another process
-  // (or another DirLock in this one) holds it. `dir` must exist.
+  // Throws kvx::Error naming `what`, the directory and the holder's pid if another run holds it
+  // (another process, or another DirLock in this one). `dir` must exist.
   DirLock(const std::string& dir, const std::string& what);
   ~DirLock();
   DirLock(const DirLock&) = delete;

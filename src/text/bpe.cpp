@@ -1017,7 +1017,7 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
     if (t.byte_id_[b] < 0)
       bad_json("'model.vocab' lacks the single-byte token for byte " + std::to_string(b) + " (\"" +
                bytes_to_unicode(std::string(1, char(b))) + "\"); all 256 bytes must be present");
-  t.ignore_merges_ = model.value("ignore_merges", false);
+  t.ignore_merges_ = is_set(model, "ignore_merges") && model["ignore_merges"].get<bool>();
   if (t.ignore_merges_)
     for (size_t id = 0; id < n; ++id) t.whole_word_.emplace(tokens[id], int32_t(id));
 

@@ -33,8 +33,8 @@ void MqarSpec::validate() const {
                 "; use fewer pairs or longer sequences");
   if (key_hi - key_lo < pairs)
     throw Error("MQAR: " + std::to_string(pairs) + " pairs need as many distinct keys but the key range holds " +
-                std::to_string(key_hi - key_lo) + "; use fewer pairs (data.mqar_max_pairs) or more symbols "
-                "(data.mqar_symbols, at most a quarter of the vocabulary)");
+                std::to_string(key_hi - key_lo) + "; use fewer pairs, more key symbols (up to a quarter of the "
+                "vocabulary) or a larger vocabulary");
   if (value_hi <= value_lo) throw Error("MQAR: empty value range");
   if (!(key_hi <= value_lo || value_hi <= key_lo)) throw Error("MQAR: key and value ranges overlap");
 }

@@ -170,8 +170,8 @@ std::vector<std::pair<torch::Tensor, torch::Tensor>> evaluation_batches(const st
                                                                         int batch, int seq_len) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   if (n < seq_len + 1)
-    throw Error("the evaluation text (the validation or test split) has " + std::to_string(n) + " tokens, fewer than seq_len + 1 = " +
-                std::to_string(seq_len + 1) + "; use a shorter train.seq_len (or --seq-len) or sources with more text");
+    throw Error("the text to evaluate has " + std::to_string(n) + " tokens, fewer than one window of " +
+                std::to_string(seq_len) + " + 1; use shorter windows or sources with more text");
   const int64_t max_windows = (n - 1) / seq_len;
   count = static_cast<int>(std::min<int64_t>(count, max_windows));
   const double stride = count > 1 ? static_cast<double>(n - seq_len - 1) / (count - 1) : 0.0;

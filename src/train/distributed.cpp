@@ -342,7 +342,9 @@ int launch_workers(const std::vector<std::string>& argv, int nproc, const std::s
     }
     if (pid == 0) {
       if (!log.empty()) {
-        const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        // appended: a second launch into a directory a live run holds (refused at its lock) must
+        // not wipe that run's logs
+        const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
         if (fd >= 0) ::dup2(fd, 1), ::dup2(fd, 2);
       }
       ::execve("/proc/self/exe", cargs.data(), cenv.data());

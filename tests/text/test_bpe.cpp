@@ -281,6 +281,8 @@ TEST(Bpe, IgnoreMergesTakesWholeVocabularyWordsFirst) {
   EXPECT_EQ(nlohmann::json::parse(templated.to_json())["post_processor"], bos);
   m["ignore_merges"] = "yes";
   EXPECT_THROW(BpeTokenizer::from_json(j.dump()), kvx::Error);
+  m["ignore_merges"] = nullptr;  // null: not set (was nlohmann's type error)
+  EXPECT_EQ(BpeTokenizer::from_json(j.dump()).encode("abc"), (std::vector<int32_t>{256, 'c'}));
 }
 
 TEST(Bpe, BadJsonThrowsUsefulErrors) {

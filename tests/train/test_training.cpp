@@ -114,7 +114,7 @@ TEST(Training, ResumeEqualsStraightRun) {
       train::run_training(halves, data);
       ADD_FAILURE() << "a second run into a locked run directory was accepted";
     } catch (const kvx::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("in use by another kvx process (pid " + std::to_string(::getpid()) + ")"),
+      EXPECT_NE(std::string(e.what()).find("in use by another kvx run (pid " + std::to_string(::getpid()) + ")"),
                 std::string::npos) << e.what();
     }
   }
