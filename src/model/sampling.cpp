@@ -15,11 +15,13 @@ torch::Tensor token_batch(const std::vector<int32_t>& ids) {
 
 int64_t sample_token(const torch::Tensor& logits, const SamplingOptions& opt, std::mt19937_64& rng) {
   auto l = logits.to(torch::kFloat64).contiguous();
-  if (l.isnan().any().item<bool>() || l.isposinf().any().item<bool>() || !torch::isfinite(l).any().item<bool>())
+  // One reduction: the max is NaN if any logit is, +inf if any is, -inf if none is finite.
+  const auto top = l.max();
+  if (!std::isfinite(top.item<double>()))
     throw Error("sample_token: the model produced NaN or +inf logits (or no finite one); the weights or the cache are damaged");
   if (opt.temperature <= 0) return l.argmax().item<int64_t>();
   // (l - max) / T: at a tiny T, l / T alone overflowed to inf and the softmax to NaN
-  auto probs = torch::softmax((l - l.max()) / opt.temperature, 0);
+  auto probs = torch::softmax((l - top) / opt.temperature, 0);
   auto sorted = probs.sort(0, /*descending=*/true);
   auto p = std::get<0>(sorted);
   auto idx = std::get<1>(sorted);

@@ -20,13 +20,19 @@ namespace kvx::train {
 
 namespace fs = std::filesystem;
 
-// A directory with config.json is complete (resolve_model_dir): an existing config goes first and
-// the new one is written last, so a write killed midway over an older model never pairs one
-// model's config with another's weights.
-void save_model_dir(const std::string& dir, const model::Transformer& model, const text::BpeTokenizer& tokenizer) {
+namespace {
+// A directory with config.json is complete (resolve_model_dir): writers of model directories
+// remove an existing config first and write the new one last, so a write killed midway over an
+// older model never pairs one model's config with another's weights.
+void begin_model_dir(const std::string& dir) {
   io::make_dirs(dir);
   fs::remove(dir + "/config.json");
   io::fsync_dir(dir);
+}
+}  // namespace
+
+void save_model_dir(const std::string& dir, const model::Transformer& model, const text::BpeTokenizer& tokenizer) {
+  begin_model_dir(dir);
   tokenizer.save(dir + "/tokenizer.json");
   nn::save_safetensors(dir + "/model.safetensors", model->state_dict_hf(), {{"format", "pt"}, {"producer", "kvx"}});
   io::write_file_atomic(dir + "/config.json", model->config().to_json().dump(2) + "\n");
@@ -106,9 +112,7 @@ void export_hf(const std::string& model_path, const std::string& out_dir, const 
     tensors["model.early_exit_gate.weight"] = torch::zeros({1, c.hidden_size}, scalar);
     tensors["model.early_exit_gate.bias"] = torch::full({1}, model::kHfNeverExitGateBias, scalar);
   }
-  io::make_dirs(out_dir);
-  fs::remove(out_dir + "/config.json");  // as save_model_dir: the directory is complete once config.json is back
-  io::fsync_dir(out_dir);
+  begin_model_dir(out_dir);
   nn::save_safetensors(out_dir + "/model.safetensors", tensors, {{"format", "pt"}, {"producer", "kvx"}});
   loaded.tokenizer.save(out_dir + "/tokenizer.json");
   io::write_file_atomic(out_dir + "/config.json", hf.dump(2) + "\n");  // last: a directory with config.json is complete
