@@ -530,6 +530,39 @@ KVX_INLINE LatentQuery latent_query(const uint8_t* qb, size_t qb_bytes, int G, u
   return {codes, _mm512_load_si512(perm), _mm512_load_si512(bias), _mm512_load_ps(dq), G};
 }
 
+// q8/q4 latents whose blocks straddle heads (r % 32 != 0): s[h * kRow + t] += sum_c qbr[c] K_t[c]
+// over head h's columns c of [h r, (h + 1) r), qbr the scaled qb as the reference rounds it
+// (round_query_blocks of the flat [H][r]). Per block, the 16 rows' codes are transposed to
+// token lanes and dequantised column by column into cols; each head's run of columns is then
+// dotted in floats and scaled once by the rows' block scale (kT).
+template <class R, class Rows>
+KVX_INLINE void latent_column_scores(const Rows& rows, size_t offset, int blocks, int r, const float* qbr, const float* kT,
+                                     float* s, float* cols) {
+  constexpr int kBytes = R::kNibbles ? 16 : 32;  // one block
+  for (int b = 0; b < blocks; ++b) {
+    __m512i w[8];
+    transpose16x8(rows, offset + static_cast<size_t>(kBytes) * b, kBytes, w);
+    if constexpr (R::kNibbles) {  // nibble k of word i is value 8 i + k; n - 8 by table lookup
+      const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+      for (int i = 0; i < 4; ++i)
+        for (int k = 0; k < 8; ++k) _mm512_storeu_ps(cols + 16 * (8 * i + k), _mm512_permutexvar_ps(_mm512_srli_epi32(w[i], 4 * k), table));
+    } else {  // byte k of word i is value 4 i + k, signed
+      for (int i = 0; i < 8; ++i)
+        for (int k = 0; k < 4; ++k)
+          _mm512_storeu_ps(cols + 16 * (4 * i + k), _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w[i], 24 - 8 * k), 24)));
+    }
+    const __m512 dk = _mm512_loadu_ps(kT + static_cast<size_t>(b) * kMaxTile);
+    for (int c0 = 32 * b, c1; c0 < 32 * b + 32; c0 = c1) {
+      const int h = c0 / r;
+      c1 = imin((h + 1) * r, 32 * b + 32);
+      __m512 x = _mm512_setzero_ps();
+      for (int c = c0; c < c1; ++c) x = _mm512_fmadd_ps(_mm512_set1_ps(qbr[c]), _mm512_loadu_ps(cols + 16 * (c - 32 * b)), x);
+      float* sh = s + h * kRow;
+      _mm512_storeu_ps(sh, _mm512_fmadd_ps(x, dk, _mm512_loadu_ps(sh)));
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Values: acc[g][group j] += sum_t w(g, t, j) v_t[group j] for groups j0 .. j0 + JB - 1, GB * 2 JB
 // <= 16 accumulators in registers across the n rows. Weights: f32/bf16 w[g * wg + t] (the
@@ -626,6 +659,57 @@ KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes,
     if (tail0) residual_tail_pass<R, GB>(v0, rb, head_bytes, n, w, wg, acc, r, blocks, tail0, tail1);
 }
 
+// q8/q4 latents whose blocks straddle heads (r % 32 != 0), values: acc_r (the flat [H][r], i.e.
+// the row's columns) += sum_t p_{head(c)}(t) dv_t,b v_t[c], whole rows in natural order, blocks
+// b0 .. b0 + B - 1 (2 B accumulators across the rows). A block's lane weights come from the
+// numerators by token (pt) by a permute of the 32 heads from its first one (idx, head0), times
+// the row's block scale (vT: [b][kMaxTile]).
+template <class R>
+KVX_INLINE void latent_block_values(const uint8_t* row, int b, __m512& a, __m512& c) {
+  if constexpr (R::kNibbles) {  // 16 bytes; value 2 j in byte j's low nibble, 2 j + 1 in its high one
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+    const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    a = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(x, x)), shift), table);
+    c = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(x, x)), shift), table);
+  } else {
+    Q8Row::val(row, b, a, c);
+  }
+}
+
+template <class R, int B>
+KVX_INLINE void latent_row_pass(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, const float* vT,
+                                const int32_t* idx, const int32_t* head0, float* acc, int b0) {
+  __m512 a[2 * B];
+  for (int i = 0; i < 2 * B; ++i) a[i] = _mm512_loadu_ps(acc + 32 * b0 + 16 * i);
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* row = v0 + t * rb;
+    const float* pth = pt + t * pt_stride;
+    for (int i = 0; i < B; ++i) {
+      const int b = b0 + i;
+      const float* p = pth + head0[b];
+      const __m512 p0 = _mm512_loadu_ps(p), p1 = _mm512_loadu_ps(p + 16);
+      const __m512 dv = _mm512_set1_ps(vT[static_cast<size_t>(b) * kMaxTile + t]);
+      const __m512 wa = _mm512_mul_ps(_mm512_permutex2var_ps(p0, _mm512_loadu_si512(idx + 32 * b), p1), dv);
+      const __m512 wb = _mm512_mul_ps(_mm512_permutex2var_ps(p0, _mm512_loadu_si512(idx + 32 * b + 16), p1), dv);
+      __m512 va, vb;
+      latent_block_values<R>(row, b, va, vb);
+      a[2 * i] = _mm512_fmadd_ps(wa, va, a[2 * i]);
+      a[2 * i + 1] = _mm512_fmadd_ps(wb, vb, a[2 * i + 1]);
+    }
+  }
+  for (int i = 0; i < 2 * B; ++i) _mm512_storeu_ps(acc + 32 * b0 + 16 * i, a[i]);
+}
+
+template <class R>
+KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, const float* vT,
+                                  const int32_t* idx, const int32_t* head0, int blocks, float* acc) {
+  int b = 0;
+  for (; b + 4 <= blocks; b += 4) latent_row_pass<R, 4>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b);
+  for (; b + 2 <= blocks; b += 2) latent_row_pass<R, 2>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b);
+  for (; b < blocks; ++b) latent_row_pass<R, 1>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b);
+}
+
 // All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
 // needs several accumulators to hide the FMA latency); the passes share out the prefetch of
 // the next V tile.
@@ -675,14 +759,25 @@ struct Residual {
 // Scratch (floats): scores G * kRow; the softmax denominators per lane, G * 16; q8/q4 also, per block of the rows (nb of K/V, nbr of the
 // residual's), the tile's K and V scales [block][kMaxTile] and the weights of the values
 // ([g][block][kMaxTile], then the residual's [block][kMaxTile]).
+// q8/q4 latents whose blocks straddle heads (r % 32 != 0) also get: the tile's numerators by token,
+// pt[t * pt_stride + h]; per latent block, the lanes' head offsets from its first head (idx, 32
+// int32) and that head (head0); 16 dequantised columns of 16 rows (cols).
 struct Scratch {
   float *s, *l, *kT, *vT, *w, *wr;
   uint8_t* latent_codes;  // LatentQuery::codes, 1 KB
+  float *pt, *cols;
+  int32_t *idx, *head0;
+  int pt_stride;
   Scratch(float* base, int G, int nb, int nbr)
       : s(base), l(s + G * kRow), kT(l + 16 * G), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)),
-        wr(w + kMaxTile * G * nb), latent_codes(reinterpret_cast<uint8_t*>(wr + kMaxTile * nbr)) {}
+        wr(w + kMaxTile * G * nb), latent_codes(reinterpret_cast<uint8_t*>(wr + kMaxTile * nbr)),
+        pt(wr + kMaxTile * nbr + (nbr ? 256 : 0)), cols(pt + (nbr ? kMaxTile * pt_floats(G) : 0)),
+        idx(reinterpret_cast<int32_t*>(cols + (nbr ? 32 * 16 : 0))), head0(idx + 32 * nbr), pt_stride(pt_floats(G)) {}
+  // a row of pt: room for a 32-float load from any head
+  static int pt_floats(int G) { return (G + 15) / 16 * 16 + 32; }
   static size_t floats(int G, int nb, int nbr) {
-    return static_cast<size_t>(G) * (kRow + 16) + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) + (nbr ? 256 : 0) + 16;
+    return static_cast<size_t>(G) * (kRow + 16) + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) +
+           (nbr ? 256 + kMaxTile * pt_floats(G) + 32 * 16 + 33 * nbr : 0) + 16;
   }
 };
 
@@ -761,7 +856,9 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const int rtail = r % 32;
   const __mmask16 tail0 = rtail >= 16 ? 0xffff : static_cast<__mmask16>((1u << rtail) - 1);
   const __mmask16 tail1 = rtail > 16 ? static_cast<__mmask16>((1u << (rtail - 16)) - 1) : 0;
-  const int nbr = rst && R::kQuant ? G * rblocks : 0;
+  const int nbr = rst && R::kQuant ? G * r / 32 : 0;  // latent blocks per row (G r % 32 == 0: lrkv.cpp)
+  // q8/q4 latents of r % 32 != 0: blocks straddle heads, read as floats (latent_column_scores, latent_row_values)
+  const bool latent_float = R::kQuant && rst && r % 32 != 0;
   const size_t rrb = rst ? rst->row_bytes() : 0;
   const int tile = rst ? (rb + rrb < 1024 ? 32 : 16) : tile_rows(rb);  // LRKV: K and V tiles of both stores within ~40 KB
   const Scratch sc(scratch, G, nb, nbr);
@@ -783,11 +880,16 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const size_t latent_bytes = rst ? (rrb - rcodes) / G : 0;
   const uint8_t* qi = reinterpret_cast<const uint8_t*>(q);  // integer queries (q8/q4)
   // q8/q4 latents of r = 32 for up to 16 heads: scored a row at a time (latent_scores).
-  const bool latent_rows = R::kQuant && rst && rblocks == 1 && G <= 16;
+  const bool latent_rows = R::kQuant && rst && r == 32 && G <= 16;
   LatentQuery lq{};
   if constexpr (R::kQuant)
     if (latent_rows) lq = latent_query<R>(reinterpret_cast<const uint8_t*>(res.qb), res.qstride * sizeof(float), G, sc.latent_codes);
   const size_t qbytes = query_floats<R>(d) * sizeof(float), qb_bytes = res.qstride * sizeof(float);
+  if (latent_float)
+    for (int b = 0; b < nbr; ++b) {
+      sc.head0[b] = 32 * b / r;
+      for (int i = 0; i < 32; ++i) sc.idx[32 * b + i] = (32 * b + i) / r - sc.head0[b];
+    }
 
   for (int64_t row = pc.r0; row < pc.r1;) {
     const int64_t page = row / P;
@@ -841,6 +943,12 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           const Rows16<kClamp> rkrow{rkb + t0 * rrb, rrb, last}, rvrow{rvb + t0 * rrb, rrb, last};
           transpose_scales(rvrow, nbr, sc.vT + nb * kMaxTile + t0);
           const size_t a = t0 * rrb, span = static_cast<size_t>(imin(t0 + 16, n) - t0) * rrb;
+          if (latent_float) {
+            rkpf.range(a, a + span);
+            transpose_scales(rkrow, nbr, sc.kT + nb * kMaxTile + t0);
+            latent_column_scores<R>(rkrow, rcodes, nbr, r, res.qb, sc.kT + nb * kMaxTile + t0, sc.s + t0, sc.cols);
+            return;
+          }
           if (latent_rows) {
             if (G == 16)
               latent_scores<R, 16>(rkrow, rcodes, lq, sc.s + t0, rkpf, a, span);
@@ -897,7 +1005,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       }
       const __m512 mv = _mm512_set1_ps(m[g]);
       const __m512 p0 = exp512(_mm512_sub_ps(s0, mv)), p1 = exp512(_mm512_sub_ps(s1, mv));
-      if constexpr (!R::kQuant) {  // f32/bf16 weights; q8/q4 keep theirs with the V scales below
+      if (!R::kQuant || latent_float) {  // f32/bf16 weights (and latent_row_values'); q8/q4 keep theirs with the V scales below
         _mm512_storeu_ps(sg, p0);
         _mm512_storeu_ps(sg + 16, p1);
       }
@@ -909,7 +1017,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
             const size_t o = static_cast<size_t>(b) * kMaxTile + t0;
             _mm512_storeu_ps(sc.w + static_cast<size_t>(g) * nb * kMaxTile + o, _mm512_mul_ps(p, _mm512_loadu_ps(sc.vT + o)));
           }
-          for (int b = g * rblocks; b < (g + 1) * rblocks && rst; ++b) {
+          for (int b = g * rblocks; b < (g + 1) * rblocks && rst && !latent_float; ++b) {
             const size_t o = static_cast<size_t>(b) * kMaxTile + t0;
             _mm512_storeu_ps(sc.wr + o, _mm512_mul_ps(p, _mm512_loadu_ps(sc.vT + nb * kMaxTile + o)));
           }
@@ -931,7 +1039,17 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
       }
     }
-    if (rst) {  // + a_h R_h^V, heads in groups of up to 4
+    if (latent_float) {  // + a_h R_h^V, whole rows; the numerators by token first
+      for (int h0 = 0; h0 < G; h0 += 16)
+        for (int t0 = 0; t0 < n; t0 += 16) {
+          __m512 x[16];
+          for (int i = 0; i < 16; ++i) x[i] = h0 + i < G ? _mm512_loadu_ps(sc.s + (h0 + i) * kRow + t0) : _mm512_setzero_ps();
+          transpose16x16(x);
+          for (int t = 0; t < 16 && t0 + t < n; ++t) _mm512_storeu_ps(sc.pt + (t0 + t) * sc.pt_stride + h0, x[t]);
+        }
+      rvpf.range(0, rtile);
+      latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, nbr, acc_r);
+    } else if (rst) {  // + a_h R_h^V, heads in groups of up to 4
       const float* wr = R::kQuant ? sc.wr : sc.s;
       const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
       for (int h0 = 0, gb; h0 < G; h0 += gb) {
@@ -955,7 +1073,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   for (int g = 0; g < G; ++g) l[g] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l + 16 * g));
   if constexpr (R::kPerm) {  // whole groups only (a masked last latent group is in natural order)
     unpermute(acc, G * d);
-    for (int g = 0; g < G && rblocks > 0; ++g) unpermute(acc_r + static_cast<size_t>(g) * r, 32 * rblocks);
+    for (int g = 0; g < G && rblocks > 0 && !latent_float; ++g) unpermute(acc_r + static_cast<size_t>(g) * r, 32 * rblocks);
   }
 }
 
@@ -1004,6 +1122,19 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
     return;
   }
   prepare_int_queries(q, heads, d, scale, type, qs);  // integer queries (decode_attention_isa.h)
+}
+
+size_t avx512_latent_query_floats(int heads, int r, KVType type) {
+  const bool quant = type == KVType::Q8 || type == KVType::Q4;
+  return quant && r % 32 != 0 ? static_cast<size_t>(heads) * r : heads * avx512_query_floats(r, type);
+}
+
+void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs) {
+  const bool quant = type == KVType::Q8 || type == KVType::Q4;
+  if (quant && r % 32 != 0)  // read as floats (latent_column_scores): qb as the reference rounds it
+    round_query_blocks(qb, heads * r, scale, qbs);
+  else
+    avx512_prepare_queries(qb, heads, r, scale, type, qbs);
 }
 
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width) {

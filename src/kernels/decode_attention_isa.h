@@ -66,6 +66,11 @@ bool avx512_usable();
 // zero-padded to 32.
 size_t avx512_query_floats(int d, KVType type);
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs);
+// LRKV's qb in the layout avx512_run_lrkv reads: per head as avx512_prepare_queries, except for
+// q8/q4 latents of r % 32 != 0 (blocks straddle heads; read as floats): the flat [heads][r]
+// rounded as the reference does (round_query_blocks).
+size_t avx512_latent_query_floats(int heads, int r, KVType type);
+void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs);
 // Scratch floats one split needs (residual_width: LRKV's H r, else 0).
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width = 0);
 // Pieces [p0, p1): part p = [m[G], l[G], acc[G][d]] at parts + p * part_size (natural order).
@@ -73,9 +78,8 @@ void avx512_run_split(const KVStore& kv, const DecodePiece* pieces, int p0, int 
                       float* parts, size_t part_size, float* scratch);
 
 // LRKV factored decode (lrkv_decode.h) on the same machinery: pieces are row ranges of the
-// shared store (head 0) for all H queries; qbs: the prepared qb (avx512_prepare_queries with
-// width r). part p = [m[H], l[H], acc_s[H][d], acc_r[H][r]]. Needs d % 32 == 0, and r % 32 == 0
-// for q8/q4.
+// shared store (head 0) for all H queries; qbs: avx512_prepare_latent_queries'.
+// part p = [m[H], l[H], acc_s[H][d], acc_r[H][r]]. Needs d % 32 == 0.
 void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
                      const float* qs, const float* qbs, int H, float* parts, size_t part_size, float* scratch);
 

@@ -50,13 +50,11 @@ void check(const float* q, const float* qb, int heads, const KVStore& shared, co
 }  // namespace
 
 DecodeIsa lrkv_decode_isa(DecodeIsa isa, KVType type, int head_dim, int rank) {
-  const bool quant = type == KVType::Q8 || type == KVType::Q4;
-  const bool wide_ok = decode_isa_usable(DecodeIsa::Avx512, head_dim) && (!quant || rank % kQBlock == 0);
+  const bool wide_ok = decode_isa_usable(DecodeIsa::Avx512, head_dim);
   if (isa == DecodeIsa::Auto) return wide_ok ? DecodeIsa::Avx512 : DecodeIsa::Avx2;
   if (isa == DecodeIsa::Avx512 && !wide_ok)
-    throw Error("LRKV decode back end avx512 needs an AVX-512 CPU, head_dim a multiple of 32 and, for q8/q4 caches, a rank that "
-                "is one too (" + kv_type_name(type) + ", head_dim " + std::to_string(head_dim) + ", rank " + std::to_string(rank) +
-                "); use auto or avx2");
+    throw Error("LRKV decode back end avx512 needs an AVX-512 CPU and head_dim a multiple of 32 (" + kv_type_name(type) +
+                ", head_dim " + std::to_string(head_dim) + ", rank " + std::to_string(rank) + "); use auto or avx2");
   return isa;
 }
 
@@ -88,8 +86,8 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
     detail::avx512_prepare_queries(q, heads, sh.d, scale, shared.type(), qs);
     qsp = qs;
     if (sh.r > 0) {
-      float* qbs = detail::slot_aligned(qbbuf, detail::avx512_query_floats(sh.r, shared.type()) * heads);
-      detail::avx512_prepare_queries(qb, heads, sh.r, scale, shared.type(), qbs);
+      float* qbs = detail::slot_aligned(qbbuf, detail::avx512_latent_query_floats(heads, sh.r, shared.type()));
+      detail::avx512_prepare_latent_queries(qb, heads, sh.r, scale, shared.type(), qbs);
       qbp = qbs;
     }
     const size_t scratch_size = detail::slot_floats(detail::avx512_scratch_floats(heads, sh.d, shared.type(), sh.r * heads));

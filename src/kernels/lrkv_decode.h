@@ -31,9 +31,8 @@ void lrkv_decode_attention(const float* q, const float* qb, int heads, const KVS
 void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, const KVStore& shared,
                                   const KVStore* residual, float scale, float* out_s, float* out_r, int threads,
                                   int splits, DecodeIsa isa = DecodeIsa::Auto);
-// The back end Auto picks for this cache type and these widths (AVX-512 needs d_h % 32 == 0, and
-// for q8/q4 r % 32 == 0 so that a block lies in one head), and whether it quantises q and qb (q8/q4,
-// on both back ends).
+// The back end Auto picks for this cache type and these widths (AVX-512 needs d_h % 32 == 0), and
+// whether it quantises q and qb (q8/q4, on both back ends).
 DecodeIsa lrkv_decode_isa(DecodeIsa isa, KVType type, int head_dim, int rank);
 bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int rank);
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
