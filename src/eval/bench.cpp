@@ -376,10 +376,10 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   auto cold = [&](auto&& f, double seconds) { return cold_seconds_per_call(f, seconds, [&] { probe.evict_caches(); }); };
 
   // Per context, every timed kernel (back end, cache type, Hkv; LRKV ranks) runs in interleaved
-  // rounds, best round each, with a bandwidth probe between rounds: ratios between kernels (vs
-  // f32, LRKV vs the dense MHA kernel) compare like with like, and each kernel is judged against
-  // the probes around its best round (this VM's read bandwidth moves between phases minutes
-  // long, by up to 1.5x).
+  // rounds, best round each, with a bandwidth probe between every two kernels: ratios between
+  // kernels (vs f32, LRKV vs the dense MHA kernel) compare like with like, and each kernel is
+  // judged against the probes around its best calls (this VM's read bandwidth moves between
+  // phases minutes long, by up to 1.7x).
   constexpr int kRounds = 5;
   struct Timing {
     kernels::DecodeIsa isa;
@@ -418,7 +418,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
         grow(shared[k][i]);
         grow(residual[k][i]);
         for (size_t b = 0; b < isas.size(); ++b) {
-          // auto runs q8/q4 ranks that are not multiples of 32 on AVX2 (lrkv_decode.h)
+          // auto picks AVX2 where AVX-512 cannot run (lrkv_decode.h)
           const auto isa = kernels::lrkv_decode_isa(requested[b], kernels::parse_kv_type(o.types[i]), o.head_dim, o.lrkv_ranks[k]);
           measure_peak(isa);
           timings.push_back({isa, i, o.heads, ctx, 1e30, static_cast<double>(shared[k][i].bytes() + residual[k][i].bytes()), 0.0,
@@ -435,18 +435,18 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                                               out_s.data(), out_r.data(), threads, threads, t.isa);
       }
     };
-    // A kernel's fastest call is judged against the probes on either side of its round (the
-    // better of the two): the bandwidth the machine had while it ran.
+    // A kernel's fastest call is judged against the probes on either side of its calls in that
+    // round (the better of the two): the bandwidth the machine had while it ran. A probe between
+    // every two kernels, not only between rounds: a round whose bandwidth switched phase midway
+    // judged its slow-phase calls against the fast phase's probe (76.7 GB/s against 41 GB/s of
+    // a bf16 call that ran as fast as in slow-phase runs, on this project's Zen 5 VM).
     probes.push_back(probe.measure(0.1));
-    for (int round = 0; round < kRounds; ++round) {
-      const size_t before = probes.size() - 1;
-      std::vector<double> fastest(timings.size(), 1e30);
-      for (size_t k = first; k < timings.size(); ++k) fastest[k] = cold([&] { run(timings[k]); }, o.seconds_per_point / kRounds);
-      probes.push_back(probe.measure(0.1));
-      const double stream = std::max(probes[before], probes.back());
-      for (size_t k = first; k < timings.size(); ++k)
-        if (fastest[k] < timings[k].seconds) timings[k].seconds = fastest[k], timings[k].stream = stream;
-    }
+    for (int round = 0; round < kRounds; ++round)
+      for (size_t k = first; k < timings.size(); ++k) {
+        const double before = probes.back(), seconds = cold([&] { run(timings[k]); }, o.seconds_per_point / kRounds);
+        probes.push_back(probe.measure(0.1));
+        if (seconds < timings[k].seconds) timings[k].seconds = seconds, timings[k].stream = std::max(before, probes.back());
+      }
     // The libtorch reference path on each dense f32 shape: scores, softmax, weighted sum.
     for (int hkv : o.kv_heads) {
       auto K = torch::randn({hkv, ctx, o.head_dim}), V = torch::randn({hkv, ctx, o.head_dim});
