@@ -43,8 +43,10 @@ class Tokenizer:
     def vocab_size(self):
         return self._t.vocab_size
 
-    def encode(self, text):
-        return self._t.encode(text)
+    def encode(self, text, add_special_tokens=False):
+        """Token ids of text; add_special_tokens=True also adds what tokenizer.json's post_processor
+        puts around one sequence (Llama 3's <|begin_of_text|>), as HF's default and kvx generate do."""
+        return self._t.encode(text, add_special_tokens)
 
     def decode(self, ids):
         return self._t.decode(_ids(ids)).decode("utf-8", errors="replace")
@@ -84,8 +86,8 @@ class Model:
     def tokenizer(self):
         return self._tokenizer
 
-    def encode(self, text):
-        return self._tokenizer.encode(text)
+    def encode(self, text, add_special_tokens=False):
+        return self._tokenizer.encode(text, add_special_tokens)
 
     def decode(self, ids):
         return self._tokenizer.decode(ids)

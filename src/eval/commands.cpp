@@ -40,7 +40,7 @@ void check_cache_flags(const train::LoadedModel& m, int share_kv_layers, const s
 
 GenerateOutput generate_text(train::LoadedModel& m, const GenerateRequest& r,
                              const std::function<void(const std::string&)>& on_piece) {
-  auto prompt = m.tokenizer.encode(r.prompt);
+  auto prompt = m.tokenizer.encode_with_special_tokens(r.prompt);  // as HF's generate: Llama 3's BOS first
   const auto& config = m.model->config();
   const int64_t prompt_tokens = static_cast<int64_t>(prompt.size());
   model::check_generation(config, prompt_tokens, r.max_new, {r.temperature, r.top_p});

@@ -38,7 +38,9 @@ class Tokenizer {
     py::gil_scoped_release unlocked;
     return Tokenizer(train::load_or_train_tokenizer(data_dir.empty() ? text::default_data_dir() : data_dir, sources, vocab));
   }
-  std::vector<int32_t> encode(const std::string& text) const { return t_.encode(text); }
+  std::vector<int32_t> encode(const std::string& text, bool add_special_tokens) const {
+    return add_special_tokens ? t_.encode_with_special_tokens(text) : t_.encode(text);
+  }
   py::bytes decode(const std::vector<int32_t>& ids) const {
     for (int32_t id : ids)
       if (id < 0 || id >= t_.vocab_size())
@@ -229,7 +231,7 @@ PYBIND11_MODULE(_kvx, m) {
       .def(py::init(&Tokenizer::load), "path"_a)
       .def_static("train", &Tokenizer::train, "vocab"_a, "sources"_a = std::vector<std::string>{"brown", "kjv"},
                   "data_dir"_a = "")
-      .def("encode", &Tokenizer::encode, "text"_a)
+      .def("encode", &Tokenizer::encode, "text"_a, "add_special_tokens"_a = false)
       .def("decode", &Tokenizer::decode, "ids"_a)
       .def_property_readonly("vocab_size", &Tokenizer::vocab_size)
       .def("save", &Tokenizer::save, "path"_a)

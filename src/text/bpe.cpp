@@ -18,8 +18,10 @@
 //    byte_fallback and prefixes/suffixes.
 //  - ignore_merges (Llama 3): a pre-token that is itself a vocabulary entry is that token, before
 //    any merge (HF's BPE does the same lookup first).
-//  - post_processor (Llama 3's TemplateProcessing adds <|begin_of_text|>) is kept for the round
-//    trip but not applied: encode is HF's encode(text, add_special_tokens=False).
+//  - post_processor: encode is HF's encode(text, add_special_tokens=False);
+//    encode_with_special_tokens adds what the post_processor puts around a single sequence
+//    (TemplateProcessing, as Llama 3's <|begin_of_text|>; Bert/RobertaProcessing's cls and sep;
+//    ByteLevel, which only moves offsets; a Sequence of them). Other kinds are rejected at load.
 #include "text/bpe.h"
 
 #include <algorithm>
@@ -318,6 +320,64 @@ std::string OrRetrain(const char* fix) { return std::string(fix) + " or " + kRet
   throw Error("tokenizer.json: " + what + "; " + fix);
 }
 
+// The special-token ids a tokenizer.json post_processor puts before (prefix) and after (suffix)
+// a single sequence, HF's add_special_tokens=True. A Sequence applies its processors in order,
+// each wrapping what the previous produced.
+void post_processor_tokens(const nlohmann::json& pp, std::vector<int32_t>* prefix, std::vector<int32_t>* suffix) {
+  using json = nlohmann::json;
+  const std::string type = pp.is_object() ? pp.value("type", "") : "";
+  const auto fix = OrRetrain("remove the post_processor (prompts then get no special tokens)");
+  std::vector<int32_t> before, after;
+  auto token_id = [&](const json& id, const std::string& what) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max())
+      bad_json("'post_processor' " + what + " has id " + id.dump().substr(0, 40) + ", not a token id", fix);
+    return static_cast<int32_t>(id.get<int64_t>());
+  };
+  auto pair_id = [&](const char* key) {  // ["<s>", 0]
+    const json p = pp.value(key, json());
+    if (!p.is_array() || p.size() != 2)
+      bad_json("'post_processor' " + type + " needs '" + key + "' as [token, id], got " + p.dump().substr(0, 80), fix);
+    return token_id(p[1], type + " " + key);
+  };
+  if (type == "ByteLevel") return;  // offsets only
+  if (type == "Sequence") {
+    const json procs = pp.value("processors", json());
+    if (!procs.is_array()) bad_json("'post_processor' Sequence needs a 'processors' array", fix);
+    for (const json& p : procs) post_processor_tokens(p, prefix, suffix);
+    return;
+  }
+  if (type == "BertProcessing" || type == "RobertaProcessing") {
+    before = {pair_id("cls")};
+    after = {pair_id("sep")};
+  } else if (type == "TemplateProcessing") {
+    const json single = pp.value("single", json()), specials = pp.value("special_tokens", json::object());
+    if (!single.is_array()) bad_json("'post_processor' TemplateProcessing needs a 'single' template array", fix);
+    bool sequence = false;
+    for (const json& piece : single) {
+      if (piece.is_object() && piece.contains("Sequence")) {
+        if (sequence || piece["Sequence"].value("id", "A") != "A")
+          bad_json("'post_processor' single template must hold sequence A once, got " + single.dump().substr(0, 120), fix);
+        sequence = true;
+        continue;
+      }
+      const std::string name = piece.is_object() && piece.contains("SpecialToken") ? piece["SpecialToken"].value("id", "") : "";
+      if (name.empty()) bad_json("'post_processor' template piece " + piece.dump().substr(0, 80) + " is neither a Sequence nor a SpecialToken", fix);
+      const json ids = specials.contains(name) ? specials[name].value("ids", json()) : json();
+      if (!ids.is_array() || ids.empty())
+        bad_json("'post_processor' special token \"" + name + "\" has no ids in its 'special_tokens'", fix);
+      for (const json& id : ids) (sequence ? after : before).push_back(token_id(id, "special token \"" + name + "\""));
+    }
+    if (!sequence) bad_json("'post_processor' single template has no sequence A", fix);
+  } else {
+    bad_json("'post_processor' " + pp.dump().substr(0, 80) +
+                 " is not supported (kvx applies TemplateProcessing, BertProcessing, RobertaProcessing, ByteLevel and a "
+                 "Sequence of them)",
+             fix);
+  }
+  prefix->insert(prefix->begin(), before.begin(), before.end());
+  suffix->insert(suffix->end(), after.begin(), after.end());
+}
+
 }  // namespace
 
 // ================================================================ BpeTokenizer
@@ -541,6 +601,14 @@ std::string BpeTokenizer::nfc(std::string_view bytes) {
       if (decode_utf8(p, e, &cp) == 0) out.push_back(char(*p++));
     }
   }
+  return out;
+}
+
+std::vector<int32_t> BpeTokenizer::encode_with_special_tokens(std::string_view bytes) const {
+  std::vector<int32_t> out = special_prefix_;
+  const auto text = encode(bytes);
+  out.insert(out.end(), text.begin(), text.end());
+  out.insert(out.end(), special_suffix_.begin(), special_suffix_.end());
   return out;
 }
 
@@ -1097,6 +1165,14 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
   t.split_digits_ = split_digits;
   t.nfc_ = nfc;
   t.post_processor_ = post_processor;
+  if (is_set(j, "post_processor")) {
+    post_processor_tokens(j["post_processor"], &t.special_prefix_, &t.special_suffix_);
+    for (const auto* ids : {&t.special_prefix_, &t.special_suffix_})
+      for (int32_t id : *ids)
+        if (id < 0 || size_t(id) >= tokens.size())
+          bad_json("'post_processor' adds token id " + std::to_string(id) + ", outside the vocabulary of " +
+                   std::to_string(tokens.size()) + " tokens");
+  }
   t.tok_bytes_.clear();
   t.tok_off_.assign(1, 0);
   for (const auto& s : tokens) {

@@ -40,6 +40,12 @@ class BpeTokenizer {
   // 0 means automatic. The result does not depend on the thread count.
   std::vector<int32_t> encode(std::string_view bytes) const;
   std::vector<int32_t> encode(std::string_view bytes, int num_threads) const;
+  // HF's encode(text, add_special_tokens=True) for one sequence: encode() wrapped in the special
+  // tokens of tokenizer.json's post_processor (Llama 3's <|begin_of_text|> before it); what a
+  // prompt gets. Tokenizers kvx trains have none, so this equals encode().
+  std::vector<int32_t> encode_with_special_tokens(std::string_view bytes) const;
+  const std::vector<int32_t>& special_prefix() const { return special_prefix_; }
+  const std::vector<int32_t>& special_suffix() const { return special_suffix_; }
 
   std::string decode(const std::vector<int32_t>& ids) const;
   std::string decode(const int32_t* ids, size_t n) const;
@@ -98,7 +104,8 @@ class BpeTokenizer {
   std::vector<AddedToken> added_;  // longest content first
   int split_digits_ = 0;           // 0: GPT-2's pattern; 3: Llama 3's; 1: Qwen2's
   bool nfc_ = false;               // normalizer NFC (Qwen2/3): encode composes the text first
-  std::string post_processor_;     // tokenizer.json's post_processor, kept for saving (not applied)
+  std::string post_processor_;     // tokenizer.json's post_processor, kept for saving
+  std::vector<int32_t> special_prefix_, special_suffix_;  // what it puts around one sequence
   bool added_first_byte_[256] = {};
 };
 

@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
+#include "eval/commands.h"
 #include "eval/evaluate.h"
 #include "support/fixtures.h"
 #include "train/dataset.h"
@@ -29,4 +32,25 @@ TEST(EvaluateCached, EvictionLowersTheBytesHeldPerTokenNotThoseOfACachedToken) {
   EXPECT_DOUBLE_EQ(evicted.cache_bytes_per_token, row);
   EXPECT_NEAR(evicted.held_bytes_per_token, row * 8 / 32, 1e-9);
   EXPECT_GT(evicted.kl_vs_full, 0.0);  // tokens past the window attend to fewer keys
+}
+
+// A prompt gets what the tokenizer's post_processor puts around a sequence (Llama 3's BOS), as
+// HF's generate does; a tokenizer without one (kvx trains none) adds nothing.
+TEST(GenerateText, PromptsGetThePostProcessorsSpecialTokens) {
+  torch::manual_seed(0);
+  auto config = kvx::testing::small_run(1).model;
+  config.vocab_size = 258;
+  train::LoadedModel m{model::Transformer(config), text::BpeTokenizer(), ""};
+  eval::GenerateRequest r;
+  r.prompt = "hello";
+  r.max_new = 1;
+  r.temperature = 0;
+  EXPECT_EQ(eval::generate_text(m, r).prompt_tokens, 5);
+  auto j = nlohmann::json::parse(m.tokenizer.to_json());
+  j["added_tokens"] = {{{"id", 256}, {"content", "<|begin_of_text|>"}, {"special", true}}};
+  j["post_processor"] = {{"type", "TemplateProcessing"},
+                         {"single", {{{"SpecialToken", {{"id", "<|begin_of_text|>"}}}}, {{"Sequence", {{"id", "A"}}}}}},
+                         {"special_tokens", {{"<|begin_of_text|>", {{"ids", {256}}}}}}};
+  m.tokenizer = text::BpeTokenizer::from_json(j.dump());
+  EXPECT_EQ(eval::generate_text(m, r).prompt_tokens, 6);
 }

@@ -1,5 +1,6 @@
 # Every kvx.ops operator against a plain NumPy reference written here (fp64 where the operator
 # keeps it), on odd sizes and random inputs; torch tensors in give torch tensors out.
+import json
 import numpy as np
 import pytest
 import torch
@@ -294,6 +295,15 @@ def test_tokenizer_and_listing_bindings(tmp_path):
     assert tok.decode(tok.encode("héllo")) == "héllo"
     with pytest.raises(kvx.KvxError, match="outside the vocabulary"):
         tok.decode([300])
+    # a post_processor's tokens (Llama 3's BOS) only with add_special_tokens=True
+    j = json.loads(tok.to_json())
+    j["added_tokens"] = [{"id": 256, "content": "<|begin_of_text|>", "special": True}]
+    j["post_processor"] = {"type": "TemplateProcessing",
+                           "single": [{"SpecialToken": {"id": "<|begin_of_text|>"}}, {"Sequence": {"id": "A"}}],
+                           "special_tokens": {"<|begin_of_text|>": {"ids": [256]}}}
+    (tmp_path / "bos.json").write_text(json.dumps(j))
+    bos = kvx.Tokenizer(tmp_path / "bos.json")
+    assert bos.encode("Ab") == [65, 98] and bos.encode("Ab", add_special_tokens=True) == [256, 65, 98]
 
 
 def test_lla_codec_roundtrip_and_encode():

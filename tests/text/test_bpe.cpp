@@ -272,17 +272,64 @@ TEST(Bpe, IgnoreMergesTakesWholeVocabularyWordsFirst) {
   EXPECT_EQ(whole.encode("abcab"), (std::vector<int32_t>{256, 'c', 256}));  // not a vocabulary word: merged as usual
   EXPECT_EQ(whole.encode("ab abc"), (std::vector<int32_t>{256, ' ', 256, 'c'}));  // " abc" is not "abc"
   EXPECT_EQ(BpeTokenizer::from_json(whole.to_json()).encode("abc"), (std::vector<int32_t>{257}));  // kept on save
-  // Llama 3's post_processor (a template adding a BOS token) is kept on save, and not applied:
-  // encode is HF's add_special_tokens=False.
-  const nlohmann::json bos = {{"type", "TemplateProcessing"}, {"single", {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}}}}};
-  j["post_processor"] = bos;
-  const auto templated = BpeTokenizer::from_json(j.dump());
-  EXPECT_EQ(templated.encode("abc"), (std::vector<int32_t>{257}));
-  EXPECT_EQ(nlohmann::json::parse(templated.to_json())["post_processor"], bos);
   m["ignore_merges"] = "yes";
   EXPECT_THROW(BpeTokenizer::from_json(j.dump()), kvx::Error);
   m["ignore_merges"] = nullptr;  // null: not set (was nlohmann's type error)
   EXPECT_EQ(BpeTokenizer::from_json(j.dump()).encode("abc"), (std::vector<int32_t>{256, 'c'}));
+}
+
+// tokenizer.json's post_processor: encode is HF's add_special_tokens=False, and
+// encode_with_special_tokens (what prompts get) adds its tokens around one sequence; kept on save.
+TEST(Bpe, PostProcessorWrapsOneSequenceWithItsSpecialTokens) {
+  auto j = nlohmann::json::parse(BpeTokenizer().to_json());
+  j["added_tokens"] = {{{"id", 256}, {"content", "<|begin_of_text|>"}, {"special", true}},
+                       {{"id", 257}, {"content", "<|end|>"}, {"special", true}}};
+  // Llama 3's: a Sequence of ByteLevel (offsets only) and a template with the BOS before sequence A.
+  const nlohmann::json llama3 = {
+      {"type", "Sequence"},
+      {"processors",
+       {{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}},
+        {{"type", "TemplateProcessing"},
+         {"single", {{{"SpecialToken", {{"id", "<|begin_of_text|>"}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+         {"pair", nlohmann::json::array()},
+         {"special_tokens", {{"<|begin_of_text|>", {{"id", "<|begin_of_text|>"}, {"ids", {256}}, {"tokens", {"<|begin_of_text|>"}}}}}}}}}};
+  j["post_processor"] = llama3;
+  const auto t = BpeTokenizer::from_json(j.dump());
+  EXPECT_EQ(t.encode("hi"), (std::vector<int32_t>{'h', 'i'}));
+  EXPECT_EQ(t.encode_with_special_tokens("hi"), (std::vector<int32_t>{256, 'h', 'i'}));
+  EXPECT_EQ(t.encode_with_special_tokens(""), (std::vector<int32_t>{256}));
+  EXPECT_EQ(nlohmann::json::parse(t.to_json())["post_processor"], llama3);
+  EXPECT_EQ(BpeTokenizer::from_json(t.to_json()).encode_with_special_tokens("hi"), (std::vector<int32_t>{256, 'h', 'i'}));
+  // RoBERTa's: cls before, sep after; a template with a token after A.
+  j["post_processor"] = {{"type", "RobertaProcessing"}, {"cls", {"<|begin_of_text|>", 256}}, {"sep", {"<|end|>", 257}}};
+  EXPECT_EQ(BpeTokenizer::from_json(j.dump()).encode_with_special_tokens("hi"), (std::vector<int32_t>{256, 'h', 'i', 257}));
+  j["post_processor"] = {{"type", "TemplateProcessing"},
+                         {"single", {{{"Sequence", {{"id", "A"}}}}, {{"SpecialToken", {{"id", "<|end|>"}}}}}},
+                         {"special_tokens", {{"<|end|>", {{"ids", {257}}}}}}};
+  EXPECT_EQ(BpeTokenizer::from_json(j.dump()).encode_with_special_tokens("hi"), (std::vector<int32_t>{'h', 'i', 257}));
+  // A tokenizer without one (kvx trains none) adds nothing.
+  EXPECT_EQ(BpeTokenizer().encode_with_special_tokens("hi"), BpeTokenizer().encode("hi"));
+  // What kvx cannot apply is refused at load, naming the problem.
+  auto refused = [&](const nlohmann::json& pp, const std::string& what) {
+    j["post_processor"] = pp;
+    try {
+      BpeTokenizer::from_json(j.dump());
+      ADD_FAILURE() << "accepted " << pp.dump();
+    } catch (const kvx::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused({{"type", "Template"}}, "not supported");
+  refused({{"type", "TemplateProcessing"}, {"single", {{{"SpecialToken", {{"id", "<s>"}}}}}}}, "no ids");
+  refused({{"type", "TemplateProcessing"},
+           {"single", {{{"SpecialToken", {{"id", "<|end|>"}}}}}},
+           {"special_tokens", {{"<|end|>", {{"ids", {257}}}}}}},
+          "no sequence A");
+  refused({{"type", "TemplateProcessing"},
+           {"single", {{{"Sequence", {{"id", "A"}}}}, {{"SpecialToken", {{"id", "<|end|>"}}}}}},
+           {"special_tokens", {{"<|end|>", {{"ids", {999}}}}}}},
+          "outside the vocabulary");
+  refused({{"type", "BertProcessing"}, {"cls", {"<s>", "zero"}}, {"sep", {"</s>", 2}}}, "not a token id");
 }
 
 TEST(Bpe, BadJsonThrowsUsefulErrors) {
