@@ -530,6 +530,51 @@ KVX_INLINE LatentQuery latent_query(const uint8_t* qb, size_t qb_bytes, int G, u
   return {codes, _mm512_load_si512(perm), _mm512_load_si512(bias), _mm512_load_ps(dq), G};
 }
 
+// q8/q4 latents whose blocks straddle heads (r % 32 != 0), each head's segment of a block whole
+// row words (latent_words): s[h * kRow + t] += qb_h . R_h,t in integers, per block one transpose
+// of the 16 rows' words (row_words) and per head segment its words' vpdpbusd with the flat
+// [H][r] integer query (prepare_int_queries of width H r, the reference's rounding) and that
+// segment's bias (seg_bias, in segment order).
+template <class R, class Rows>
+KVX_INLINE void latent_word_scores(const Rows& rows, size_t offset, int blocks, int r, const uint8_t* qi, const int32_t* seg_bias,
+                                   const float* kT, float* s) {
+  constexpr int kUnit = R::kNibbles ? 8 : 4;  // values per row word
+  const int32_t* words = reinterpret_cast<const int32_t*>(qi);
+  const float* dq = reinterpret_cast<const float*>(qi) + 9 * blocks;
+  for (int b = 0; b < blocks; ++b) {
+    __m512i u[16];
+    row_words<R>(rows, offset, blocks, b, false, u);
+    const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(kT + static_cast<size_t>(b) * kMaxTile), _mm512_set1_ps(dq[b]));
+    for (int c0 = 32 * b, c1; c0 < 32 * b + 32; c0 = c1) {
+      const int h = c0 / r;
+      c1 = imin((h + 1) * r, 32 * b + 32);
+      __m512i acc = _mm512_set1_epi32(*seg_bias++);
+      for (int i = (c0 - 32 * b) / kUnit; i < (c1 - 32 * b) / kUnit; ++i) {
+        acc = dpbusd_broadcast(acc, u[i], words + 8 * b + i);
+        if constexpr (R::kNibbles) acc = dpbusd_broadcast(acc, u[4 + i], words + 8 * b + 4 + i);  // the odd values
+      }
+      float* sh = s + h * kRow;
+      _mm512_storeu_ps(sh, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, _mm512_loadu_ps(sh)));
+    }
+  }
+}
+
+// The biases of latent_word_scores' segments (-128 or -8 times the sum of a segment's query codes:
+// rows are read unsigned), in its order.
+template <class R>
+KVX_INLINE void latent_segment_biases(const uint8_t* qi, int blocks, int r, int32_t* seg_bias) {
+  constexpr int kUnit = R::kNibbles ? 8 : 4;
+  const int8_t* codes = reinterpret_cast<const int8_t*>(qi);
+  for (int b = 0; b < blocks; ++b)
+    for (int c0 = 32 * b, c1; c0 < 32 * b + 32; c0 = c1) {
+      c1 = imin((c0 / r + 1) * r, 32 * b + 32);
+      int sum = 0;
+      for (int i = (c0 - 32 * b) / kUnit; i < (c1 - 32 * b) / kUnit; ++i)
+        for (int k = 0; k < 4; ++k) sum += codes[4 * (8 * b + i) + k] + (R::kNibbles ? codes[4 * (8 * b + 4 + i) + k] : 0);
+      *seg_bias++ = (R::kNibbles ? -8 : -128) * sum;
+    }
+}
+
 // q8/q4 latents whose blocks straddle heads (r % 32 != 0): s[h * kRow + t] += sum_c qbr[c] K_t[c]
 // over head h's columns c of [h r, (h + 1) r), qbr the scaled qb as the reference rounds it
 // (round_query_blocks of the flat [H][r]). Per block, the 16 rows' codes are transposed to
@@ -761,25 +806,31 @@ struct Residual {
 // ([g][block][kMaxTile], then the residual's [block][kMaxTile]).
 // q8/q4 latents whose blocks straddle heads (r % 32 != 0) also get: the tile's numerators by token,
 // pt[t * pt_stride + h]; per latent block, the lanes' head offsets from its first head (idx, 32
-// int32) and that head (head0); 16 dequantised columns of 16 rows (cols).
+// int32) and that head (head0); 16 dequantised columns of 16 rows (cols); the integer query's
+// bias per (block, head) segment (seg_bias, up to 32 / 4 + 2 a block).
 struct Scratch {
   float *s, *l, *kT, *vT, *w, *wr;
   uint8_t* latent_codes;  // LatentQuery::codes, 1 KB
   float *pt, *cols;
-  int32_t *idx, *head0;
+  int32_t *idx, *head0, *seg_bias;
   int pt_stride;
   Scratch(float* base, int G, int nb, int nbr)
       : s(base), l(s + G * kRow), kT(l + 16 * G), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)),
         wr(w + kMaxTile * G * nb), latent_codes(reinterpret_cast<uint8_t*>(wr + kMaxTile * nbr)),
         pt(wr + kMaxTile * nbr + (nbr ? 256 : 0)), cols(pt + (nbr ? kMaxTile * pt_floats(G) : 0)),
-        idx(reinterpret_cast<int32_t*>(cols + (nbr ? 32 * 16 : 0))), head0(idx + 32 * nbr), pt_stride(pt_floats(G)) {}
+        idx(reinterpret_cast<int32_t*>(cols + (nbr ? 32 * 16 : 0))), head0(idx + 32 * nbr), seg_bias(head0 + nbr),
+        pt_stride(pt_floats(G)) {}
   // a row of pt: room for a 32-float load from any head
   static int pt_floats(int G) { return (G + 15) / 16 * 16 + 32; }
   static size_t floats(int G, int nb, int nbr) {
     return static_cast<size_t>(G) * (kRow + 16) + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) +
-           (nbr ? 256 + kMaxTile * pt_floats(G) + 32 * 16 + 33 * nbr : 0) + 16;
+           (nbr ? 256 + kMaxTile * pt_floats(G) + 32 * 16 + 43 * nbr : 0) + 16;
   }
 };
+
+// q8/q4 latents whose blocks straddle heads are scored in integers when every head's segment of
+// a block is whole row words (q8: 4 values a word, q4: 8), else from dequantised columns.
+KVX_INLINE bool latent_words(KVType type, int r) { return r % (type == KVType::Q4 ? 8 : 4) == 0; }
 
 // Float scores of the GB queries at q (d floats apart) against rows kb, TB at a time, into
 // s[g * kRow + t]; with LRKV's residual (rows0: row 0's latent of head h0, head_bytes apart).
@@ -859,6 +910,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const int nbr = rst && R::kQuant ? G * r / 32 : 0;  // latent blocks per row (G r % 32 == 0: lrkv.cpp)
   // q8/q4 latents of r % 32 != 0: blocks straddle heads, read as floats (latent_column_scores, latent_row_values)
   const bool latent_float = R::kQuant && rst && r % 32 != 0;
+  const bool latent_int = latent_float && latent_words(kv.type(), r);
   const size_t rrb = rst ? rst->row_bytes() : 0;
   const int tile = rst ? (rb + rrb < 1024 ? 32 : 16) : tile_rows(rb);  // LRKV: K and V tiles of both stores within ~40 KB
   const Scratch sc(scratch, G, nb, nbr);
@@ -885,6 +937,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   if constexpr (R::kQuant)
     if (latent_rows) lq = latent_query<R>(reinterpret_cast<const uint8_t*>(res.qb), res.qstride * sizeof(float), G, sc.latent_codes);
   const size_t qbytes = query_floats<R>(d) * sizeof(float), qb_bytes = res.qstride * sizeof(float);
+  if (latent_int) latent_segment_biases<R>(reinterpret_cast<const uint8_t*>(res.qb), nbr, r, sc.seg_bias);
   if (latent_float)
     for (int b = 0; b < nbr; ++b) {
       sc.head0[b] = 32 * b / r;
@@ -946,7 +999,11 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           if (latent_float) {
             rkpf.range(a, a + span);
             transpose_scales(rkrow, nbr, sc.kT + nb * kMaxTile + t0);
-            latent_column_scores<R>(rkrow, rcodes, nbr, r, res.qb, sc.kT + nb * kMaxTile + t0, sc.s + t0, sc.cols);
+            if (latent_int)
+              latent_word_scores<R>(rkrow, rcodes, nbr, r, reinterpret_cast<const uint8_t*>(res.qb), sc.seg_bias,
+                                    sc.kT + nb * kMaxTile + t0, sc.s + t0);
+            else
+              latent_column_scores<R>(rkrow, rcodes, nbr, r, res.qb, sc.kT + nb * kMaxTile + t0, sc.s + t0, sc.cols);
             return;
           }
           if (latent_rows) {
@@ -1126,15 +1183,18 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
 
 size_t avx512_latent_query_floats(int heads, int r, KVType type) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
-  return quant && r % 32 != 0 ? static_cast<size_t>(heads) * r : heads * avx512_query_floats(r, type);
+  if (!quant || r % 32 == 0) return heads * avx512_query_floats(r, type);
+  return latent_words(type, r) ? int_query_floats(heads * r) : static_cast<size_t>(heads) * r;
 }
 
 void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
-  if (quant && r % 32 != 0)  // read as floats (latent_column_scores): qb as the reference rounds it
-    round_query_blocks(qb, heads * r, scale, qbs);
-  else
+  if (!quant || r % 32 == 0)
     avx512_prepare_queries(qb, heads, r, scale, type, qbs);
+  else if (latent_words(type, r))  // latent_word_scores: the flat [H][r] as one integer query
+    prepare_int_queries(qb, 1, heads * r, scale, type, qbs);
+  else  // latent_column_scores: qb as the reference rounds it
+    round_query_blocks(qb, heads * r, scale, qbs);
 }
 
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width) {

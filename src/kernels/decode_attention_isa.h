@@ -67,8 +67,9 @@ bool avx512_usable();
 size_t avx512_query_floats(int d, KVType type);
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs);
 // LRKV's qb in the layout avx512_run_lrkv reads: per head as avx512_prepare_queries, except for
-// q8/q4 latents of r % 32 != 0 (blocks straddle heads; read as floats): the flat [heads][r]
-// rounded as the reference does (round_query_blocks).
+// q8/q4 latents of r % 32 != 0 (blocks straddle heads): the flat [heads][r] as one integer query
+// (prepare_int_queries) where each head's part of a block is whole row words (q8: r % 4 == 0,
+// q4: r % 8 == 0), else rounded as the reference does (round_query_blocks), read as floats.
 size_t avx512_latent_query_floats(int heads, int r, KVType type);
 void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs);
 // Scratch floats one split needs (residual_width: LRKV's H r, else 0).
