@@ -44,8 +44,9 @@ class Tokenizer:
         return self._t.vocab_size
 
     def encode(self, text, add_special_tokens=False):
-        """Token ids of text; add_special_tokens=True also adds what tokenizer.json's post_processor
-        puts around one sequence (Llama 3's <|begin_of_text|>), as HF's default and kvx generate do."""
+        """Token ids of text. add_special_tokens=True also adds what tokenizer.json's post_processor
+        puts around one sequence (Llama 3's <|begin_of_text|> before it); the default is False, unlike
+        HF's True. generate() puts the tokens before a sequence in front of its prompt."""
         return self._t.encode(text, add_special_tokens)
 
     def decode(self, ids):
@@ -87,6 +88,9 @@ class Model:
         return self._tokenizer
 
     def encode(self, text, add_special_tokens=False):
+        """Token ids of text (Tokenizer.encode). generate() also puts the post_processor's leading
+        tokens (Llama 3's BOS) before its prompt; pass add_special_tokens=True to give logits() the
+        same ids."""
         return self._tokenizer.encode(text, add_special_tokens)
 
     def decode(self, ids):

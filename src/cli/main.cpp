@@ -1,6 +1,7 @@
 // kvx: one CLI for data, training, generation, evaluation and benchmarks.
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -259,16 +260,19 @@ std::string times(const nlohmann::json& r, const char* key) {
 void print_decode_table(const nlohmann::json& rows) {
   for (const auto& r : rows)
     if (r.contains("stream_probes_gbps")) {
-      std::printf("read bandwidth (STREAM-like probe, all threads): best %.1f GB/s; probes", r["stream_gbps"].get<double>());
-      for (const auto& p : r["stream_probes_gbps"]) std::printf(" %.0f", p.get<double>());
-      std::printf("\n");
+      std::vector<double> p;
+      for (const auto& x : r["stream_probes_gbps"]) p.push_back(x.get<double>());
+      std::sort(p.begin(), p.end());
+      std::printf("read bandwidth (STREAM-like probe, all threads): best %.1f GB/s; %zu probes (one after each kernel's calls): "
+                  "min %.1f, median %.1f (all in --json)\n",
+                  r["stream_gbps"].get<double>(), p.size(), p.front(), p[p.size() / 2]);
     }
   for (const auto& r : rows)
     if (r.contains("fma_peak_gmacs"))
       std::printf("multiply-add peak (%s, %d lanes, all threads): %.1f G MAC/s\n", r["isa"].get<std::string>().c_str(),
                   r["lanes"].get<int>(), r["fma_peak_gmacs"].get<double>());
   std::printf("\nattention only, H=16, d_h=128, fastest call with the caches emptied before each; of BW: vs the better\n"
-              "probe either side of that call's round (probe); roofline = max(bytes / probe, multiply-adds / peak)\n");
+              "probe either side of that kernel's calls in its round (probe); roofline = max(bytes / probe, multiply-adds / peak)\n");
   std::printf("%-6s %-5s %4s %8s %11s %8s %7s %7s %8s %9s %8s %10s %11s\n", "isa", "cache", "hkv", "context", "us/step", "GB/s",
               "probe", "of BW", "bound", "of roof", "vs f32", "roof/f32", "vs libtorch");
   for (const auto& r : rows) {

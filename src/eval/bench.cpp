@@ -389,7 +389,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     double seconds, bytes, torch_seconds;
     int rank = -1;        // LRKV rows: the residual rank (hkv = heads); dense rows: -1
     kernels::DecodeIsa dense_isa = kernels::DecodeIsa::Auto;  // LRKV rows: the dense rows' back end of the same request
-    double stream = 0.0;  // GB/s, the better probe either side of the round of the fastest call
+    double stream = 0.0;  // GB/s, the better probe either side of this kernel's calls in the round of its fastest
   };
   std::vector<Timing> timings;
   std::vector<std::vector<kernels::KVStore>> dense(o.kv_heads.size());  // [hkv][type]
@@ -440,11 +440,13 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     // every two kernels, not only between rounds: a round whose bandwidth switched phase midway
     // judged its slow-phase calls against the fast phase's probe (76.7 GB/s against 41 GB/s of
     // a bf16 call that ran as fast as in slow-phase runs, on this project's Zen 5 VM).
-    probes.push_back(probe.measure(0.1));
+    // Short probes (3 passes over 256 MiB, ~20 ms) keep them from costing more than the calls.
+    auto short_probe = [&] { return probe.measure(0.0, size_t{256} << 20); };
+    probes.push_back(short_probe());
     for (int round = 0; round < kRounds; ++round)
       for (size_t k = first; k < timings.size(); ++k) {
         const double before = probes.back(), seconds = cold([&] { run(timings[k]); }, o.seconds_per_point / kRounds);
-        probes.push_back(probe.measure(0.1));
+        probes.push_back(short_probe());
         if (seconds < timings[k].seconds) timings[k].seconds = seconds, timings[k].stream = std::max(before, probes.back());
       }
     // The libtorch reference path on each dense f32 shape: scores, softmax, weighted sum.

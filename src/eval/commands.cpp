@@ -40,7 +40,12 @@ void check_cache_flags(const train::LoadedModel& m, int share_kv_layers, const s
 
 GenerateOutput generate_text(train::LoadedModel& m, const GenerateRequest& r,
                              const std::function<void(const std::string&)>& on_piece) {
-  auto prompt = m.tokenizer.encode_with_special_tokens(r.prompt);  // as HF's generate: Llama 3's BOS first
+  // The tokens the tokenizer's post_processor puts before a sequence (Llama 3's BOS, as HF's
+  // tokenizer adds by default); not after it (an EOS would end the text to continue), nor after a
+  // Nectar document (the prompt continues it, and the module never saw a BOS there).
+  std::vector<int32_t> prompt = r.document_module.empty() ? m.tokenizer.special_prefix() : std::vector<int32_t>{};
+  const auto text = m.tokenizer.encode(r.prompt);
+  prompt.insert(prompt.end(), text.begin(), text.end());
   const auto& config = m.model->config();
   const int64_t prompt_tokens = static_cast<int64_t>(prompt.size());
   model::check_generation(config, prompt_tokens, r.max_new, {r.temperature, r.top_p});

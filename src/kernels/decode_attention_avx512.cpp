@@ -704,11 +704,7 @@ KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes,
     if (tail0) residual_tail_pass<R, GB>(v0, rb, head_bytes, n, w, wg, acc, r, blocks, tail0, tail1);
 }
 
-// q8/q4 latents whose blocks straddle heads (r % 32 != 0), values: acc_r (the flat [H][r], i.e.
-// the row's columns) += sum_t p_{head(c)}(t) dv_t,b v_t[c], whole rows in natural order, blocks
-// b0 .. b0 + B - 1 (2 B accumulators across the rows). A block's lane weights come from the
-// numerators by token (pt) by a permute of the 32 heads from its first one (idx, head0), times
-// the row's block scale (vT: [b][kMaxTile]).
+// Block b of a q8/q4 row's codes: its 32 values in natural order, unscaled.
 template <class R>
 KVX_INLINE void latent_block_values(const uint8_t* row, int b, __m512& a, __m512& c) {
   if constexpr (R::kNibbles) {  // 16 bytes; value 2 j in byte j's low nibble, 2 j + 1 in its high one
@@ -722,6 +718,11 @@ KVX_INLINE void latent_block_values(const uint8_t* row, int b, __m512& a, __m512
   }
 }
 
+// q8/q4 latents whose blocks straddle heads (r % 32 != 0), values: acc_r (the flat [H][r], i.e.
+// the row's columns) += sum_t p_{head(c)}(t) dv_t,b v_t[c], whole rows in natural order, blocks
+// b0 .. b0 + B - 1 (2 B accumulators across the rows). A block's lane weights come from the
+// numerators by token (pt) by a permute of the 32 heads from its first one (idx, head0), times
+// the row's block scale (vT: [b][kMaxTile]).
 template <class R, int B>
 KVX_INLINE void latent_row_pass(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, const float* vT,
                                 const int32_t* idx, const int32_t* head0, float* acc, int b0) {
@@ -793,7 +794,7 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 int tile_rows(size_t rb) { return rb <= 256 ? 32 : 16; }
 
 // LRKV's residual path (lrkv_decode.h): a second store whose row per token is [R_0 | .. | R_{G-1}]
-// (r values per head, r % 32 == 0), with its own prepared queries qb (qstride floats per head).
+// (r values per head), with its own prepared queries qb (avx512_prepare_latent_queries).
 struct Residual {
   const KVStore* store = nullptr;
   const float* qb = nullptr;
@@ -806,7 +807,7 @@ struct Residual {
 // ([g][block][kMaxTile], then the residual's [block][kMaxTile]).
 // q8/q4 latents whose blocks straddle heads (r % 32 != 0) also get: the tile's numerators by token,
 // pt[t * pt_stride + h]; per latent block, the lanes' head offsets from its first head (idx, 32
-// int32) and that head (head0); 16 dequantised columns of 16 rows (cols); the integer query's
+// int32) and that head (head0); a block's 32 dequantised columns of 16 rows (cols); the integer query's
 // bias per (block, head) segment (seg_bias, up to 32 / 4 + 2 a block).
 struct Scratch {
   float *s, *l, *kT, *vT, *w, *wr;
@@ -908,7 +909,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const __mmask16 tail0 = rtail >= 16 ? 0xffff : static_cast<__mmask16>((1u << rtail) - 1);
   const __mmask16 tail1 = rtail > 16 ? static_cast<__mmask16>((1u << (rtail - 16)) - 1) : 0;
   const int nbr = rst && R::kQuant ? G * r / 32 : 0;  // latent blocks per row (G r % 32 == 0: lrkv.cpp)
-  // q8/q4 latents of r % 32 != 0: blocks straddle heads, read as floats (latent_column_scores, latent_row_values)
+  // q8/q4 latents of r % 32 != 0: blocks straddle heads, scored per head segment (latent_word_scores where
+  // segments are whole words, else latent_column_scores), values by whole rows (latent_row_values)
   const bool latent_float = R::kQuant && rst && r % 32 != 0;
   const bool latent_int = latent_float && latent_words(kv.type(), r);
   const size_t rrb = rst ? rst->row_bytes() : 0;

@@ -59,7 +59,7 @@ DecodeIsa lrkv_decode_isa(DecodeIsa isa, KVType type, int head_dim, int rank) {
 }
 
 bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int rank) {
-  lrkv_decode_isa(isa, type, head_dim, rank);  // both back ends score q8/q4 in integers; this checks isa
+  lrkv_decode_isa(isa, type, head_dim, rank);  // both back ends round q and qb as the int8 query; this checks isa
   return type == KVType::Q8 || type == KVType::Q4;
 }
 

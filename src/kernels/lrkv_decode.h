@@ -13,9 +13,10 @@
 // The fused kernel splits the stored rows into token ranges (threads), runs tiles of rows with an
 // online softmax per head, and merges the ranges by log-sum-exp. Back ends as decode_attention:
 // AVX-512 (the dense kernel's machinery: K_s/V_s are one KV head read for all H queries in
-// groups of 4, each head's latent a 1-query pass; needs d_h a multiple of 32, and r too for q8/q4,
-// whose keys are dotted in integers against the int8 query and qb; f32/bf16 latents of any r end
-// in a masked group) or AVX2 (the dense AVX2 kernel's machinery in the same arrangement, float
+// groups of 4, each head's latent a 1-query pass; needs d_h a multiple of 32; q8/q4 keys are
+// dotted in integers against the int8 query and qb, latents whose blocks straddle heads
+// (r % 32 != 0) per head segment of a block, in integers where it is whole row words, else from
+// dequantised columns; f32/bf16 latents of any r end in a masked group) or AVX2 (the dense AVX2 kernel's machinery in the same arrangement, float
 // queries, f32/bf16 latent scores in 8-row blocks with all heads on each and latent values by
 // whole rows; q8/q4 latents of r % 32 != 0 are dequantised per tile). The reference dequantises everything and works in
 // double.

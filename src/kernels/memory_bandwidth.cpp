@@ -94,14 +94,15 @@ void ReadBandwidthProbe::evict_caches(size_t bytes) const {
   if (read(bytes) < 0) std::abort();  // keeps the sums live; never true (all ones)
 }
 
-double ReadBandwidthProbe::measure(double seconds) const {
+double ReadBandwidthProbe::measure(double seconds, size_t bytes) const {
+  bytes = bytes == 0 ? bytes_ : std::clamp(bytes, size_t{256} << 20, bytes_);
   double best = 0.0, sink = 0.0;
   const auto start = std::chrono::steady_clock::now();
   for (int pass = 0;; ++pass) {
     const auto t0 = std::chrono::steady_clock::now();
-    sink += read(bytes_);
+    sink += read(bytes);
     const auto t1 = std::chrono::steady_clock::now();
-    best = std::max(best, static_cast<double>(bytes_) / std::chrono::duration<double>(t1 - t0).count() / 1e9);
+    best = std::max(best, static_cast<double>(bytes) / std::chrono::duration<double>(t1 - t0).count() / 1e9);
     if (pass >= 2 && std::chrono::duration<double>(t1 - start).count() >= seconds) break;
   }
   if (sink < 0) best = -best;  // keeps the sums live; never true (all ones)

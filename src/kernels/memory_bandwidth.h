@@ -5,18 +5,18 @@
 namespace kvx::kernels {
 
 // Holds a buffer of `bytes` (at least 1 GiB, so caches do not count), first touched by the
-// `threads` OpenMP threads (0: all) that read it. measure() reads it with 256-bit loads into
-// independent accumulators, each thread streaming its part as four sequential streams, for
-// about `seconds` (at least 3 passes), and returns the best pass in GB/s (1e9 bytes/s). One
-// probe can measure many times, e.g. between the rounds of a benchmark, so that a kernel is
-// judged against the bandwidth of the minutes it ran in.
+// `threads` OpenMP threads (0: all) that read it. measure() reads it (or its first `bytes`, at
+// least 256 MiB) with 256-bit loads into independent accumulators, each thread streaming its
+// part as four sequential streams, for about `seconds` (at least 3 passes), and returns the
+// best pass in GB/s (1e9 bytes/s). One probe can measure many times, e.g. between the kernels
+// of a benchmark, so that each is judged against the bandwidth of the minutes it ran in.
 class ReadBandwidthProbe {
  public:
   explicit ReadBandwidthProbe(size_t bytes = size_t{1} << 30, int threads = 0);
   ~ReadBandwidthProbe();
   ReadBandwidthProbe(const ReadBandwidthProbe&) = delete;
   ReadBandwidthProbe& operator=(const ReadBandwidthProbe&) = delete;
-  double measure(double seconds = 1.0) const;
+  double measure(double seconds = 1.0, size_t bytes = 0) const;
   // Reads `bytes` of the buffer, each thread from the start of its own part, so that the caches hold
   // none of what ran before: a benchmark's call then starts cold, like a decode step in a model
   // whose other layers ran in between (as triton's do_bench clears the L2 cache).

@@ -321,12 +321,16 @@ std::string OrRetrain(const char* fix) { return std::string(fix) + " or " + kRet
 }
 
 // The special-token ids a tokenizer.json post_processor puts before (prefix) and after (suffix)
-// a single sequence, HF's add_special_tokens=True. A Sequence applies its processors in order,
-// each wrapping what the previous produced.
-void post_processor_tokens(const nlohmann::json& pp, std::vector<int32_t>* prefix, std::vector<int32_t>* suffix) {
+// a single sequence, HF's add_special_tokens=True. Returns whether it adds any. A Sequence may
+// hold one processor that adds tokens (HF's template would see the pieces a previous one made as
+// a pair), among ByteLevel ones.
+bool post_processor_tokens(const nlohmann::json& pp, std::vector<int32_t>* prefix, std::vector<int32_t>* suffix, int depth = 0) {
   using json = nlohmann::json;
-  const std::string type = pp.is_object() ? pp.value("type", "") : "";
   const auto fix = OrRetrain("remove the post_processor (prompts then get no special tokens)");
+  auto string_at = [](const json& o, const char* key) {  // o[key] if o is an object holding a string there, else ""
+    return o.is_object() && o.contains(key) && o[key].is_string() ? o[key].get<std::string>() : std::string();
+  };
+  const std::string type = string_at(pp, "type");
   std::vector<int32_t> before, after;
   auto token_id = [&](const json& id, const std::string& what) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max())
@@ -339,33 +343,45 @@ void post_processor_tokens(const nlohmann::json& pp, std::vector<int32_t>* prefi
       bad_json("'post_processor' " + type + " needs '" + key + "' as [token, id], got " + p.dump().substr(0, 80), fix);
     return token_id(p[1], type + " " + key);
   };
-  if (type == "ByteLevel") return;  // offsets only
+  if (type == "ByteLevel") return false;  // offsets only
   if (type == "Sequence") {
-    const json procs = pp.value("processors", json());
-    if (!procs.is_array()) bad_json("'post_processor' Sequence needs a 'processors' array", fix);
-    for (const json& p : procs) post_processor_tokens(p, prefix, suffix);
-    return;
+    const auto procs = pp.find("processors");
+    if (procs == pp.end() || !procs->is_array()) bad_json("'post_processor' Sequence needs a 'processors' array", fix);
+    if (depth >= 8) bad_json("'post_processor' nests Sequences more than 8 deep", fix);
+    int adding = 0;
+    for (const json& p : *procs) adding += post_processor_tokens(p, prefix, suffix, depth + 1);
+    if (adding > 1)
+      bad_json("'post_processor' Sequence holds " + std::to_string(adding) +
+                   " processors that add tokens; kvx applies one (HF's later template would see the earlier one's pieces as a pair)",
+               fix);
+    return adding > 0;
   }
   if (type == "BertProcessing" || type == "RobertaProcessing") {
     before = {pair_id("cls")};
     after = {pair_id("sep")};
   } else if (type == "TemplateProcessing") {
-    const json single = pp.value("single", json()), specials = pp.value("special_tokens", json::object());
-    if (!single.is_array()) bad_json("'post_processor' TemplateProcessing needs a 'single' template array", fix);
+    const auto single = pp.find("single");
+    if (single == pp.end() || !single->is_array()) bad_json("'post_processor' TemplateProcessing needs a 'single' template array", fix);
+    const auto specials = pp.find("special_tokens");
     bool sequence = false;
-    for (const json& piece : single) {
-      if (piece.is_object() && piece.contains("Sequence")) {
-        if (sequence || piece["Sequence"].value("id", "A") != "A")
-          bad_json("'post_processor' single template must hold sequence A once, got " + single.dump().substr(0, 120), fix);
+    for (const json& piece : *single) {
+      const auto seq = piece.is_object() ? piece.find("Sequence") : piece.end();
+      if (piece.is_object() && seq != piece.end()) {
+        const std::string id = seq->is_object() && seq->contains("id") ? string_at(*seq, "id") : "A";
+        if (sequence || id != "A")
+          bad_json("'post_processor' single template must hold sequence A once, got " + single->dump().substr(0, 120), fix);
         sequence = true;
         continue;
       }
-      const std::string name = piece.is_object() && piece.contains("SpecialToken") ? piece["SpecialToken"].value("id", "") : "";
-      if (name.empty()) bad_json("'post_processor' template piece " + piece.dump().substr(0, 80) + " is neither a Sequence nor a SpecialToken", fix);
-      const json ids = specials.contains(name) ? specials[name].value("ids", json()) : json();
-      if (!ids.is_array() || ids.empty())
-        bad_json("'post_processor' special token \"" + name + "\" has no ids in its 'special_tokens'", fix);
-      for (const json& id : ids) (sequence ? after : before).push_back(token_id(id, "special token \"" + name + "\""));
+      const std::string name = piece.is_object() && piece.contains("SpecialToken") ? string_at(piece["SpecialToken"], "id") : "";
+      if (name.empty())
+        bad_json("'post_processor' template piece " + piece.dump().substr(0, 80) + " is neither a Sequence nor a SpecialToken", fix);
+      const json* ids = nullptr;  // special_tokens[name].ids
+      if (specials != pp.end() && specials->is_object())
+        if (const auto entry = specials->find(name); entry != specials->end() && entry->is_object())
+          if (const auto i = entry->find("ids"); i != entry->end() && i->is_array()) ids = &*i;
+      if (!ids) bad_json("'post_processor' special token \"" + name + "\" has no 'ids' list in its 'special_tokens'", fix);
+      for (const json& id : *ids) (sequence ? after : before).push_back(token_id(id, "special token \"" + name + "\""));
     }
     if (!sequence) bad_json("'post_processor' single template has no sequence A", fix);
   } else {
@@ -376,6 +392,7 @@ void post_processor_tokens(const nlohmann::json& pp, std::vector<int32_t>* prefi
   }
   prefix->insert(prefix->begin(), before.begin(), before.end());
   suffix->insert(suffix->end(), after.begin(), after.end());
+  return true;
 }
 
 }  // namespace
@@ -1171,7 +1188,8 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
       for (int32_t id : *ids)
         if (id < 0 || size_t(id) >= tokens.size())
           bad_json("'post_processor' adds token id " + std::to_string(id) + ", outside the vocabulary of " +
-                   std::to_string(tokens.size()) + " tokens");
+                       std::to_string(tokens.size()) + " tokens",
+                   OrRetrain("correct its ids, or remove the post_processor"));
   }
   t.tok_bytes_.clear();
   t.tok_off_.assign(1, 0);

@@ -41,8 +41,8 @@ class BpeTokenizer {
   std::vector<int32_t> encode(std::string_view bytes) const;
   std::vector<int32_t> encode(std::string_view bytes, int num_threads) const;
   // HF's encode(text, add_special_tokens=True) for one sequence: encode() wrapped in the special
-  // tokens of tokenizer.json's post_processor (Llama 3's <|begin_of_text|> before it); what a
-  // prompt gets. Tokenizers kvx trains have none, so this equals encode().
+  // tokens of tokenizer.json's post_processor (Llama 3's <|begin_of_text|> before it; generate puts
+  // the prefix before a prompt). Tokenizers kvx trains have none, so this equals encode().
   std::vector<int32_t> encode_with_special_tokens(std::string_view bytes) const;
   const std::vector<int32_t>& special_prefix() const { return special_prefix_; }
   const std::vector<int32_t>& special_suffix() const { return special_suffix_; }

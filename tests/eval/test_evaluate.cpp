@@ -34,8 +34,9 @@ TEST(EvaluateCached, EvictionLowersTheBytesHeldPerTokenNotThoseOfACachedToken) {
   EXPECT_GT(evicted.kl_vs_full, 0.0);  // tokens past the window attend to fewer keys
 }
 
-// A prompt gets what the tokenizer's post_processor puts around a sequence (Llama 3's BOS), as
-// HF's generate does; a tokenizer without one (kvx trains none) adds nothing.
+// A prompt gets what the tokenizer's post_processor puts before a sequence (Llama 3's BOS), as
+// HF's tokenizer does by default, and not what it puts after (an EOS would end the text to
+// continue); a tokenizer without one (kvx trains none) adds nothing.
 TEST(GenerateText, PromptsGetThePostProcessorsSpecialTokens) {
   torch::manual_seed(0);
   auto config = kvx::testing::small_run(1).model;
@@ -47,10 +48,14 @@ TEST(GenerateText, PromptsGetThePostProcessorsSpecialTokens) {
   r.temperature = 0;
   EXPECT_EQ(eval::generate_text(m, r).prompt_tokens, 5);
   auto j = nlohmann::json::parse(m.tokenizer.to_json());
-  j["added_tokens"] = {{{"id", 256}, {"content", "<|begin_of_text|>"}, {"special", true}}};
+  j["added_tokens"] = {{{"id", 256}, {"content", "<|begin_of_text|>"}, {"special", true}},
+                       {{"id", 257}, {"content", "<|end_of_text|>"}, {"special", true}}};
   j["post_processor"] = {{"type", "TemplateProcessing"},
-                         {"single", {{{"SpecialToken", {{"id", "<|begin_of_text|>"}}}}, {{"Sequence", {{"id", "A"}}}}}},
-                         {"special_tokens", {{"<|begin_of_text|>", {{"ids", {256}}}}}}};
+                         {"single",
+                          {{{"SpecialToken", {{"id", "<|begin_of_text|>"}}}},
+                           {{"Sequence", {{"id", "A"}}}},
+                           {{"SpecialToken", {{"id", "<|end_of_text|>"}}}}}},
+                         {"special_tokens", {{"<|begin_of_text|>", {{"ids", {256}}}}, {"<|end_of_text|>", {{"ids", {257}}}}}}};
   m.tokenizer = text::BpeTokenizer::from_json(j.dump());
   EXPECT_EQ(eval::generate_text(m, r).prompt_tokens, 6);
 }

@@ -45,6 +45,10 @@ inline void tokenizer_json(std::string_view bytes) {
     const text::BpeTokenizer tok = text::BpeTokenizer::from_json(std::string(bytes));
     const std::string sample = "The quick brown fox, 123 times!\n\xc3\xa9t\xc3\xa9 \xff";
     if (tok.decode(tok.encode(sample)) != sample) __builtin_trap();  // a loaded tokenizer round-trips any bytes
+    for (int32_t id : tok.encode_with_special_tokens(sample))  // the post_processor's ids are tokens
+      if (id < 0 || id >= tok.vocab_size()) __builtin_trap();
+    const text::BpeTokenizer again = text::BpeTokenizer::from_json(tok.to_json());  // and survive a save
+    if (again.special_prefix() != tok.special_prefix() || again.special_suffix() != tok.special_suffix()) __builtin_trap();
   } catch (const Error&) {
   }
 }

@@ -71,6 +71,7 @@ void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict
                                   lrkv_decode_quantizes_query(DecodeIsa::Auto, type, d, r));
   lrkv_decode_attention(q.data(), qb.data(), H, shared, residual.get(), scale, out_s.data(), out_r.data(), 0);
   EXPECT_LE(worst_rel(out_s, ref_s, H, d), 1e-5) << what;
+  if (r > 0) EXPECT_LE(worst_rel(out_r, ref_r, H, r), 1e-5) << what;
 }
 
 }  // namespace
@@ -95,7 +96,21 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
   for (KVType t : {KVType::Q8, KVType::Q4}) {
     check(t, 16, 128, 32, 45, 16, {}, seed++);  // the bench shape: 16 latent blocks, one 32-byte scale transpose
     check(t, 6, 256, 96, 37, 16, {}, seed++);   // 18 latent blocks (two scale transposes), 8 blocks of K_s/V_s
-    check(t, 16, 128, 8, 45, 16, {}, seed++);   // r = 8: a block holds 4 heads' latents (the AVX2 back end)
+    check(t, 16, 128, 8, 45, 16, {}, seed++);   // r = 8: a block holds 4 heads' latents
+  }
+  // q8/q4 blocks that straddle heads (r % 32 != 0) on AVX-512: scored in integers per head segment
+  // where segments are whole row words (q8 r % 4 == 0, q4 r % 8 == 0), else from dequantised
+  // columns; r > 32, H > 16, heads not a multiple of 16, 32-row tiles (page 64), eviction.
+  for (KVType t : {KVType::Q8, KVType::Q4}) {
+    check(t, 16, 64, 6, 70, 64, {}, seed++);   // columns (q8 and q4)
+    check(t, 16, 64, 34, 70, 64, {}, seed++);  // r > 32, columns
+    check(t, 8, 64, 36, 70, 64, {}, seed++);   // q8 words, q4 columns
+    check(t, 24, 32, 4, 70, 64, {}, seed++);   // q8 words, q4 columns; H not a multiple of 16
+    check(t, 32, 32, 3, 70, 64, {}, seed++);   // columns, 32 heads
+    check(t, 32, 32, 1, 70, 64, {}, seed++);   // a block spans 32 heads
+    check(t, 12, 64, 16, 70, 64, {}, seed++);  // words (q8 and q4)
+    check(t, 16, 64, 6, 90, 16, {4, 28}, seed++);   // columns with eviction
+    check(t, 16, 64, 8, 90, 16, {4, 28}, seed++);   // words with eviction
   }
 }
 

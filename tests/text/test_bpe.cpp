@@ -300,9 +300,19 @@ TEST(Bpe, PostProcessorWrapsOneSequenceWithItsSpecialTokens) {
   EXPECT_EQ(t.encode_with_special_tokens(""), (std::vector<int32_t>{256}));
   EXPECT_EQ(nlohmann::json::parse(t.to_json())["post_processor"], llama3);
   EXPECT_EQ(BpeTokenizer::from_json(t.to_json()).encode_with_special_tokens("hi"), (std::vector<int32_t>{256, 'h', 'i'}));
-  // RoBERTa's: cls before, sep after; a template with a token after A.
+  // RoBERTa's and BERT's: cls before, sep after; a template with a token after A, one with two
+  // ids for a token, one with none (HF adds nothing for it).
   j["post_processor"] = {{"type", "RobertaProcessing"}, {"cls", {"<|begin_of_text|>", 256}}, {"sep", {"<|end|>", 257}}};
   EXPECT_EQ(BpeTokenizer::from_json(j.dump()).encode_with_special_tokens("hi"), (std::vector<int32_t>{256, 'h', 'i', 257}));
+  j["post_processor"]["type"] = "BertProcessing";
+  EXPECT_EQ(BpeTokenizer::from_json(j.dump()).encode_with_special_tokens("hi"), (std::vector<int32_t>{256, 'h', 'i', 257}));
+  j["post_processor"] = {{"type", "TemplateProcessing"},
+                         {"single", {{{"SpecialToken", {{"id", "<bos>"}}}}, {{"Sequence", {{"id", "A"}}}}, {{"SpecialToken", {{"id", "<none>"}}}}}},
+                         {"special_tokens", {{"<bos>", {{"ids", {256, 257}}}}, {"<none>", {{"ids", nlohmann::json::array()}}}}}};
+  const auto two = BpeTokenizer::from_json(j.dump());
+  EXPECT_EQ(two.encode_with_special_tokens("hi"), (std::vector<int32_t>{256, 257, 'h', 'i'}));
+  EXPECT_EQ(two.special_prefix(), (std::vector<int32_t>{256, 257}));
+  EXPECT_TRUE(two.special_suffix().empty());
   j["post_processor"] = {{"type", "TemplateProcessing"},
                          {"single", {{{"Sequence", {{"id", "A"}}}}, {{"SpecialToken", {{"id", "<|end|>"}}}}}},
                          {"special_tokens", {{"<|end|>", {{"ids", {257}}}}}}};
@@ -320,7 +330,15 @@ TEST(Bpe, PostProcessorWrapsOneSequenceWithItsSpecialTokens) {
     }
   };
   refused({{"type", "Template"}}, "not supported");
-  refused({{"type", "TemplateProcessing"}, {"single", {{{"SpecialToken", {{"id", "<s>"}}}}}}}, "no ids");
+  refused({{"type", "TemplateProcessing"}, {"single", {{{"SpecialToken", {{"id", "<s>"}}}}}}}, "no 'ids' list");
+  // malformed pieces name the piece, not a JSON library error
+  refused({{"type", "TemplateProcessing"}, {"single", {{{"Sequence", "A"}}, {{"SpecialToken", "x"}}}}}, "neither a Sequence");
+  refused({{"type", "TemplateProcessing"}, {"single", {{{"SpecialToken", {{"id", "<s>"}}}}}}, {"special_tokens", {{"<s>", 3}}}},
+          "no 'ids' list");
+  refused({{"type", 3}}, "not supported");
+  // two processors that add tokens in one Sequence: HF's second template would see a pair
+  const nlohmann::json roberta = {{"type", "RobertaProcessing"}, {"cls", {"<|begin_of_text|>", 256}}, {"sep", {"<|end|>", 257}}};
+  refused({{"type", "Sequence"}, {"processors", {roberta, roberta}}}, "processors that add tokens");
   refused({{"type", "TemplateProcessing"},
            {"single", {{{"SpecialToken", {{"id", "<|end|>"}}}}}},
            {"special_tokens", {{"<|end|>", {{"ids", {257}}}}}}},
