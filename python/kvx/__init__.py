@@ -89,8 +89,8 @@ class Model:
 
     def encode(self, text, add_special_tokens=False):
         """Token ids of text (Tokenizer.encode). generate() also puts the post_processor's leading
-        tokens (Llama 3's BOS) before its prompt; pass add_special_tokens=True to give logits() the
-        same ids."""
+        tokens (Llama 3's BOS) before its prompt (not after a document module); for a template with
+        tokens only before the text, add_special_tokens=True gives logits() the same ids."""
         return self._tokenizer.encode(text, add_special_tokens)
 
     def decode(self, ids):

@@ -263,8 +263,8 @@ void print_decode_table(const nlohmann::json& rows) {
       std::vector<double> p;
       for (const auto& x : r["stream_probes_gbps"]) p.push_back(x.get<double>());
       std::sort(p.begin(), p.end());
-      std::printf("read bandwidth (STREAM-like probe, all threads): best %.1f GB/s; %zu probes (one after each kernel's calls): "
-                  "min %.1f, median %.1f (all in --json)\n",
+      std::printf("read bandwidth (STREAM-like probe, all threads): best %.1f GB/s; %zu probes (at the start, then before "
+                  "each context and after each kernel's calls): min %.1f, median %.1f (all in --json)\n",
                   r["stream_gbps"].get<double>(), p.size(), p.front(), p[p.size() / 2]);
     }
   for (const auto& r : rows)

@@ -379,7 +379,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   // rounds, best round each, with a bandwidth probe between every two kernels: ratios between
   // kernels (vs f32, LRKV vs the dense MHA kernel) compare like with like, and each kernel is
   // judged against the probes around its best calls (this VM's read bandwidth moves between
-  // phases minutes long, by up to 1.7x).
+  // phases minutes long, by up to 1.9x).
   constexpr int kRounds = 5;
   struct Timing {
     kernels::DecodeIsa isa;

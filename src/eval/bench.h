@@ -62,11 +62,11 @@ struct DecodeBenchOptions {
 };
 // Rows: one {"stream_gbps"} (the best read-bandwidth probe, with every probe); per (cache,
 // context, hkv) the fused kernel's time per step, bytes read, GB/s, its ratio ("bw_ratio") to
-// the better of the probes either side of the round of its fastest call ("probe_gbps") and its
+// the better of the probes either side of its calls in the round of its fastest call ("probe_gbps") and its
 // speed-up over f32 at the same shape and back end ("isa"; f32 rows also time the libtorch
 // reference); LRKV rows ("family": "lrkv") per (rank, cache, context), with their speed-up over
-// the dense MHA kernel timed in the same rounds (auto runs q8/q4 ranks that are not multiples of
-// 32 on AVX2, against the dense rows of the same request); per (cache, context)
+// the dense MHA kernel timed in the same rounds (on the back end auto picks for the rank, against
+// the dense rows of the same request); per (cache, context)
 // whole-model decode tokens/s. GDN rows ("family": "gdn"): a whole GDN layer's decode step (d =
 // 1024, H/2 heads of K = V = 2 d_h) per context and its ratio to the first context. NAtS-L rows
 // ("family": "natsl"): one token's attention core of a NAtS-L layer with the softmax width of the

@@ -284,8 +284,8 @@ void dequantize_row(KVType t, const uint8_t* src, int n, float* dst) {
       for (int b = 0; b < n / kQBlock; ++b) {
         const float d = fp16_to_float(load_u16(src + 2 * b));
 #if defined(__AVX2__)
-        // The scalar loop (#else), 8 lanes at a time (the same codes and products): LRKV's q4 latents
-        // of r % 32 != 0 are dequantised row by row every tile, where the scalar loop took 20% of the call.
+        // The scalar loop (#else), 8 lanes at a time (the same codes and products): the AVX2 LRKV
+        // kernel dequantises q4 latents of r % 32 != 0 row by row every tile, where the scalar loop took 20% of the call.
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kQBlock / 2));
         const __m128i nibble = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
         const __m128i lo = _mm_sub_epi8(_mm_and_si128(bytes, nibble), eight);

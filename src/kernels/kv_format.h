@@ -45,8 +45,8 @@ void dequantize_row(KVType t, const uint8_t* src, int n, float* dst);
 // n % 32 == 0; scales gets n / 32 floats (0 for an all-zero block).
 void quantize_query_blocks(const float* x, int n, int8_t* codes, float* scales);
 // The query the integer kernels compute with, as floats: out = dequantised
-// quantize_query_blocks(x * scale) (n % 32 == 0; the references, and the AVX2 LRKV latents read
-// as f32).
+// quantize_query_blocks(x * scale) (n % 32 == 0; the references, and LRKV latents whose blocks
+// straddle heads where they are read as f32).
 void round_query_blocks(const float* x, int n, float scale, float* out);
 
 // Scalar helpers shared with the kernels and tests.

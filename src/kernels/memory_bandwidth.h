@@ -5,8 +5,8 @@
 namespace kvx::kernels {
 
 // Holds a buffer of `bytes` (at least 1 GiB, so caches do not count), first touched by the
-// `threads` OpenMP threads (0: all) that read it. measure() reads it (or its first `bytes`, at
-// least 256 MiB) with 256-bit loads into independent accumulators, each thread streaming its
+// `threads` OpenMP threads (0: all) that read it. measure() reads it (or `bytes` of it, at least
+// 256 MiB, from the start of each thread's part) with 256-bit loads into independent accumulators, each thread streaming its
 // part as four sequential streams, for about `seconds` (at least 3 passes), and returns the
 // best pass in GB/s (1e9 bytes/s). One probe can measure many times, e.g. between the kernels
 // of a benchmark, so that each is judged against the bandwidth of the minutes it ran in.

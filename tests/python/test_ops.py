@@ -146,6 +146,17 @@ def test_lrkv_factored_matches_expanded(rank):
             assert np.abs(fused - want).max() < 0.1
     with pytest.raises(kvx.KvxError, match="multiple of 32"):
         ops.lrkv_decode(q, randn(H, 8), ks, vs, randn(L, H, 8), randn(L, H, 8), kv_cache="q8")
+
+
+@pytest.mark.parametrize("cache", ["q8", "q4"])
+def test_lrkv_quantised_latents_that_straddle_heads(cache):
+    # H r = 32: one q8/q4 block holds all 8 heads' latents, scored per head segment by the fused kernel
+    H, d, L, rank = 8, 32, 45, 4
+    q, ks, vs = randn(H, d), randn(L, d), randn(L, d)
+    rk, rv, bk, bv = randn(L, H, rank), randn(L, H, rank), 0.3 * randn(H, d, rank), 0.3 * randn(H, d, rank)
+    fused = ops.lrkv_attention(q, ks, vs, rk, rv, bk, bv, kv_cache=cache)
+    ref = ops.lrkv_attention(q, ks, vs, rk, rv, bk, bv, kv_cache=cache, reference=True)
+    np.testing.assert_allclose(fused, ref, rtol=2e-2, atol=2e-2)
     with pytest.raises(kvx.KvxError, match="exceeds head_dim"):
         big = d + 1
         ops.lrkv_decode(q, randn(H, big), ks, vs, randn(L, H, big), randn(L, H, big))
