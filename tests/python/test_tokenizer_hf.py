@@ -1,6 +1,7 @@
 # kvx's tokenizer.json BPE against Hugging Face's tokenizers.js (npm @huggingface/tokenizers, an
 # independent implementation of the same format): the same ids for every text, for the GPT-2
-# ByteLevel pattern, the Llama 3 and Qwen2 Split patterns, the NFC normalizer and added tokens.
+# ByteLevel pattern, the Llama 3 and Qwen2 Split patterns, the NFC normalizer, added tokens, and
+# post-processors (Llama 3's BOS template, RoBERTa's cls/sep) with add_special_tokens on.
 import copy
 import hashlib
 import json
@@ -83,6 +84,22 @@ def variants(base):
         {"id": n + i, "content": c, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
          "special": True} for i, c in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])]
     v["qwen2+nfc+added"] = j
+    # Llama 3's post_processor: ByteLevel, then a template putting <|begin_of_text|> before the text.
+    j = copy.deepcopy(v["llama3"])
+    j["added_tokens"] = [{"id": n, "content": "<|begin_of_text|>", "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True}]
+    j["post_processor"] = {"type": "Sequence", "processors": [
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+        {"type": "TemplateProcessing",
+         "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+         "pair": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                  {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+         "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [n], "tokens": ["<|begin_of_text|>"]}}}]}
+    v["llama3+bos"] = j
+    j = copy.deepcopy(v["qwen2+nfc+added"])
+    j["post_processor"] = {"type": "RobertaProcessing", "sep": ["<|endoftext|>", n], "cls": ["<|im_start|>", n + 1],
+                           "trim_offsets": True, "add_prefix_space": False}
+    v["qwen2+nfc+roberta"] = j
     return v
 
 
@@ -95,13 +112,14 @@ def test_kvx_encodes_as_tokenizers_js_does(tokenizers_js, tmp_path):
         path.write_text(json.dumps(j))
         ours = kvx.Tokenizer(path)
         assert ours.vocab_size == len(j["model"]["vocab"]) + len(j["added_tokens"])
-        run = subprocess.run(["node", HERE / "tokenizers_js_encode.mjs", tokenizers_js, path, tmp_path / "texts.json"],
-                             capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-2000:]
-        theirs = json.loads(run.stdout)
-        assert len(theirs) == len(texts)
-        for text, want in zip(texts, theirs):
-            assert ours.encode(text) == want, f"{name}: {text!r}"
+        for special in (False, True) if "post_processor" in j and j["post_processor"] else (False,):
+            run = subprocess.run(["node", HERE / "tokenizers_js_encode.mjs", tokenizers_js, path, tmp_path / "texts.json"]
+                                 + (["special"] if special else []), capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, run.stderr[-2000:]
+            theirs = json.loads(run.stdout)
+            assert len(theirs) == len(texts)
+            for text, want in zip(texts, theirs):
+                assert ours.encode(text, add_special_tokens=special) == want, f"{name} special={special}: {text!r}"
         # Decoding gives the text back (NFC-normalised where the tokenizer normalises).
         for text in texts:
             want = unicodedata.normalize("NFC", text) if "nfc" in name else text
