@@ -8,7 +8,10 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "compress/nectar.h"
+#include "eval/commands.h"
 #include "support/fixtures.h"
 #include "train/checkpoint.h"
 #include "util/error.h"
@@ -181,6 +184,21 @@ TEST(NectarModel, FitSaveLoadAndRefuseAnotherModel) {
 
   auto loaded = train::load_model(dir + "/run");
   const auto module = DocumentModule::load(fit.out, loaded.model);
+  {  // generate puts a tokenizer's leading special token (a BOS) before a prompt, but not between a module's document and it
+    auto j = nlohmann::json::parse(loaded.tokenizer.to_json());
+    j["post_processor"] = {{"type", "TemplateProcessing"},
+                           {"single", {{{"SpecialToken", {{"id", "<bos>"}}}}, {{"Sequence", {{"id", "A"}}}}}},
+                           {"special_tokens", {{"<bos>", {{"ids", {0}}}}}}};
+    train::LoadedModel bos{loaded.model, text::BpeTokenizer::from_json(j.dump()), loaded.dir};
+    eval::GenerateRequest r;
+    r.prompt = "the cat";
+    r.max_new = 1;
+    r.temperature = 0;
+    const int64_t text_tokens = static_cast<int64_t>(bos.tokenizer.encode(r.prompt).size());
+    EXPECT_EQ(eval::generate_text(bos, r).prompt_tokens, text_tokens + 1);
+    r.document_module = fit.out;
+    EXPECT_EQ(eval::generate_text(bos, r).prompt_tokens, text_tokens);
+  }
   const auto again = evaluate_module_dir(loaded.model, loaded.tokenizer, fit.out, "");
   EXPECT_NEAR(again["test"]["kl"].get<double>(), report["splits"]["test"]["kl"].get<double>(), 1e-6);
   // The saved queries serve only the options they were made with (other counts reused them, mislabelled).
