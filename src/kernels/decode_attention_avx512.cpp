@@ -89,14 +89,16 @@ struct Q8Row {
   }
 };
 
+// q4 nibble n -> n - 8, by _mm512_permutexvar_ps(lanes, q4_values()) (vpermps reads the low 4 bits of each lane).
+KVX_INLINE __m512 q4_values() { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7); }
+
 struct Q4Row {
   static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false;
-  // n - 8 by table lookup (vpermps reads the low 4 bits of each lane): even positions, odd positions.
+  // even positions, odd positions
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
-    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    a = _mm512_permutexvar_ps(w, table);
-    b = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), table);
+    a = _mm512_permutexvar_ps(w, q4_values());
+    b = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), q4_values());
   }
 };
 
@@ -587,10 +589,10 @@ KVX_INLINE void latent_column_scores(const Rows& rows, size_t offset, int blocks
   for (int b = 0; b < blocks; ++b) {
     __m512i w[8];
     transpose16x8(rows, offset + static_cast<size_t>(kBytes) * b, kBytes, w);
-    if constexpr (R::kNibbles) {  // nibble k of word i is value 8 i + k; n - 8 by table lookup
-      const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    if constexpr (R::kNibbles) {  // nibble k of word i is value 8 i + k
       for (int i = 0; i < 4; ++i)
-        for (int k = 0; k < 8; ++k) _mm512_storeu_ps(cols + 16 * (8 * i + k), _mm512_permutexvar_ps(_mm512_srli_epi32(w[i], 4 * k), table));
+        for (int k = 0; k < 8; ++k)
+          _mm512_storeu_ps(cols + 16 * (8 * i + k), _mm512_permutexvar_ps(_mm512_srli_epi32(w[i], 4 * k), q4_values()));
     } else {  // byte k of word i is value 4 i + k, signed
       for (int i = 0; i < 8; ++i)
         for (int k = 0; k < 4; ++k)
@@ -710,9 +712,8 @@ KVX_INLINE void latent_block_values(const uint8_t* row, int b, __m512& a, __m512
   if constexpr (R::kNibbles) {  // 16 bytes; value 2 j in byte j's low nibble, 2 j + 1 in its high one
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
     const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    a = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(x, x)), shift), table);
-    c = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(x, x)), shift), table);
+    a = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(x, x)), shift), q4_values());
+    c = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(x, x)), shift), q4_values());
   } else {
     Q8Row::val(row, b, a, c);
   }
@@ -911,8 +912,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const int nbr = rst && R::kQuant ? G * r / 32 : 0;  // latent blocks per row (G r % 32 == 0: lrkv.cpp)
   // q8/q4 latents of r % 32 != 0: blocks straddle heads, scored per head segment (latent_word_scores where
   // segments are whole words, else latent_column_scores), values by whole rows (latent_row_values)
-  const bool latent_float = R::kQuant && rst && r % 32 != 0;
-  const bool latent_int = latent_float && latent_words(kv.type(), r);
+  const bool latent_straddle = R::kQuant && rst && r % 32 != 0;
+  const bool latent_int = latent_straddle && latent_words(kv.type(), r);
   const size_t rrb = rst ? rst->row_bytes() : 0;
   const int tile = rst ? (rb + rrb < 1024 ? 32 : 16) : tile_rows(rb);  // LRKV: K and V tiles of both stores within ~40 KB
   const Scratch sc(scratch, G, nb, nbr);
@@ -940,7 +941,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     if (latent_rows) lq = latent_query<R>(reinterpret_cast<const uint8_t*>(res.qb), res.qstride * sizeof(float), G, sc.latent_codes);
   const size_t qbytes = query_floats<R>(d) * sizeof(float), qb_bytes = res.qstride * sizeof(float);
   if (latent_int) latent_segment_biases<R>(reinterpret_cast<const uint8_t*>(res.qb), nbr, r, sc.seg_bias);
-  if (latent_float)
+  if (latent_straddle)
     for (int b = 0; b < nbr; ++b) {
       sc.head0[b] = 32 * b / r;
       for (int i = 0; i < 32; ++i) sc.idx[32 * b + i] = (32 * b + i) / r - sc.head0[b];
@@ -998,7 +999,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           const Rows16<kClamp> rkrow{rkb + t0 * rrb, rrb, last}, rvrow{rvb + t0 * rrb, rrb, last};
           transpose_scales(rvrow, nbr, sc.vT + nb * kMaxTile + t0);
           const size_t a = t0 * rrb, span = static_cast<size_t>(imin(t0 + 16, n) - t0) * rrb;
-          if (latent_float) {
+          if (latent_straddle) {
             rkpf.range(a, a + span);
             transpose_scales(rkrow, nbr, sc.kT + nb * kMaxTile + t0);
             if (latent_int)
@@ -1064,7 +1065,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       }
       const __m512 mv = _mm512_set1_ps(m[g]);
       const __m512 p0 = exp512(_mm512_sub_ps(s0, mv)), p1 = exp512(_mm512_sub_ps(s1, mv));
-      if (!R::kQuant || latent_float) {  // f32/bf16 weights (and latent_row_values'); q8/q4 keep theirs with the V scales below
+      if (!R::kQuant || latent_straddle) {  // f32/bf16 weights (and latent_row_values'); q8/q4 keep theirs with the V scales below
         _mm512_storeu_ps(sg, p0);
         _mm512_storeu_ps(sg + 16, p1);
       }
@@ -1076,7 +1077,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
             const size_t o = static_cast<size_t>(b) * kMaxTile + t0;
             _mm512_storeu_ps(sc.w + static_cast<size_t>(g) * nb * kMaxTile + o, _mm512_mul_ps(p, _mm512_loadu_ps(sc.vT + o)));
           }
-          for (int b = g * rblocks; b < (g + 1) * rblocks && rst && !latent_float; ++b) {
+          for (int b = g * rblocks; b < (g + 1) * rblocks && rst && !latent_straddle; ++b) {
             const size_t o = static_cast<size_t>(b) * kMaxTile + t0;
             _mm512_storeu_ps(sc.wr + o, _mm512_mul_ps(p, _mm512_loadu_ps(sc.vT + nb * kMaxTile + o)));
           }
@@ -1098,7 +1099,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
       }
     }
-    if (latent_float) {  // + a_h R_h^V, whole rows; the numerators by token first
+    if (latent_straddle) {  // + a_h R_h^V, whole rows; the numerators by token first
       for (int h0 = 0; h0 < G; h0 += 16)
         for (int t0 = 0; t0 < n; t0 += 16) {
           __m512 x[16];
@@ -1132,7 +1133,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   for (int g = 0; g < G; ++g) l[g] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l + 16 * g));
   if constexpr (R::kPerm) {  // whole groups only (a masked last latent group is in natural order)
     unpermute(acc, G * d);
-    for (int g = 0; g < G && rblocks > 0 && !latent_float; ++g) unpermute(acc_r + static_cast<size_t>(g) * r, 32 * rblocks);
+    for (int g = 0; g < G && rblocks > 0 && !latent_straddle; ++g) unpermute(acc_r + static_cast<size_t>(g) * r, 32 * rblocks);
   }
 }
 

@@ -1186,7 +1186,7 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
     post_processor_tokens(j["post_processor"], &t.special_prefix_, &t.special_suffix_);
     for (const auto* ids : {&t.special_prefix_, &t.special_suffix_})
       for (int32_t id : *ids)
-        if (id < 0 || size_t(id) >= tokens.size())
+        if (size_t(id) >= tokens.size())  // ids are >= 0 (post_processor_tokens)
           bad_json("'post_processor' adds token id " + std::to_string(id) + ", outside the vocabulary of " +
                        std::to_string(tokens.size()) + " tokens",
                    OrRetrain("correct its ids, or remove the post_processor"));
