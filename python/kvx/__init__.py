@@ -137,8 +137,9 @@ class Model:
     def eval(self, split="test", seq_len=0, max_windows=0, batch=8, sources="brown,kjv", data_dir=None,
              kv_cache=None, evict=None, lla=None, lla_absorbed=False, share_kv_layers=1, mqar=None,
              mqar_symbols=0, mqar_sequences=64, document_module=None, document=None):
-        """What `kvx eval --json` reports: cross-entropy, perplexity, bits/byte, the unigram baseline;
-        through a decode cache (kv_cache/evict/lla/share_kv_layers) CE and KL vs f32; MQAR accuracy;
+        """What `kvx eval --json` reports: cross-entropy, perplexity, bits/byte, the unigram baseline
+        (each window starts with the tokenizer's leading special tokens, `window_prefix`: an imported
+        Llama 3's BOS; none for a kvx tokenizer); through a decode cache (kv_cache/evict/lla/share_kv_layers) CE and KL vs f32; MQAR accuracy;
         or a Nectar document module's report."""
         r = _kvx.EvalRequest()
         r.split, r.seq_len, r.max_windows, r.batch = split, seq_len, max_windows, batch

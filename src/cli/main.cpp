@@ -223,9 +223,11 @@ void cmd_eval(const EvalArgs& a) {
     return;
   }
   if (!a.document_module.empty()) return print_document_module_eval(a.document_module, j);
-  std::printf("%s on %s (%lld tokens, %lld bytes, windows of %d):\n", m.dir.c_str(), j["split"].get<std::string>().c_str(),
+  const size_t prefix = j["window_prefix"].size();
+  std::printf("%s on %s (%lld tokens, %lld bytes, windows of %d%s):\n", m.dir.c_str(), j["split"].get<std::string>().c_str(),
               static_cast<long long>(j["tokens"].get<int64_t>()), static_cast<long long>(j["bytes"].get<int64_t>()),
-              j["seq_len"].get<int>());
+              j["seq_len"].get<int>(),
+              prefix ? (" starting with the tokenizer's " + std::to_string(prefix) + " special token" + (prefix > 1 ? "s" : "")).c_str() : "");
   const double ce = j["cross_entropy"].get<double>();
   std::printf("  cross-entropy   %.4f nats/token   (unigram baseline %.4f)\n", ce, j["unigram_cross_entropy"].get<double>());
   std::printf("  perplexity      %.2f\n", j["perplexity"].get<double>());

@@ -114,9 +114,13 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
                         model::available_memory_bytes(), "evaluation", "lower seq_len or batch");
   auto tokens = train::load_split_tokens(dir, sources, m.tokenizer, split);
   auto train_tokens = train::load_split_tokens(dir, sources, m.tokenizer, text::Split::Train);
-  int windows = static_cast<int>((tokens.tokens.size() - 1) / seq_len);
+  // Each window starts as the tokenizer starts a sequence (an imported Llama 3: its BOS), as HF
+  // scores text; a kvx tokenizer puts nothing there.
+  const std::vector<int32_t>& prefix = m.tokenizer.special_prefix();
+  const int text_per_window = seq_len - static_cast<int>(prefix.size());
+  int windows = text_per_window > 0 ? static_cast<int>((tokens.tokens.size() - 1) / text_per_window) : 1;
   if (r.max_windows > 0) windows = std::min(windows, r.max_windows);
-  auto batches = train::evaluation_batches(tokens.tokens, windows, r.batch, seq_len);
+  auto batches = train::evaluation_batches(tokens.tokens, windows, r.batch, seq_len, prefix);
   auto t0 = std::chrono::steady_clock::now();
   auto q = evaluate_lm(m.model, batches, m.tokenizer);
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -125,6 +129,7 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
                       {"split", text::split_name(split)},
                       {"sources", sources},
                       {"seq_len", seq_len},
+                      {"window_prefix", prefix},
                       {"tokens", q.tokens},
                       {"bytes", q.bytes},
                       {"cross_entropy", q.cross_entropy},

@@ -21,6 +21,11 @@ int64_t target_bytes(const torch::Tensor& y, const std::vector<int64_t>& len) {
   for (int64_t i = 0; i < yc.numel(); ++i) b += len[p[i]];
   return b;
 }
+// The positions whose predictions `y` scores: the last y.size(1) of the window (all of them, or
+// from the last prefix token on: train::evaluation_batches).
+torch::Tensor scored(const torch::Tensor& per_position, const torch::Tensor& y) {
+  return per_position.narrow(1, per_position.size(1) - y.size(1), y.size(1));
+}
 LmQuality finish(double nats, int64_t tokens, int64_t bytes) {
   LmQuality q;
   q.tokens = tokens;
@@ -41,7 +46,7 @@ LmQuality evaluate_lm(model::Transformer& model, const std::vector<std::pair<tor
   double nats = 0;
   int64_t tokens = 0, bytes = 0;
   for (const auto& [x, y] : batches) {
-    auto logits = model->forward(x);
+    auto logits = scored(model->forward(x), y);
     auto loss = torch::nn::functional::cross_entropy(
         logits.reshape({-1, logits.size(-1)}).to(torch::kFloat64), y.reshape({-1}),
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
@@ -65,7 +70,7 @@ CachedQuality evaluate_lm_cached(model::Transformer& model,
   int64_t tokens = 0, bytes = 0;
   CachedQuality out;
   for (const auto& [x, y] : batches) {
-    auto full = torch::log_softmax(model->forward(x).to(torch::kFloat64), -1);
+    auto full = torch::log_softmax(scored(model->forward(x), y).to(torch::kFloat64), -1);
     auto state = model->new_state(x.size(0), cache);
     torch::Tensor logits;
     if (chunk <= 0) {
@@ -75,7 +80,7 @@ CachedQuality evaluate_lm_cached(model::Transformer& model,
       for (int64_t at = 0; at < x.size(1); at += chunk) parts.push_back(model->step(x.narrow(1, at, std::min(chunk, x.size(1) - at)), state));
       logits = torch::cat(parts, 1);
     }
-    auto cached = torch::log_softmax(logits.to(torch::kFloat64), -1);
+    auto cached = torch::log_softmax(scored(logits, y).to(torch::kFloat64), -1);
     out.cache_bytes_per_token = state.bytes_per_token();
     out.held_bytes_per_token = static_cast<double>(state.bytes()) / static_cast<double>(x.numel());
     nats -= cached.gather(-1, y.unsqueeze(-1)).sum().item<double>();

@@ -167,27 +167,33 @@ void BatchSampler::set_state(const std::string& s) {
 }
 
 std::vector<std::pair<torch::Tensor, torch::Tensor>> evaluation_batches(const std::vector<int32_t>& tokens, int count,
-                                                                        int batch, int seq_len) {
+                                                                        int batch, int seq_len,
+                                                                        const std::vector<int32_t>& prefix) {
+  const int p = static_cast<int>(prefix.size());
+  if (p >= seq_len)
+    throw Error("windows of " + std::to_string(seq_len) + " tokens leave no room for text after the tokenizer's " +
+                std::to_string(p) + " leading special tokens; use longer windows");
+  const int text = seq_len - p;                 // text tokens in an input
+  const int targets = p > 0 ? text + 1 : text;  // the prefix's last token also predicts
   const int64_t n = static_cast<int64_t>(tokens.size());
-  if (n < seq_len + 1)
+  if (n < text + 1)
     throw Error("the text to evaluate has " + std::to_string(n) + " tokens, fewer than one window of " +
-                std::to_string(seq_len) + " + 1; use shorter windows or sources with more text");
-  const int64_t max_windows = (n - 1) / seq_len;
+                std::to_string(text) + " + 1; use shorter windows or sources with more text");
+  const int64_t max_windows = (n - 1) / text;
   count = static_cast<int>(std::min<int64_t>(count, max_windows));
-  const double stride = count > 1 ? static_cast<double>(n - seq_len - 1) / (count - 1) : 0.0;
+  const double stride = count > 1 ? static_cast<double>(n - text - 1) / (count - 1) : 0.0;
   std::vector<std::pair<torch::Tensor, torch::Tensor>> out;
   for (int first = 0; first < count; first += batch) {
     const int rows = std::min(batch, count - first);
     auto x = torch::empty({rows, seq_len}, torch::kLong);
-    auto y = torch::empty({rows, seq_len}, torch::kLong);
+    auto y = torch::empty({rows, targets}, torch::kLong);
     int64_t* px = x.data_ptr<int64_t>();
     int64_t* py = y.data_ptr<int64_t>();
     for (int r = 0; r < rows; ++r) {
       const int64_t start = static_cast<int64_t>((first + r) * stride);
-      for (int t = 0; t < seq_len; ++t) {
-        px[r * seq_len + t] = tokens[start + t];
-        py[r * seq_len + t] = tokens[start + t + 1];
-      }
+      for (int t = 0; t < p; ++t) px[r * seq_len + t] = prefix[t];
+      for (int t = 0; t < text; ++t) px[r * seq_len + p + t] = tokens[start + t];
+      for (int t = 0; t < targets; ++t) py[r * targets + t] = tokens[start + t + (p > 0 ? 0 : 1)];
     }
     out.emplace_back(x, y);
   }

@@ -69,8 +69,13 @@ class BatchSampler {
 };
 
 // `count` windows of seq_len + 1 tokens spread evenly over the tokens (deterministic), as
-// (inputs, targets) batches of at most `batch` rows.
+// (inputs, targets) batches of at most `batch` rows. With a `prefix` of p tokens (a tokenizer's
+// BOS: BpeTokenizer::special_prefix) each input is the prefix then seq_len - p text tokens, and
+// the targets are the text's seq_len - p + 1 tokens: the predictions of the inputs' last
+// seq_len - p + 1 positions (the prefix's last token predicts the text's first). Evaluators score
+// the last targets.size(1) positions.
 std::vector<std::pair<torch::Tensor, torch::Tensor>> evaluation_batches(const std::vector<int32_t>& tokens, int count,
-                                                                        int batch, int seq_len);
+                                                                        int batch, int seq_len,
+                                                                        const std::vector<int32_t>& prefix = {});
 
 }  // namespace kvx::train

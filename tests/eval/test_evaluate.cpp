@@ -9,6 +9,7 @@
 #include "eval/evaluate.h"
 #include "support/fixtures.h"
 #include "train/dataset.h"
+#include "util/error.h"
 
 using namespace kvx;
 
@@ -32,6 +33,55 @@ TEST(EvaluateCached, EvictionLowersTheBytesHeldPerTokenNotThoseOfACachedToken) {
   EXPECT_DOUBLE_EQ(evicted.cache_bytes_per_token, row);
   EXPECT_NEAR(evicted.held_bytes_per_token, row * 8 / 32, 1e-9);
   EXPECT_GT(evicted.kl_vs_full, 0.0);  // tokens past the window attend to fewer keys
+}
+
+// Windows that start with a tokenizer's BOS (an imported Llama 3's, as HF scores text): the
+// input is the prefix then text, and the scored targets run from the prefix's last token's
+// prediction (the text's first token) to the window's end, in both evaluators.
+TEST(EvaluationBatches, APrefixStartsEachInputAndItsLastTokenPredictsTheText) {
+  std::vector<int32_t> tokens(40);
+  for (int i = 0; i < 40; ++i) tokens[i] = 3 * i % 256;
+  const auto plain = train::evaluation_batches(tokens, 3, 2, 8);
+  ASSERT_EQ(plain.size(), 2u);
+  EXPECT_EQ(plain[0].first.sizes(), (std::vector<int64_t>{2, 8}));
+  EXPECT_EQ(plain[0].second.sizes(), (std::vector<int64_t>{2, 8}));
+  EXPECT_EQ(plain[0].second[0][0].item<int64_t>(), tokens[1]);  // no prefix: targets are the next tokens
+
+  const std::vector<int32_t> bos{250, 251};
+  const auto prefixed = train::evaluation_batches(tokens, 3, 2, 8, bos);
+  ASSERT_EQ(prefixed.size(), 2u);
+  const auto& [x, y] = prefixed[1];  // the third window, at the text's end
+  EXPECT_EQ(x.sizes(), (std::vector<int64_t>{1, 8}));
+  EXPECT_EQ(y.sizes(), (std::vector<int64_t>{1, 7}));  // 6 text tokens, and the prefix's last position
+  const int64_t start = 40 - 6 - 1;                    // windows spread to the end of the text
+  EXPECT_EQ(x[0][0].item<int64_t>(), 250);
+  EXPECT_EQ(x[0][1].item<int64_t>(), 251);
+  for (int t = 0; t < 6; ++t) EXPECT_EQ(x[0][2 + t].item<int64_t>(), tokens[start + t]);
+  for (int t = 0; t < 7; ++t) EXPECT_EQ(y[0][t].item<int64_t>(), tokens[start + t]);
+  try {
+    train::evaluation_batches(tokens, 1, 1, 2, bos);
+    FAIL() << "a window no longer than the prefix was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("use longer windows"), std::string::npos) << e.what();
+  }
+
+  torch::manual_seed(0);
+  model::Transformer m(kvx::testing::small_run(1).model);
+  m->eval();
+  const auto data = kvx::testing::synthetic_data(64, 200, 300);
+  const auto q = eval::evaluate_lm(m, prefixed, data.tokenizer);
+  EXPECT_EQ(q.tokens, 3 * 7);
+  double nats = 0;  // the targets' log-probabilities at positions 1 .. 7 of each input
+  for (const auto& [bx, by] : prefixed) {
+    torch::NoGradGuard ng;
+    auto logp = torch::log_softmax(m->forward(bx).to(torch::kFloat64), -1).narrow(1, 1, 7);
+    nats -= logp.gather(-1, by.unsqueeze(-1)).sum().item<double>();
+  }
+  EXPECT_NEAR(q.cross_entropy, nats / 21, 1e-9);
+  const auto c = eval::evaluate_lm_cached(m, prefixed, data.tokenizer, attention::CacheOptions::parse("f32", "", false), 0);
+  EXPECT_NEAR(c.quality.cross_entropy, q.cross_entropy, 1e-5);
+  EXPECT_LT(c.kl_vs_full, 1e-9);
+  EXPECT_EQ(c.quality.tokens, q.tokens);
 }
 
 // A prompt gets what the tokenizer's post_processor puts before a sequence (Llama 3's BOS), as

@@ -156,3 +156,23 @@ def test_compare_runner(tmp_path):
     assert {a["name"] for a in again["arms"]} == {"mha", "mha+q8"}
     with pytest.raises(kvx.KvxError, match="unknown|known"):
         kvx.experiment("posthoc", "tiny", {"no_such_key": 1})
+
+
+def test_eval_windows_start_with_the_tokenizers_bos(micro_model, tmp_path):
+    # An imported model whose tokenizer.json puts a BOS before a sequence (as Llama 3's does) is
+    # scored as HF scores text: each window is the BOS then text, the BOS predicting the first token.
+    kvx.export_hf(micro_model, tmp_path / "hf", dtype="f32")
+    tok_path = tmp_path / "hf" / "tokenizer.json"
+    tok = json.loads(tok_path.read_text())
+    tok["post_processor"] = {"type": "TemplateProcessing",
+                             "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                        {"Sequence": {"id": "A", "type_id": 0}}],
+                             "special_tokens": {"<s>": {"id": "<s>", "ids": [10], "tokens": ["<s>"]}}}
+    tok_path.write_text(json.dumps(tok))
+    bos = kvx.import_hf(tmp_path / "hf", tmp_path / "kvx")
+    plain = micro_model.eval(seq_len=32, max_windows=2, batch=2)
+    r = bos.eval(seq_len=32, max_windows=2, batch=2, kv_cache="f32")
+    assert plain["window_prefix"] == [] and r["window_prefix"] == [10]
+    assert r["tokens"] == 2 * 32  # 31 text tokens after the BOS, and the BOS's prediction
+    assert r["cross_entropy"] != pytest.approx(plain["cross_entropy"], abs=1e-6)
+    assert r["cache"]["cross_entropy"] == pytest.approx(r["cross_entropy"], abs=1e-5)
