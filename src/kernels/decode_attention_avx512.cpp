@@ -54,12 +54,10 @@ struct F32Row {
     a = _mm512_loadu_ps(p);
     b = _mm512_loadu_ps(p + 16);
   }
-  // A last group of fewer than 32 values (an LRKV latent of r % 32 != 0), natural order, zeros
-  // past it: values 0-15 under m0, 16-31 under m1.
-  static KVX_INLINE void tail(const uint8_t* row, int j, __mmask16 m0, __mmask16 m1, __m512& a, __m512& b) {
-    const float* p = reinterpret_cast<const float*>(row) + 32 * j;
-    a = _mm512_maskz_loadu_ps(m0, p);
-    b = _mm512_maskz_loadu_ps(m1, p + 16);
+  // Values 16 v .. 16 v + 15 in natural order, zeros outside m (LRKV latents of r % 32 != 0,
+  // read as flat rows).
+  static KVX_INLINE __m512 flat(const uint8_t* row, int v, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(row) + 16 * v);
   }
 };
 
@@ -70,11 +68,9 @@ struct BF16Row {
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
   }
-  // As F32Row::tail: natural order (not even | odd).
-  static KVX_INLINE void tail(const uint8_t* row, int j, __mmask16 m0, __mmask16 m1, __m512& a, __m512& b) {
-    const uint8_t* p = row + 64 * j;
-    a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, p)), 16));
-    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, p + 32)), 16));
+  // As F32Row::flat: natural order (not even | odd).
+  static KVX_INLINE __m512 flat(const uint8_t* row, int v, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + 32 * v)), 16));
   }
 };
 
@@ -167,18 +163,34 @@ struct Prefetch {
 // LRKV's residual in a score block: query g also dots its own latent segment of the residual
 // rows (rows[t] + g * head_bytes) with qb_g, into the same accumulator, so one reduction serves
 // both parts (lrkv_decode.h).
+// f32/bf16 latents of r % 32 != 0 are read as flat rows [R_0 | .. | R_{H-1}] of 16-value vectors
+// (FlatLatents): head h's segment [h r, h r + r) lies in vectors h r / 16 on, each dotted with a
+// position vector of its prepared qb (qb_h scaled at the segment's lanes, zeros elsewhere:
+// avx512_prepare_latent_queries).
+struct FlatLatents {
+  int r = 0;
+  int row_vectors = 0;       // ceil(H r / 16)
+  __mmask16 last = 0xffff;   // the lanes of the row's last vector
+  static int head_vectors(int r) { return (r + 30) / 16; }  // position vectors per head (the most a segment spans)
+  int max_count = 0;         // the most vectors one head's segment spans
+  int first(int h) const { return h * r / 16; }
+  int count(int h) const { return (h * r % 16 + r + 15) / 16; }
+  __mmask16 mask(int v) const { return v < row_vectors - 1 ? static_cast<__mmask16>(0xffff) : v == row_vectors - 1 ? last : 0; }
+};
+
 struct ResidualRows {
-  const uint8_t* qb = nullptr;  // the group's first prepared qb
+  const uint8_t* qb = nullptr;  // the group's first prepared qb (flat: head 0's position vectors)
   size_t qb_stride = 0;         // bytes between heads' qb
   int blocks = 0;               // r / 32 per head
   size_t head_bytes = 0;        // bytes per head segment
-  const uint8_t* const* rows = nullptr;
-  __mmask16 tail0 = 0, tail1 = 0;  // f32/bf16, r % 32 != 0: the last group's values 0-15, 16-31
+  const uint8_t* const* rows = nullptr;  // flat: at head 0
+  const FlatLatents* flat = nullptr;
+  int head = 0;                 // flat: the group's first head
 };
 
-// kTail: the residual ends in a masked group (a separate instantiation, so that the code of r % 32
+// kFlat: latents of r % 32 != 0, as flat rows (a separate instantiation, so that the code of r % 32
 // == 0 stays as it was).
-template <class R, int GB, int TB, bool kTail = false>
+template <class R, int GB, int TB, bool kFlat = false>
 KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const* rows, float* s,
                             const ResidualRows* res = nullptr) {
   static_assert(GB * TB == 16, "score_block reduces 16 accumulators");
@@ -194,7 +206,18 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
         acc[g * TB + t] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), kb, acc[g * TB + t]);
       }
     }
-  if (res) {
+  if constexpr (kFlat) {  // k-th vector of each head's segment (zero position vectors past its count)
+    const FlatLatents& fl = *res->flat;
+    const size_t hv = static_cast<size_t>(FlatLatents::head_vectors(fl.r)) * 16;
+    const float* qp = reinterpret_cast<const float*>(res->qb) + res->head * hv;
+    for (int k = 0; k < fl.max_count; ++k)
+      for (int g = 0; g < GB; ++g) {
+        const int v = fl.first(res->head + g) + k;
+        const __m512 qv = _mm512_loadu_ps(qp + g * hv + 16 * k);
+        const __mmask16 m = fl.mask(v);
+        for (int t = 0; t < TB; ++t) acc[g * TB + t] = _mm512_fmadd_ps(qv, R::flat(res->rows[t], v, m), acc[g * TB + t]);
+      }
+  } else if (res) {
     for (int j = 0; j < res->blocks; ++j)
       for (int g = 0; g < GB; ++g) {
         const float* qg = reinterpret_cast<const float*>(res->qb + g * res->qb_stride) + 32 * j;
@@ -202,17 +225,6 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
         for (int t = 0; t < TB; ++t) {
           __m512 ka, kb;
           R::val(res->rows[t] + g * res->head_bytes, j, ka, kb);
-          acc[g * TB + t] = _mm512_fmadd_ps(q0, ka, acc[g * TB + t]);
-          acc[g * TB + t] = _mm512_fmadd_ps(q1, kb, acc[g * TB + t]);
-        }
-      }
-    if constexpr (kTail)  // r % 32 != 0: the last group, masked (qb is zero-padded past r)
-      for (int g = 0; g < GB; ++g) {
-        const float* qg = reinterpret_cast<const float*>(res->qb + g * res->qb_stride) + 32 * res->blocks;
-        const __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16);
-        for (int t = 0; t < TB; ++t) {
-          __m512 ka, kb;
-          R::tail(res->rows[t] + g * res->head_bytes, res->blocks, res->tail0, res->tail1, ka, kb);
           acc[g * TB + t] = _mm512_fmadd_ps(q0, ka, acc[g * TB + t]);
           acc[g * TB + t] = _mm512_fmadd_ps(q1, kb, acc[g * TB + t]);
         }
@@ -225,9 +237,9 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
 }
 
 template <class R, int GB, int TB>
-KVX_INLINE void score_block_tail(bool tail, const float* q, int d, int nj, const uint8_t* const* rows, float* s,
+KVX_INLINE void score_block_flat(bool flat, const float* q, int d, int nj, const uint8_t* const* rows, float* s,
                                  const ResidualRows* res) {
-  if (tail)
+  if (flat)
     score_block<R, GB, TB, true>(q, d, nj, rows, s, res);
   else
     score_block<R, GB, TB>(q, d, nj, rows, s, res);
@@ -671,45 +683,23 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
     for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * r + 32 * jr0 + 16 * i, a[g][i]);
 }
 
-// f32/bf16 latents of r % 32 != 0: their last group j, masked (m0: values 0-15, m1: 16-31), into
-// acc_r without touching the next head's accumulators.
-template <class R, int GB>
-KVX_INLINE void residual_tail_pass(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg,
-                                   float* acc, int r, int j, __mmask16 m0, __mmask16 m1) {
-  __m512 a[GB][2];
-  for (int g = 0; g < GB; ++g) {
-    a[g][0] = _mm512_maskz_loadu_ps(m0, acc + g * r + 32 * j);
-    a[g][1] = _mm512_maskz_loadu_ps(m1, acc + g * r + 32 * j + 16);
-  }
-  for (int t = 0; t < n; ++t)
-    for (int g = 0; g < GB; ++g) {
-      __m512 va, vb;
-      R::tail(v0 + t * rb + g * head_bytes, j, m0, m1, va, vb);
-      const __m512 wv = _mm512_set1_ps(w[g * wg + t]);
-      a[g][0] = _mm512_fmadd_ps(wv, va, a[g][0]);
-      a[g][1] = _mm512_fmadd_ps(wv, vb, a[g][1]);
-    }
-  for (int g = 0; g < GB; ++g) {
-    _mm512_mask_storeu_ps(acc + g * r + 32 * j, m0, a[g][0]);
-    _mm512_mask_storeu_ps(acc + g * r + 32 * j + 16, m1, a[g][1]);
-  }
-}
-
 template <class R, int GB>
 KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg, int blocks,
-                                float* acc, int r, __mmask16 tail0, __mmask16 tail1) {
+                                float* acc, int r) {
   constexpr int JB = GB >= 8 ? 1 : 2;
   int j = 0;
   for (; j + JB <= blocks; j += JB) residual_value_pass<R, GB, JB>(v0, rb, head_bytes, n, w, wg, acc, r, j);
   for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, w, wg, acc, r, j);
-  if constexpr (!R::kQuant)
-    if (tail0) residual_tail_pass<R, GB>(v0, rb, head_bytes, n, w, wg, acc, r, blocks, tail0, tail1);
 }
 
-// Block b of a q8/q4 row's codes: its 32 values in natural order, unscaled.
+// Block b of a latent row: its 32 values in natural order (q8/q4: codes, unscaled; f32/bf16: zeros
+// outside m0 (values 0-15), m1 (16-31), for a row that ends mid-block).
 template <class R>
-KVX_INLINE void latent_block_values(const uint8_t* row, int b, __m512& a, __m512& c) {
-  if constexpr (R::kNibbles) {  // 16 bytes; value 2 j in byte j's low nibble, 2 j + 1 in its high one
+KVX_INLINE void latent_block_values(const uint8_t* row, int b, __m512& a, __m512& c, __mmask16 m0, __mmask16 m1) {
+  if constexpr (!R::kQuant) {
+    a = R::flat(row, 2 * b, m0);
+    c = R::flat(row, 2 * b + 1, m1);
+  } else if constexpr (R::kNibbles) {  // 16 bytes; value 2 j in byte j's low nibble, 2 j + 1 in its high one
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
     const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
     a = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(x, x)), shift), q4_values());
@@ -719,16 +709,24 @@ KVX_INLINE void latent_block_values(const uint8_t* row, int b, __m512& a, __m512
   }
 }
 
-// q8/q4 latents whose blocks straddle heads (r % 32 != 0), values: acc_r (the flat [H][r], i.e.
-// the row's columns) += sum_t p_{head(c)}(t) dv_t,b v_t[c], whole rows in natural order, blocks
+// Latents whose blocks straddle heads (r % 32 != 0), values: acc_r (the flat [H][r], i.e. the
+// row's columns) += sum_t p_{head(c)}(t) dv_t,b v_t[c], whole rows in natural order, blocks
 // b0 .. b0 + B - 1 (2 B accumulators across the rows). A block's lane weights come from the
-// numerators by token (pt) by a permute of the 32 heads from its first one (idx, head0), times
-// the row's block scale (vT: [b][kMaxTile]).
+// numerators by token (pt) by a permute of the 32 heads from its first one (idx, head0), q8/q4
+// times the row's block scale (vT: [b][kMaxTile]). f32/bf16 rows may end mid-block: the lanes of
+// block `blocks - 1` are last0 (values 0-15), last1 (16-31).
 template <class R, int B>
 KVX_INLINE void latent_row_pass(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, const float* vT,
-                                const int32_t* idx, const int32_t* head0, float* acc, int b0) {
+                                const int32_t* idx, const int32_t* head0, float* acc, int b0, int blocks,
+                                __mmask16 last0, __mmask16 last1) {
   __m512 a[2 * B];
-  for (int i = 0; i < 2 * B; ++i) a[i] = _mm512_loadu_ps(acc + 32 * b0 + 16 * i);
+  __mmask16 m[2 * B];
+  for (int i = 0; i < B; ++i) {
+    const bool last = b0 + i == blocks - 1;
+    m[2 * i] = last ? last0 : static_cast<__mmask16>(0xffff);
+    m[2 * i + 1] = last ? last1 : static_cast<__mmask16>(0xffff);
+  }
+  for (int i = 0; i < 2 * B; ++i) a[i] = _mm512_maskz_loadu_ps(m[i], acc + 32 * b0 + 16 * i);
   for (int t = 0; t < n; ++t) {
     const uint8_t* row = v0 + t * rb;
     const float* pth = pt + t * pt_stride;
@@ -736,25 +734,30 @@ KVX_INLINE void latent_row_pass(const uint8_t* v0, size_t rb, int n, const float
       const int b = b0 + i;
       const float* p = pth + head0[b];
       const __m512 p0 = _mm512_loadu_ps(p), p1 = _mm512_loadu_ps(p + 16);
-      const __m512 dv = _mm512_set1_ps(vT[static_cast<size_t>(b) * kMaxTile + t]);
-      const __m512 wa = _mm512_mul_ps(_mm512_permutex2var_ps(p0, _mm512_loadu_si512(idx + 32 * b), p1), dv);
-      const __m512 wb = _mm512_mul_ps(_mm512_permutex2var_ps(p0, _mm512_loadu_si512(idx + 32 * b + 16), p1), dv);
+      __m512 wa = _mm512_permutex2var_ps(p0, _mm512_loadu_si512(idx + 32 * b), p1);
+      __m512 wb = _mm512_permutex2var_ps(p0, _mm512_loadu_si512(idx + 32 * b + 16), p1);
+      if constexpr (R::kQuant) {
+        const __m512 dv = _mm512_set1_ps(vT[static_cast<size_t>(b) * kMaxTile + t]);
+        wa = _mm512_mul_ps(wa, dv);
+        wb = _mm512_mul_ps(wb, dv);
+      }
       __m512 va, vb;
-      latent_block_values<R>(row, b, va, vb);
+      latent_block_values<R>(row, b, va, vb, m[2 * i], m[2 * i + 1]);
       a[2 * i] = _mm512_fmadd_ps(wa, va, a[2 * i]);
       a[2 * i + 1] = _mm512_fmadd_ps(wb, vb, a[2 * i + 1]);
     }
   }
-  for (int i = 0; i < 2 * B; ++i) _mm512_storeu_ps(acc + 32 * b0 + 16 * i, a[i]);
+  for (int i = 0; i < 2 * B; ++i) _mm512_mask_storeu_ps(acc + 32 * b0 + 16 * i, m[i], a[i]);
 }
 
 template <class R>
 KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, const float* vT,
-                                  const int32_t* idx, const int32_t* head0, int blocks, float* acc) {
+                                  const int32_t* idx, const int32_t* head0, int blocks, float* acc, __mmask16 last0,
+                                  __mmask16 last1) {
   int b = 0;
-  for (; b + 4 <= blocks; b += 4) latent_row_pass<R, 4>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b);
-  for (; b + 2 <= blocks; b += 2) latent_row_pass<R, 2>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b);
-  for (; b < blocks; ++b) latent_row_pass<R, 1>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b);
+  for (; b + 4 <= blocks; b += 4) latent_row_pass<R, 4>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, blocks, last0, last1);
+  for (; b + 2 <= blocks; b += 2) latent_row_pass<R, 2>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, blocks, last0, last1);
+  for (; b < blocks; ++b) latent_row_pass<R, 1>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, blocks, last0, last1);
 }
 
 // All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
@@ -785,7 +788,7 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
 // Floats per query head in the kernel's layout: d (f32/bf16), or the integer query.
 template <class R>
 KVX_INLINE size_t query_floats(int d) {
-  return R::kQuant ? int_query_floats(d) : static_cast<size_t>(d + 31) / 32 * 32;  // f32/bf16: zero-padded groups
+  return R::kQuant ? int_query_floats(d) : static_cast<size_t>(d);  // d % 32 == 0 (latents of r % 32 != 0: FlatLatents)
 }
 
 // Query heads go in groups of 4, 2, 1 that share each K/V load.
@@ -806,27 +809,28 @@ struct Residual {
 // Scratch (floats): scores G * kRow; the softmax denominators per lane, G * 16; q8/q4 also, per block of the rows (nb of K/V, nbr of the
 // residual's), the tile's K and V scales [block][kMaxTile] and the weights of the values
 // ([g][block][kMaxTile], then the residual's [block][kMaxTile]).
-// q8/q4 latents whose blocks straddle heads (r % 32 != 0) also get: the tile's numerators by token,
-// pt[t * pt_stride + h]; per latent block, the lanes' head offsets from its first head (idx, 32
-// int32) and that head (head0); a block's 32 dequantised columns of 16 rows (cols); the integer query's
-// bias per (block, head) segment (seg_bias, up to 32 / 4 + 2 a block).
+// Latents whose blocks straddle heads (r % 32 != 0; lb blocks of 32 a row) also get: the tile's
+// numerators by token, pt[t * pt_stride + h]; per latent block, the lanes' head offsets from its
+// first head (idx, 32 int32) and that head (head0); q8/q4 also a block's 32 dequantised columns of
+// 16 rows (cols) and the integer query's bias per (block, head) segment (seg_bias, up to 32 / 4 + 2
+// a block).
 struct Scratch {
   float *s, *l, *kT, *vT, *w, *wr;
   uint8_t* latent_codes;  // LatentQuery::codes, 1 KB
   float *pt, *cols;
   int32_t *idx, *head0, *seg_bias;
   int pt_stride;
-  Scratch(float* base, int G, int nb, int nbr)
+  Scratch(float* base, int G, int nb, int nbr, int lb)
       : s(base), l(s + G * kRow), kT(l + 16 * G), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)),
         wr(w + kMaxTile * G * nb), latent_codes(reinterpret_cast<uint8_t*>(wr + kMaxTile * nbr)),
-        pt(wr + kMaxTile * nbr + (nbr ? 256 : 0)), cols(pt + (nbr ? kMaxTile * pt_floats(G) : 0)),
-        idx(reinterpret_cast<int32_t*>(cols + (nbr ? 32 * 16 : 0))), head0(idx + 32 * nbr), seg_bias(head0 + nbr),
+        pt(wr + kMaxTile * nbr + (nbr ? 256 : 0)), cols(pt + (lb ? kMaxTile * pt_floats(G) : 0)),
+        idx(reinterpret_cast<int32_t*>(cols + (nbr ? 32 * 16 : 0))), head0(idx + 32 * lb), seg_bias(head0 + lb),
         pt_stride(pt_floats(G)) {}
   // a row of pt: room for a 32-float load from any head
   static int pt_floats(int G) { return (G + 15) / 16 * 16 + 32; }
-  static size_t floats(int G, int nb, int nbr) {
+  static size_t floats(int G, int nb, int nbr, int lb) {
     return static_cast<size_t>(G) * (kRow + 16) + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) +
-           (nbr ? 256 + kMaxTile * pt_floats(G) + 32 * 16 + 43 * nbr : 0) + 16;
+           (nbr ? 256 + 32 * 16 + 10 * nbr : 0) + (lb ? kMaxTile * pt_floats(G) + 33 * lb : 0) + 16;
   }
 };
 
@@ -835,7 +839,8 @@ struct Scratch {
 KVX_INLINE bool latent_words(KVType type, int r) { return r % (type == KVType::Q4 ? 8 : 4) == 0; }
 
 // Float scores of the GB queries at q (d floats apart) against rows kb, TB at a time, into
-// s[g * kRow + t]; with LRKV's residual (rows0: row 0's latent of head h0, head_bytes apart).
+// s[g * kRow + t]; with LRKV's residual (rows0: row 0's latent of head h0, head_bytes apart; flat:
+// row 0 at head 0, and qb head 0's position vectors).
 struct ResidualTile {
   const uint8_t* qb;     // prepared qb of head h0
   size_t qb_stride;      // bytes between heads
@@ -843,7 +848,8 @@ struct ResidualTile {
   size_t head_bytes;     // bytes per head segment
   const uint8_t* rows0;  // row 0's latents, head h0's segment
   size_t rb;
-  __mmask16 tail0, tail1;  // as ResidualRows
+  const FlatLatents* flat;  // r % 32 != 0
+  int h0;
 };
 
 template <class R>
@@ -860,15 +866,15 @@ KVX_INLINE void scores_for(const float* q, int gb, int d, const uint8_t* kb, siz
       rows[i] = kb + t * rb;
       if (rt) rrows[i] = rt->rows0 + t * rt->rb;
     }
-    if (rt) res = {rt->qb, rt->qb_stride, rt->blocks, rt->head_bytes, rrows, rt->tail0, rt->tail1};
+    if (rt) res = {rt->qb, rt->qb_stride, rt->blocks, rt->head_bytes, rrows, rt->flat, rt->h0};
     const ResidualRows* rp = rt ? &res : nullptr;
     if (pf) pf->range(t0 * rb, imin(t0 + TB, n) * rb);
     float* sg = s + t0;
-    const bool tail = rt && rt->tail0;
+    const bool flat = rt && rt->flat;
     switch (gb) {
-      case 4: score_block_tail<R, 4, 4>(tail, q, d, nj, rows, sg, rp); break;
-      case 2: score_block_tail<R, 2, 8>(tail, q, d, nj, rows, sg, rp); break;
-      default: score_block_tail<R, 1, 16>(tail, q, d, nj, rows, sg, rp); break;
+      case 4: score_block_flat<R, 4, 4>(flat, q, d, nj, rows, sg, rp); break;
+      case 2: score_block_flat<R, 2, 8>(flat, q, d, nj, rows, sg, rp); break;
+      default: score_block_flat<R, 1, 16>(flat, q, d, nj, rows, sg, rp); break;
     }
   }
 }
@@ -905,18 +911,26 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const size_t rb = kv.row_bytes();
   const KVStore* rst = kLrkv ? res.store : nullptr;
   const int r = rst ? res.r : 0, rblocks = r / 32;  // latent blocks (whole groups) per head
-  // f32/bf16 latents of r % 32 != 0 end in a masked group: its values 0-15 and 16-31.
-  const int rtail = r % 32;
-  const __mmask16 tail0 = rtail >= 16 ? 0xffff : static_cast<__mmask16>((1u << rtail) - 1);
-  const __mmask16 tail1 = rtail > 16 ? static_cast<__mmask16>((1u << (rtail - 16)) - 1) : 0;
-  const int nbr = rst && R::kQuant ? G * r / 32 : 0;  // latent blocks per row (G r % 32 == 0: lrkv.cpp)
-  // q8/q4 latents of r % 32 != 0: blocks straddle heads, scored per head segment (latent_word_scores where
-  // segments are whole words, else latent_column_scores), values by whole rows (latent_row_values)
-  const bool latent_straddle = R::kQuant && rst && r % 32 != 0;
-  const bool latent_int = latent_straddle && latent_words(kv.type(), r);
+  const int nbr = rst && R::kQuant ? G * r / 32 : 0;  // q8/q4 latent blocks per row (G r % 32 == 0: lrkv.cpp)
+  // Latents of r % 32 != 0: blocks straddle heads. Values by whole rows (latent_row_values) of lb
+  // blocks; q8/q4 scored per head segment (latent_word_scores where segments are whole words, else
+  // latent_column_scores), f32/bf16 as flat rows (FlatLatents), which may end mid-block.
+  const bool latent_straddle = rst && r % 32 != 0;
+  const bool latent_int = R::kQuant && latent_straddle && latent_words(kv.type(), r);
+  const int lb = latent_straddle ? (G * r + 31) / 32 : 0;
+  const int rem = G * r % 32;  // values in a partial last block (f32/bf16)
+  const __mmask16 last0 = rem == 0 || rem >= 16 ? 0xffff : static_cast<__mmask16>((1u << rem) - 1);
+  const __mmask16 last1 = rem == 0 ? 0xffff : rem > 16 ? static_cast<__mmask16>((1u << (rem - 16)) - 1) : 0;
+  FlatLatents flat;
+  if (!R::kQuant && latent_straddle) {
+    flat.r = r;
+    flat.row_vectors = (G * r + 15) / 16;
+    flat.last = G * r % 16 ? static_cast<__mmask16>((1u << (G * r % 16)) - 1) : static_cast<__mmask16>(0xffff);
+    for (int h = 0; h < G; ++h) flat.max_count = flat.count(h) > flat.max_count ? flat.count(h) : flat.max_count;
+  }
   const size_t rrb = rst ? rst->row_bytes() : 0;
   const int tile = rst ? (rb + rrb < 1024 ? 32 : 16) : tile_rows(rb);  // LRKV: K and V tiles of both stores within ~40 KB
-  const Scratch sc(scratch, G, nb, nbr);
+  const Scratch sc(scratch, G, nb, nbr, lb);
   // Also prefetch to L2 the tile 3 ahead, for the f32/bf16 caches with several query heads per
   // row (GQA, LRKV) and q8 LRKV: measured 2-10% faster, where MHA and q8/q4 GQA and q4 LRKV,
   // whose compute hides the latency, ran 4-8% slower with it.
@@ -942,7 +956,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const size_t qbytes = query_floats<R>(d) * sizeof(float), qb_bytes = res.qstride * sizeof(float);
   if (latent_int) latent_segment_biases<R>(reinterpret_cast<const uint8_t*>(res.qb), nbr, r, sc.seg_bias);
   if (latent_straddle)
-    for (int b = 0; b < nbr; ++b) {
+    for (int b = 0; b < lb; ++b) {
       sc.head0[b] = 32 * b / r;
       for (int i = 0; i < 32; ++i) sc.idx[32 * b + i] = (32 * b + i) / r - sc.head0[b];
     }
@@ -1036,8 +1050,9 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         gb = group_size(G - g0);
         ResidualTile rt{};
         if (rst) {
-          rt = {reinterpret_cast<const uint8_t*>(res.qb + g0 * res.qstride), qb_bytes, rblocks, latent_bytes,
-                rkb + g0 * latent_bytes, rrb, tail0, tail1};
+          rt = latent_straddle ? ResidualTile{reinterpret_cast<const uint8_t*>(res.qb), 0, 0, 0, rkb, rrb, &flat, g0}
+                               : ResidualTile{reinterpret_cast<const uint8_t*>(res.qb + g0 * res.qstride), qb_bytes, rblocks,
+                                              latent_bytes, rkb + g0 * latent_bytes, rrb, nullptr, g0};
           rkpf.range(rtile * g0 / G, rtile * (g0 + gb) / G);
         }
         scores_for<R>(q + g0 * d, gb, d, kb, rb, n, sc.s + g0 * kRow, g0 == 0 ? &kpf : nullptr, rst ? &rt : nullptr);
@@ -1108,7 +1123,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           for (int t = 0; t < 16 && t0 + t < n; ++t) _mm512_storeu_ps(sc.pt + (t0 + t) * sc.pt_stride + h0, x[t]);
         }
       rvpf.range(0, rtile);
-      latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, nbr, acc_r);
+      latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, last0,
+                           last1);
     } else if (rst) {  // + a_h R_h^V, heads in groups of up to 4
       const float* wr = R::kQuant ? sc.wr : sc.s;
       const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
@@ -1120,10 +1136,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         const float* wh = wr + h0 * wrg;
         float* ar = acc_r + static_cast<size_t>(h0) * r;
         switch (gb) {
-          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, tail0, tail1); break;
-          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, tail0, tail1); break;
-          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, tail0, tail1); break;
-          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, tail0, tail1); break;
+          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
+          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
+          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
+          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
         }
       }
     }
@@ -1170,10 +1186,6 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
       for (int i = 0; i < d; i += 32) {
         const float* x = q + static_cast<size_t>(h) * d + i;
         float* y = qs + h * stride + i;
-        if (d - i < 32) {  // a last partial group (LRKV's qb): natural order, zeros past d
-          for (int j = 0; j < 32; ++j) y[j] = j < d - i ? x[j] * scale : 0.0f;
-          continue;
-        }
         for (int j = 0; j < 16; ++j) {
           y[j] = (perm ? x[2 * j] : x[j]) * scale;
           y[16 + j] = (perm ? x[2 * j + 1] : x[16 + j]) * scale;
@@ -1186,23 +1198,33 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
 
 size_t avx512_latent_query_floats(int heads, int r, KVType type) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
-  if (!quant || r % 32 == 0) return heads * avx512_query_floats(r, type);
+  if (r % 32 == 0) return heads * avx512_query_floats(r, type);
+  if (!quant) return static_cast<size_t>(heads) * FlatLatents::head_vectors(r) * 16;
   return latent_words(type, r) ? int_query_floats(heads * r) : static_cast<size_t>(heads) * r;
 }
 
 void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
-  if (!quant || r % 32 == 0)
+  if (r % 32 == 0) {
     avx512_prepare_queries(qb, heads, r, scale, type, qbs);
-  else if (latent_words(type, r))  // latent_word_scores: the flat [H][r] as one integer query
+  } else if (!quant) {  // FlatLatents: per head, its scaled qb at its segment's lanes of the flat row's vectors
+    const int hv = FlatLatents::head_vectors(r);
+    for (int h = 0; h < heads; ++h) {
+      float* y = qbs + static_cast<size_t>(h) * hv * 16;
+      const int off = h * r % 16;  // the segment's first lane in its first vector
+      for (int i = 0; i < hv * 16; ++i) y[i] = i >= off && i < off + r ? qb[static_cast<size_t>(h) * r + i - off] * scale : 0.0f;
+    }
+  } else if (latent_words(type, r)) {  // latent_word_scores: the flat [H][r] as one integer query
     prepare_int_queries(qb, 1, heads * r, scale, type, qbs);
-  else  // latent_column_scores: qb as the reference rounds it
+  } else {  // latent_column_scores: qb as the reference rounds it
     round_query_blocks(qb, heads * r, scale, qbs);
+  }
 }
 
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
-  return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0);
+  const int latent_blocks = (residual_width + 31) / 32;  // the most a straddling row has
+  return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks);
 }
 
 void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
@@ -1215,7 +1237,7 @@ void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const Decod
   }
   auto run = [&](auto tag) {
     using R = decltype(tag);
-    res.qstride = residual ? query_floats<R>(res.r) : 0;
+    res.qstride = residual && res.r % 32 == 0 ? query_floats<R>(res.r) : 0;  // per head (FlatLatents: unused)
     for (int p = p0; p < p1; ++p) run_piece<R, true>(shared, pieces[p], qs, H, parts + p * part_size, scratch, res);
   };
   switch (shared.type()) {

@@ -62,14 +62,15 @@ void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodeP
 bool avx512_usable();
 // Scaled queries in its layout, avx512_query_floats(d, type) floats per head: f32 [d]; bf16 as
 // (even | odd) positions per 32 values; q8/q4 quantised to int8 blocks (integer dot products).
-// f32/bf16 widths that are not multiples of 32 (LRKV's qb) end in a group of natural order,
-// zero-padded to 32.
+// d % 32 == 0.
 size_t avx512_query_floats(int d, KVType type);
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs);
 // LRKV's qb in the layout avx512_run_lrkv reads: per head as avx512_prepare_queries, except for
-// q8/q4 latents of r % 32 != 0 (blocks straddle heads): the flat [heads][r] as one integer query
-// (prepare_int_queries) where each head's part of a block is whole row words (q8: r % 4 == 0,
-// q4: r % 8 == 0), else rounded as the reference does (round_query_blocks), read as floats.
+// latents of r % 32 != 0 (blocks straddle heads). f32/bf16: per head, (r + 30) / 16 position
+// vectors (its scaled qb at its segment's lanes of the flat row's 16-value vectors, zeros
+// elsewhere). q8/q4: the flat [heads][r] as one integer query (prepare_int_queries) where each
+// head's part of a block is whole row words (q8: r % 4 == 0, q4: r % 8 == 0), else rounded as the
+// reference does (round_query_blocks), read as floats.
 size_t avx512_latent_query_floats(int heads, int r, KVType type);
 void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs);
 // Scratch floats one split needs (residual_width: LRKV's H r, else 0).
