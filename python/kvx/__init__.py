@@ -140,7 +140,8 @@ class Model:
         """What `kvx eval --json` reports: cross-entropy, perplexity, bits/byte, the unigram baseline
         (each window starts with the tokenizer's leading special tokens, `window_prefix`: an imported
         Llama 3's BOS; none for a kvx tokenizer); through a decode cache (kv_cache/evict/lla/share_kv_layers) CE and KL vs f32; MQAR accuracy;
-        or a Nectar document module's report."""
+        or a Nectar document module's report (with document_module, the other options stay at their defaults;
+        document without document_module is an error)."""
         r = _kvx.EvalRequest()
         r.split, r.seq_len, r.max_windows, r.batch = split, seq_len, max_windows, batch
         r.sources = ",".join(_names(sources))

@@ -24,7 +24,7 @@ int parse_int(const std::string& spec, const std::string& key, const std::string
 
 AttentionShape AttentionShape::parse(const std::string& spec) {
   const std::string usage =
-      "; write kind:key=value,... with kind mha|gqa|mqa|lrkv|mla|gdn|natsl and keys H, Hkv, d_h, d, r, rope, d_c, d_R, "
+      "; write kind:key=value,... with kind mha|gqa|mqa|dense|lrkv|mla|gdn|natsl and keys H, Hkv, d_h, d, r, rope, d_c, d_R, "
       "d_v, conv, HA, f, C (e.g. lrkv:H=18,r=55,d_h=128 or natsl:H=6,HA=18,d_h=128,d_v=128,f=0.25)";
   AttentionShape s;
   const auto colon = spec.find(':');

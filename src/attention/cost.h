@@ -40,7 +40,7 @@ struct AttentionShape {
 
   // "kind:key=value,...": keys H, Hkv, d_h, d, r, rope, d_c, d_R, d_v, conv, HA, f, C; e.g.
   // "lrkv:H=18,r=55,d_h=128,d=2304", "mla:H=6,d_h=128,d_c=384,d_R=0", "gqa:H=32,Hkv=8,d_h=128"
-  // (mha / gqa / mqa are dense), "gdn:H=6,d_h=128,d_v=256", "natsl:H=6,HA=18,d_h=128,d_v=128,f=0.25".
+  // (mha / gqa / mqa / dense are dense), "gdn:H=6,d_h=128,d_v=256", "natsl:H=6,HA=18,d_h=128,d_v=128,f=0.25".
   static AttentionShape parse(const std::string& spec);
   static AttentionShape of_layer(const model::ModelConfig& config, const std::string& kind);
   void validate() const;         // throws kvx::Error naming the bad field

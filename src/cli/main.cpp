@@ -66,6 +66,24 @@ std::vector<std::string> nonempty_list(const std::string& option, const std::str
   return items;
 }
 
+// A check for a whole-number option: at least `least`, the message saying why (CLI11 runs it only on
+// a value given, so a default standing for "not given", such as --steps 0, passes).
+CLI::Validator at_least(long long least, const std::string& why) {
+  return CLI::Validator(
+      [least, why](std::string& value) {
+        size_t used = 0;
+        long long v = 0;
+        try {
+          v = std::stoll(value, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (!value.empty() && used == value.size() && v >= least) return std::string();
+        return "must be a whole number >= " + std::to_string(least) + " (" + why + "), got '" + value + "'";
+      },
+      ">=" + std::to_string(least));
+}
+
 std::string data_dir_or_default(const std::string& d) { return d.empty() ? text::default_data_dir() : d; }
 
 // --- kvx data fetch ---------------------------------------------------------------------------
@@ -96,7 +114,7 @@ void cmd_data_fetch(const FetchArgs& a) {
 struct TrainCliArgs {
   std::string config, preset, out, data_dir, init_from;
   bool resume = false, print_config = false;
-  int steps = 0;
+  int steps = 0;  // 0: not given (the config's train.steps); a given value is checked >= 1
   // Data-parallel: --nproc N local workers, or one worker of a multi-machine run.
   int nproc = 1, world_size = 0, rank = 0, master_port = -1;
   std::string master_addr = "127.0.0.1";
@@ -425,7 +443,10 @@ void cmd_cost(const std::string& config_path, const std::vector<std::string>& sh
     else if (std::filesystem::is_directory(config_path))
       throw Error("cost --config: '" + config_path + "' is a directory with neither config.json (a model) nor LATEST (a run); "
                   "give a config file or a model or run directory");
-    const auto config = model::ModelConfig::from_json(io::parse_json_file(file));
+    const auto parsed = io::parse_json_file(file);
+    // a run config (kvx train --config / --print-config) holds its model config under "model"
+    const bool run_config = parsed.is_object() && parsed.contains("model") && parsed["model"].is_object();
+    const auto config = model::ModelConfig::from_json(run_config ? parsed["model"] : parsed);
     const auto kinds = config.layer_kinds();
     double elements = 0, mha = 0;
     std::map<std::string, int> count;
@@ -549,7 +570,8 @@ int main(int argc, char** argv) {
   std::string tok_out, tok_data, tok_sources = "brown,kjv";
   int tok_vocab = 4096;
   auto* tok_train = tokenizer->add_subcommand("train", "train a BPE on the corpora's training split and save tokenizer.json");
-  tok_train->add_option("--vocab", tok_vocab, "vocabulary size including the 256 bytes (default 4096)");
+  tok_train->add_option("--vocab", tok_vocab, "vocabulary size including the 256 bytes (default 4096)")
+      ->check(at_least(256, "the byte alphabet alone takes 256 ids"));
   tok_train->add_option("--out", tok_out, "output tokenizer.json path")->required();
   tok_train->add_option("--data-dir", tok_data, "data directory");
   tok_train->add_option("--sources", tok_sources, "comma-separated corpora (default brown,kjv)");
@@ -560,13 +582,15 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--preset", tr.preset, "built-in run config: tiny (default when --config is absent)");
   train_cmd->add_option("--out", tr.out, "run directory (default runs/<name>)");
   train_cmd->add_option("--data-dir", tr.data_dir, "data directory");
-  train_cmd->add_option("--steps", tr.steps, "override train.steps");
+  train_cmd->add_option("--steps", tr.steps, "override train.steps")->check(at_least(1, "training steps"));
   train_cmd->add_flag("--resume", tr.resume, "continue from the run directory's latest checkpoint");
   train_cmd->add_option("--init-from", tr.init_from, "fine-tune: start from this model directory's weights (same model config)");
   train_cmd->add_flag("--print-config", tr.print_config, "print the resolved run config as JSON and exit");
-  train_cmd->add_option("--nproc", tr.nproc, "data-parallel workers on this machine (Gloo; train.batch_size is per worker)");
-  train_cmd->add_option("--world-size", tr.world_size, "multi-machine data parallelism: total workers (with --rank)");
-  train_cmd->add_option("--rank", tr.rank, "this worker's rank in [0, world size)");
+  train_cmd->add_option("--nproc", tr.nproc, "data-parallel workers on this machine (Gloo; train.batch_size is per worker)")
+      ->check(at_least(1, "workers on this machine; 1: no data parallelism"));
+  auto* world_size_opt = train_cmd->add_option("--world-size", tr.world_size, "multi-machine data parallelism: total workers (with --rank)")
+                             ->check(at_least(1, "workers across all machines"));
+  train_cmd->add_option("--rank", tr.rank, "this worker's rank in [0, world size) (with --world-size)")->needs(world_size_opt);
   train_cmd->add_option("--master-addr", tr.master_addr, "rank 0's address for the rendezvous (default 127.0.0.1)");
   train_cmd->add_option("--master-port", tr.master_port, "rendezvous port (default: a free one with --nproc, 29500 otherwise)");
   train_cmd->add_option("--timeout", tr.timeout, "seconds to wait for another worker before failing (default 300)");
@@ -595,6 +619,7 @@ int main(int argc, char** argv) {
   eval_cmd->add_option("--sources", ev.sources, "comma-separated corpora (default brown,kjv)");
   eval_cmd->add_option("--seq-len", ev.seq_len, "window length (default: the model's context)");
   eval_cmd->add_option("--max-windows", ev.max_windows, "evaluate at most this many windows (default all)");
+  eval_cmd->add_option("--batch", ev.batch, "windows per forward pass (default 8)")->check(at_least(1, "windows per forward pass"));
   eval_cmd->add_flag("--json", ev.json, "print JSON");
   eval_cmd->add_option("--kv-cache", ev.kv_cache, "also evaluate through a decode cache of this type: f32 | bf16 | q8 | q4 (CE, KL vs f32)");
   eval_cmd->add_option("--evict", ev.evict, "with sink + window eviction, e.g. sink=4,window=60");
@@ -605,6 +630,8 @@ int main(int argc, char** argv) {
   eval_cmd->add_option("--document-module", ev.document_module, "evaluate a Nectar module (kvx fit nectar) on its held-out and challenge query splits instead: KL, token-accuracy gap, alpha/A MSE");
   eval_cmd->add_option("--document", ev.document, "with --document-module: the document file (default: the path recorded at fitting; must be the same text)");
   eval_cmd->add_option("--mqar-symbols", ev.mqar_symbols, "distinct MQAR keys/values as in training (default 0 = vocab/4)");
+  eval_cmd->add_option("--mqar-sequences", ev.mqar_sequences, "MQAR sequences per pair count (default 64)")
+      ->check(at_least(1, "sequences per pair count"));
 
   auto* bench = app.add_subcommand("bench", "benchmarks measured against this machine's own reference");
   bench->require_subcommand(1);
@@ -614,11 +641,13 @@ int main(int argc, char** argv) {
   std::string bench_data;
   auto* bench_train = bench->add_subcommand("train", "training tokens/s and GFLOP/s vs this machine's sgemm GFLOP/s");
   bench_train->add_option("--preset", bench_preset, "run config preset (default tiny)");
-  bench_train->add_option("--steps", bench_steps, "timed steps (default 10)");
-  bench_train->add_option("--nproc", bench_nproc, "also time N data-parallel workers (Gloo) and the all-reduce's share");
+  bench_train->add_option("--steps", bench_steps, "timed steps (default 10)")->check(at_least(1, "timed steps"));
+  bench_train->add_option("--nproc", bench_nproc, "also time N data-parallel workers (Gloo) and the all-reduce's share")
+      ->check(at_least(1, "workers; 1: one process only"));
   bench_train->add_flag("--json", bench_json, "print JSON");
   auto* bench_tok = bench->add_subcommand("tokenizer", "BPE training and encoding MB/s on the Brown corpus");
-  bench_tok->add_option("--vocab", bench_vocab, "vocabulary size (default 4096)");
+  bench_tok->add_option("--vocab", bench_vocab, "vocabulary size (default 4096)")
+      ->check(at_least(256, "the byte alphabet alone takes 256 ids"));
   bench_tok->add_option("--data-dir", bench_data, "data directory");
   bench_tok->add_flag("--json", bench_json, "print JSON");
 
@@ -666,7 +695,7 @@ int main(int argc, char** argv) {
   auto* convert_lrkv = convert_cmd->add_subcommand("lrkv", "dense (MHA/GQA) -> LRKV: shared K/V = head mean, residuals by truncated SVD; CE before, after, after healing");
   convert_lrkv->add_option("--from", convert_run.from, "model or run directory of a trained dense model")->required();
   convert_lrkv->add_option("--rank", convert_run.conversion.rank, "residual rank r (0..head_dim)")->required();
-  convert_lrkv->add_option("--rope", convert_run.conversion.rope, "RoPE mode: expand (exact at full rank) | shared_rope | pair_aligned");
+  convert_lrkv->add_option("--rope", convert_run.conversion.rope, "RoPE mode: expand (default; exact at full rank; decodes through the libtorch f32 cache only) | shared_rope | pair_aligned");
   convert_lrkv->add_option("--out", convert_run.out, "output directory (converted/, heal/, report.json)")->required();
   convert_lrkv->add_option("--heal-steps", convert_run.heal_steps, "fine-tuning steps after conversion (default 200; 0: none)");
   convert_lrkv->add_option("--heal-lr", convert_run.heal_lr, "fine-tuning peak learning rate (default 3e-4)");
@@ -713,7 +742,7 @@ int main(int argc, char** argv) {
   fit_nectar->add_option("--queries", nectar_run.queries.count, "self-study queries made from the document by the model (default 400)");
   fit_nectar->add_option("--query-length", nectar_run.queries.length, "tokens per query (default 48)");
   fit_nectar->add_option("--seed", nectar_run.queries.seed, "query and batch seed (default 1)");
-  fit_nectar->add_option("--out", nectar_run.out, "module directory (default <model>/nectar)");
+  fit_nectar->add_option("--out", nectar_run.out, "module directory (default: next to the model, <model>/nectar-<document stem>-<arch>-<rho>)");
   fit_nectar->add_flag("--json", bench_json, "print the report as JSON");
   fit_cmd->require_subcommand(1);
 
@@ -721,8 +750,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> cost_shapes;
   bool cost_seed = false;
   auto* cost_cmd = app.add_subcommand("cost", "KV cache elements/bytes per token and K/V parameters per attention family, vs MHA");
-  cost_cmd->add_option("--config", cost_config, "a model's config.json, model directory or run directory: per layer kind and in total");
-  cost_cmd->add_option("--shape", cost_shapes, "a named shape, repeatable: mha|gqa|mqa|lrkv|mla:key=value,... (keys H, Hkv, d_h, d, r, rope, d_c, d_R)");
+  cost_cmd->add_option("--config", cost_config, "a model's config.json, a run config (kvx train --config), a model directory or a run directory: per layer kind and in total");
+  cost_cmd->add_option("--shape", cost_shapes, "a named shape, repeatable: kind:key=value,... with kind mha|gqa|mqa|dense|lrkv|mla|gdn|natsl and keys H, Hkv, d_h, d, "
+                     "r, rope, d_c, d_R, d_v, conv, HA, f, C (e.g. lrkv:H=18,r=55,d_h=128 or natsl:H=6,HA=18,d_h=128,d_v=128,f=0.25)");
   cost_cmd->add_flag("--seed-tables", cost_seed, "the LRKV seed's cache table and rank sweep, and its MLA rows (the default with no other input)");
   cost_cmd->add_flag("--json", bench_json, "print JSON rows");
 
@@ -736,7 +766,7 @@ int main(int argc, char** argv) {
   compare_cmd->add_option("--arms", compare_arms, "comma-separated arms of one experiment to run (default all; the arms they derive from are added)");
 
   std::string demo_out = "runs/compare", demo_data;
-  auto* demo = app.add_subcommand("demo", "the main job: data, the tiny preset of every comparison experiment, a sample");
+  auto* demo = app.add_subcommand("demo", "the main job: data, every comparison experiment at its tiny preset on a subset of arms (kvx compare runs them all), a sample");
   demo->add_option("--out", demo_out, "output directory (default runs/compare)");
   demo->add_option("--data-dir", demo_data, "data directory");
 
@@ -917,6 +947,9 @@ int main(int argc, char** argv) {
         nectar_run.content_weight = parse_number(w[1], "--loss-weights");
         nectar_run.kl_weight = parse_number(w[2], "--loss-weights");
       }
+      if (nectar_run.out.empty())  // next to the model it serves, named by what was fitted
+        nectar_run.out = nectar_run.model + "/nectar-" + std::filesystem::path(nectar_run.document).stem().string() + "-" +
+                         nectar_run.arch.kind + "-" + format_number(nectar_run.rho);
       const auto report = compress::fit_nectar_run(nectar_run);
       if (bench_json) {
         std::cout << report.dump(2) << "\n";

@@ -472,6 +472,9 @@ NectarQuality evaluate_document_module(model::Transformer& model, const Document
 // ---- fitting ------------------------------------------------------------------------------------------
 
 nlohmann::json fit_nectar_run(const FitNectarRun& run) {
+  // The CLI names a default next to the model (as fit lla does); never inside the resolved
+  // checkpoint, which later training prunes.
+  if (run.out.empty()) throw Error("fit nectar: give an output directory (--out)");
   const auto t_start = std::chrono::steady_clock::now();
   const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(); };
   auto loaded = train::load_model(run.model);
@@ -503,7 +506,7 @@ nlohmann::json fit_nectar_run(const FitNectarRun& run) {
   for (const double budget : layer_budgets(run.rho, n, c.head_dim, c.num_hidden_layers, run.layer_multipliers))
     config.sizes.push_back(mlp ? attention::NectarMlp::width_for_budget(run.arch, c.head_dim, budget)
                                : attention::NectarQuadrature::pairs_for_budget(c.head_dim, budget));
-  const std::string out = run.out.empty() ? loaded.dir + "/nectar" : run.out;
+  const std::string& out = run.out;
   io::check_output_dir(out, 1e6, "kvx fit nectar");
   if (run.verbose) {
     std::fprintf(stderr, "fit nectar: document %s, %lld tokens (%.2f MiB of f32 KV); %s, rho %.3g\n", run.document.c_str(),

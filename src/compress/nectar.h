@@ -129,7 +129,7 @@ NectarQuality evaluate_document_module(model::Transformer& model, const Document
 
 // `kvx fit nectar`.
 struct FitNectarRun {
-  std::string model, document, out;
+  std::string model, document, out;  // out: the module directory (required; the CLI defaults it next to the model)
   attention::NectarArch arch;
   double rho = 0.02;
   std::vector<double> layer_multipliers;

@@ -36,6 +36,39 @@ void check_cache_flags(const train::LoadedModel& m, int share_kv_layers, const s
   if (lla_absorbed && lla.empty()) throw Error("--lla-absorbed reads an LLA codec's history; give the codec with --lla DIR");
 }
 
+// A document module is evaluated on its own query splits, not on text windows, so the options that
+// shape the text evaluation would be ignored with it: naming one is an error, as is --document
+// (read only with a module) alone. Options left at EvalRequest's defaults pass.
+void check_document_module_flags(const EvalRequest& r) {
+  if (r.document_module.empty()) {
+    if (!r.document.empty())
+      throw Error("--document is the text of a Nectar module; give the module with --document-module DIR, or drop --document");
+    return;
+  }
+  const EvalRequest defaults;
+  std::vector<std::string> ignored;
+  if (text::parse_split(r.split) != text::parse_split(defaults.split)) ignored.push_back("--split");
+  if (r.data_dir != defaults.data_dir) ignored.push_back("--data-dir");
+  if (r.sources != defaults.sources) ignored.push_back("--sources");
+  if (r.seq_len != defaults.seq_len) ignored.push_back("--seq-len");
+  if (r.max_windows != defaults.max_windows) ignored.push_back("--max-windows");
+  if (r.batch != defaults.batch) ignored.push_back("--batch");
+  if (!r.kv_cache.empty()) ignored.push_back("--kv-cache");
+  if (!r.evict.empty()) ignored.push_back("--evict");
+  if (!r.lla.empty()) ignored.push_back("--lla");
+  if (r.lla_absorbed) ignored.push_back("--lla-absorbed");
+  if (r.share_kv_layers != defaults.share_kv_layers) ignored.push_back("--share-kv-layers");
+  if (!r.mqar.empty()) ignored.push_back("--mqar");
+  if (r.mqar_symbols != defaults.mqar_symbols) ignored.push_back("--mqar-symbols");
+  if (r.mqar_sequences != defaults.mqar_sequences) ignored.push_back("--mqar-sequences");
+  if (ignored.empty()) return;
+  std::string names;
+  for (const auto& f : ignored) names += (names.empty() ? "" : ", ") + f;
+  throw Error("--document-module evaluates the module on its own test and challenge queries, so " + names +
+              " would be ignored; drop " + (ignored.size() > 1 ? "them" : "it") +
+              ", or evaluate the model on text without --document-module");
+}
+
 }  // namespace
 
 GenerateOutput generate_text(train::LoadedModel& m, const GenerateRequest& r,
@@ -76,6 +109,7 @@ GenerateOutput generate_text(train::LoadedModel& m, const GenerateRequest& r,
 }
 
 nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
+  check_document_module_flags(r);
   if (!r.document_module.empty()) return compress::evaluate_module_dir(m.model, m.tokenizer, r.document_module, r.document);
   if (r.batch < 1) throw Error("batch must be >= 1 (got " + std::to_string(r.batch) + ")");
   if (r.max_windows < 0) throw Error("max_windows must be >= 0 (0: all windows; got " + std::to_string(r.max_windows) + ")");
@@ -111,7 +145,7 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
                 " keeps every token of the " + std::to_string(seq_len) + "-token windows evaluated, so nothing would be evicted; " +
                 "give sink + window below " + std::to_string(seq_len) + " (or a longer --seq-len)");
   model::require_memory(model::inference_memory(m.model->config(), r.batch, seq_len, seq_len, m.model->kv_bytes_per_token()),
-                        model::available_memory_bytes(), "evaluation", "lower seq_len or batch");
+                        model::available_memory_bytes(), "evaluation", "lower --seq-len or --batch");
   auto tokens = train::load_split_tokens(dir, sources, m.tokenizer, split);
   auto train_tokens = train::load_split_tokens(dir, sources, m.tokenizer, text::Split::Train);
   // Each window starts as the tokenizer starts a sequence (an imported Llama 3: its BOS), as HF

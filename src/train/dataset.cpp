@@ -58,6 +58,9 @@ text::BpeTokenizer load_or_train_tokenizer(const std::string& data_dir, const st
 
 TokenizedText load_split_tokens(const std::string& data_dir, const std::vector<std::string>& sources,
                                 const text::BpeTokenizer& tokenizer, text::Split split) {
+  // Checked before the cache path is built: a misspelled source would read as an empty split.
+  if (sources.empty()) throw Error("no data sources given; name one or more of brown, kjv (e.g. --sources brown,kjv)");
+  for (const auto& s : sources) text::check_source(s, "sources");
   const std::string tag = text::sha256_hex(tokenizer.to_json()).substr(0, 16);
   const std::string path = data_dir + "/tokens/" + join(sources, "+") + "-" + text::split_name(split) + "-" + tag + ".bin";
   static const char kMagic[8] = {'K', 'V', 'X', 'T', 'O', 'K', '1', '\0'};

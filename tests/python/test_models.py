@@ -117,6 +117,10 @@ def test_eval_full_forward_and_decode_cache_agree(micro_model):
         micro_model.eval(seq_len=32, max_windows=1, kv_cache="f32", evict="sink=2,window=30")
     with pytest.raises(kvx.KvxError, match="mqar_sequences must be"):  # an empty MQAR batch crashed the cache
         micro_model.eval(seq_len=32, max_windows=1, kv_cache="q8", mqar=[1], mqar_sequences=0)
+    with pytest.raises(kvx.KvxError, match="unknown data source 'bronw'"):  # read as an empty split before
+        micro_model.eval(seq_len=32, max_windows=1, sources="bronw")
+    with pytest.raises(kvx.KvxError, match="--document is the text of a Nectar module"):
+        micro_model.eval(seq_len=32, max_windows=1, document="doc.txt")
 
 
 def test_hf_export_import_roundtrip(micro_model, tmp_path):
