@@ -76,11 +76,15 @@ NectarArch NectarArch::parse(const std::string& kind, const std::string& depths)
     size_t start = 0;
     while (start <= depths.size()) {
       const size_t comma = std::min(depths.find(',', start), depths.size());
+      const std::string item = depths.substr(start, comma - start);
+      size_t used = 0;
       try {
-        d.push_back(std::stoi(depths.substr(start, comma - start)));
+        d.push_back(std::stoi(item, &used));
       } catch (const std::exception&) {
-        throw Error("--depths '" + depths + "': expected three integers D_b,D_s,D_t, e.g. 1,1,2");
+        used = 0;
       }
+      if (item.empty() || used != item.size())  // "1x" is not 1
+        throw Error("--depths '" + depths + "': expected three integers D_b,D_s,D_t, e.g. 1,1,2");
       start = comma + 1;
     }
     if (d.size() != 3) throw Error("--depths '" + depths + "': expected three integers D_b,D_s,D_t, e.g. 1,1,2");

@@ -579,7 +579,7 @@ int main(int argc, char** argv) {
   TrainCliArgs tr;
   auto* train_cmd = app.add_subcommand("train", "train a model from a run config");
   train_cmd->add_option("--config", tr.config, "run config JSON ({name, model, data, train})");
-  train_cmd->add_option("--preset", tr.preset, "built-in run config: tiny (default when --config is absent)");
+  train_cmd->add_option("--preset", tr.preset, "built-in run config: tiny (default when --config is absent) | tiny-looped");
   train_cmd->add_option("--out", tr.out, "run directory (default runs/<name>)");
   train_cmd->add_option("--data-dir", tr.data_dir, "data directory");
   train_cmd->add_option("--steps", tr.steps, "override train.steps")->check(at_least(1, "training steps"));
@@ -640,7 +640,7 @@ int main(int argc, char** argv) {
   bool bench_json = false;
   std::string bench_data;
   auto* bench_train = bench->add_subcommand("train", "training tokens/s and GFLOP/s vs this machine's sgemm GFLOP/s");
-  bench_train->add_option("--preset", bench_preset, "run config preset (default tiny)");
+  bench_train->add_option("--preset", bench_preset, "run config preset: tiny (default) | tiny-looped");
   bench_train->add_option("--steps", bench_steps, "timed steps (default 10)")->check(at_least(1, "timed steps"));
   bench_train->add_option("--nproc", bench_nproc, "also time N data-parallel workers (Gloo) and the all-reduce's share")
       ->check(at_least(1, "workers; 1: one process only"));
@@ -736,8 +736,8 @@ int main(int argc, char** argv) {
   fit_nectar->add_option("--depths", nectar_depths, "MLP depths D_b,D_s,D_t: shared backbone, score head, target head (default 1,1,2)");
   fit_nectar->add_option("--layer-multipliers", nectar_multipliers, "budget multipliers for contiguous layer groups, e.g. 1,2,5,2 (normalised; default uniform)");
   fit_nectar->add_option("--loss-weights", nectar_weights, "l_alpha,l_A,l_KL (default MLP 0.1,1,0.01; Quadrature 0,1,0.01; pure KL 0,0,1)");
-  fit_nectar->add_option("--steps", nectar_run.steps, "optimisation steps (default 300)");
-  fit_nectar->add_option("--batch", nectar_run.batch, "queries per step (default 16)");
+  fit_nectar->add_option("--steps", nectar_run.steps, "optimisation steps (default 300)")->check(at_least(1, "optimisation steps"));
+  fit_nectar->add_option("--batch", nectar_run.batch, "queries per step (default 16)")->check(at_least(1, "queries per step"));
   fit_nectar->add_option("--lr", nectar_run.lr, "peak learning rate, warmup then cosine (default 3e-3)");
   fit_nectar->add_option("--queries", nectar_run.queries.count, "self-study queries made from the document by the model (default 400)");
   fit_nectar->add_option("--query-length", nectar_run.queries.length, "tokens per query (default 48)");
@@ -759,7 +759,7 @@ int main(int argc, char** argv) {
   auto* compare_cmd = app.add_subcommand("compare", "matched-budget comparison experiments with reports and plots");
   compare_cmd->add_option("experiment", compare_name, "arch | posthoc | decode | doc | all")->required();
   compare_cmd->add_option("--document", compare_document, "doc: this text file as the document instead of the built-in KJV book and Brown section");
-  compare_cmd->add_option("--preset", compare_preset, "tiny | small (default tiny)");
+  compare_cmd->add_option("--preset", compare_preset, "experiment preset (not a train preset): tiny | small (default tiny)");
   compare_cmd->add_option("--out", compare_out, "output directory (default runs/compare; arms cached under <out>/arms)");
   compare_cmd->add_option("--data-dir", compare_data, "data directory");
   std::string compare_arms;

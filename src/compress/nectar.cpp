@@ -475,6 +475,11 @@ nlohmann::json fit_nectar_run(const FitNectarRun& run) {
   // The CLI names a default next to the model (as fit lla does); never inside the resolved
   // checkpoint, which later training prunes.
   if (run.out.empty()) throw Error("fit nectar: give an output directory (--out)");
+  // checked before the minutes of query making and teacher targets
+  if (run.steps < 1 || run.batch < 1)
+    throw Error("fit nectar: --steps and --batch must be >= 1 (got " + std::to_string(run.steps) + ", " + std::to_string(run.batch) + ")");
+  if (!(run.lr > 0) || !std::isfinite(run.lr))
+    throw Error("fit nectar: --lr must be a positive number (got " + std::to_string(run.lr) + ")");
   const auto t_start = std::chrono::steady_clock::now();
   const auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(); };
   auto loaded = train::load_model(run.model);

@@ -103,6 +103,8 @@ TEST(Nectar, BudgetAccountingMatchesTheModules) {
   EXPECT_THROW(NectarQuadrature::pairs_for_budget(64, 100), Error);
   EXPECT_THROW(NectarArch::parse("mlp", "0,0,1"), Error);
   EXPECT_THROW(NectarArch::parse("mlp", "1,x,1"), Error);
+  EXPECT_THROW(NectarArch::parse("mlp", "1x,1,2"), Error);  // not read as 1
+  EXPECT_THROW(NectarArch::parse("mlp", "1,,2"), Error);
   EXPECT_THROW(NectarArch::parse("transformer", ""), Error);
 }
 
