@@ -896,11 +896,14 @@ int main(int argc, char** argv) {
         lla_run.rank_k = static_cast<int>(parse_integer(r[0], "fit lla: --ranks"));
         lla_run.rank_v = static_cast<int>(parse_integer(r[1], "fit lla: --ranks"));
       }
-      if (lla_run.out.empty())  // next to the model it compresses
+      if (lla_run.out.empty()) {  // next to the model it compresses; --budget 4, 4x and 4X name one directory
+        std::string budget = lla_run.budget;
+        if (!budget.empty() && (budget.back() == 'x' || budget.back() == 'X')) budget.pop_back();
         lla_run.out = lla_run.teacher + "/lla-" + lla_run.variant +
                       (lla_run.variant == "final_loop" ? std::string()
-                       : lla_run.budget.empty() ? "-" + std::to_string(lla_run.rank_k) + "-" + std::to_string(lla_run.rank_v)
-                                                : "-" + lla_run.budget);
+                       : budget.empty() ? "-" + std::to_string(lla_run.rank_k) + "-" + std::to_string(lla_run.rank_v)
+                                        : "-" + budget + "x");
+      }
       const auto report = compress::fit_lla_run(lla_run);
       if (bench_json) {
         std::cout << report.dump(2) << "\n";
