@@ -289,10 +289,12 @@ void print_decode_table(const nlohmann::json& rows) {
     }
   for (const auto& r : rows)
     if (r.contains("fma_peak_gmacs"))
-      std::printf("multiply-add peak (%s, %d lanes, all threads): %.1f G MAC/s\n", r["isa"].get<std::string>().c_str(),
-                  r["lanes"].get<int>(), r["fma_peak_gmacs"].get<double>());
+      std::printf("multiply-add peak (%s, %d lanes, all threads): %.1f G MAC/s f32, %.1f G MAC/s int8 dot products (q8/q4 scores)\n",
+                  r["isa"].get<std::string>().c_str(), r["lanes"].get<int>(), r["fma_peak_gmacs"].get<double>(),
+                  r["int8_dot_peak_gmacs"].get<double>());
   std::printf("\nattention only, H=16, d_h=128, fastest call with the caches emptied before each; of BW: vs the better\n"
-              "probe either side of that kernel's calls in its round (probe); roofline = max(bytes / probe, multiply-adds / peak)\n");
+              "probe either side of that kernel's calls in its round (probe); roofline = max(bytes / probe, multiply-adds / peak),\n"
+              "q8/q4 scores at the int8 peak; roof/f32, roof/MHA: the speed-up a kernel at this row's roofline would reach\n");
   std::printf("%-6s %-5s %4s %8s %11s %8s %7s %7s %8s %9s %8s %10s %11s\n", "isa", "cache", "hkv", "context", "us/step", "GB/s",
               "probe", "of BW", "bound", "of roof", "vs f32", "roof/f32", "vs libtorch");
   for (const auto& r : rows) {
@@ -309,14 +311,14 @@ void print_decode_table(const nlohmann::json& rows) {
     if (!r.contains("family") || r["family"] != "lrkv") continue;
     if (!lrkv_header)
       std::printf("\nLRKV factored decode, H=16, d_h=128 (K_s, V_s and per-head latents); vs MHA: the dense kernel, same type, timed in the same rounds\n"
-                  "%-6s %-5s %4s %8s %9s %11s %8s %7s %7s %8s %9s %8s %8s\n", "isa", "cache", "r", "context", "cache/MHA", "us/step", "GB/s",
-                  "probe", "of BW", "bound", "of roof", "vs MHA", "target");
+                  "%-6s %-5s %4s %8s %9s %11s %8s %7s %7s %8s %9s %8s %9s %8s\n", "isa", "cache", "r", "context", "cache/MHA", "us/step", "GB/s",
+                  "probe", "of BW", "bound", "of roof", "vs MHA", "roof/MHA", "target");
     lrkv_header = true;
-    std::printf("%-6s %-5s %4d %8lld %8.1f%% %11.1f %8.1f %7.1f %6.0f%% %8s %8.0f%% %8s %8s\n", r["isa"].get<std::string>().c_str(),
+    std::printf("%-6s %-5s %4d %8lld %8.1f%% %11.1f %8.1f %7.1f %6.0f%% %8s %8.0f%% %8s %9s %8s\n", r["isa"].get<std::string>().c_str(),
                 r["cache"].get<std::string>().c_str(), r["rank"].get<int>(), static_cast<long long>(r["context"].get<int64_t>()),
                 100 * r["cache_vs_mha"].get<double>(), r["us_per_step"].get<double>(), r["gbps"].get<double>(), r["probe_gbps"].get<double>(),
                 100 * r["bw_ratio"].get<double>(), r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(),
-                times(r, "speedup_vs_mha").c_str(), times(r, "target_speedup_vs_mha").c_str());
+                times(r, "speedup_vs_mha").c_str(), times(r, "roofline_speedup_vs_mha").c_str(), times(r, "target_speedup_vs_mha").c_str());
   }
   bool gdn_header = false;
   for (const auto& r : rows) {

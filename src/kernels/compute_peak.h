@@ -9,4 +9,9 @@ namespace kvx::kernels {
 // (AVX2) or 16 (AVX-512, where the CPU has it) lanes. Best of passes over about `seconds`.
 double measure_fma_peak_gmacs(int lanes, int threads = 0, double seconds = 0.5);
 
+// The same for int8 dot products, the instructions q8/q4 caches are scored with (unsigned x
+// signed bytes into 32-bit sums): AVX-512 VNNI's vpdpbusd (64 multiply-adds each), or AVX2's
+// vpmaddubsw into 16-bit sums plus an add (32 per pair), as the decode kernels use them.
+double measure_int8_dot_peak_gmacs(int lanes, int threads = 0, double seconds = 0.5);
+
 }  // namespace kvx::kernels

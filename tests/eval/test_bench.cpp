@@ -1,10 +1,10 @@
 // Whole-model decode speed runs for every mixer family and cache kind (random history).
 #include <gtest/gtest.h>
 
-#include <limits>
-
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -111,9 +111,22 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
       if (probe == std::max(probes[i], probes[i + 1])) return true;
     return false;
   };
+  // Roofline: q8 scores count against the int8 dot-product peak, the rest against the f32 one.
+  std::map<std::string, std::pair<double, double>> peaks;  // isa -> f32, int8 G MAC/s
+  for (const auto& r : rows)
+    if (r.contains("fma_peak_gmacs")) {
+      peaks[r["isa"].get<std::string>()] = {r["fma_peak_gmacs"].get<double>(), r["int8_dot_peak_gmacs"].get<double>()};
+      EXPECT_GT(r["int8_dot_peak_gmacs"].get<double>(), 0);
+    }
+  auto roof_us = [](const nlohmann::json& r) { return std::max(r["bw_floor_us"].get<double>(), r["fma_floor_us"].get<double>()); };
   int lrkv = 0, dense = 0;
   for (const auto& r : rows) {
     if (!r.contains("us_per_step") || (r.contains("family") && r["family"] != "lrkv")) continue;
+    const auto [f32_peak, int8_peak] = peaks.at(r["isa"].get<std::string>());
+    const double macs = r["macs"].get<double>();
+    const double fma_us = r["cache"] == "q8" ? (macs / 2 / int8_peak + macs / 2 / f32_peak) / 1e3 : macs / f32_peak / 1e3;
+    EXPECT_NEAR(r["fma_floor_us"].get<double>(), fma_us, 1e-9 * fma_us) << r.dump();
+    EXPECT_NEAR(r["of_roofline"].get<double>(), roof_us(r) / r["us_per_step"].get<double>(), 1e-9) << r.dump();
     const double probe = r["probe_gbps"].get<double>();
     EXPECT_GT(probe, 0);
     EXPECT_TRUE(around_calls(probe, r["context"].get<int64_t>())) << r.dump();
@@ -132,6 +145,7 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
       }
     ASSERT_GT(mha_us, 0) << r.dump();
     EXPECT_NEAR(r["speedup_vs_mha"].get<double>(), mha_us / r["us_per_step"].get<double>(), 1e-9);
+    EXPECT_NEAR(r["roofline_speedup_vs_mha"].get<double>(), mha_us / roof_us(r), 1e-9 * mha_us / roof_us(r));
     EXPECT_EQ(r["isa"], mha_isa) << r.dump();
   }
   EXPECT_EQ(dense, 2 * 2 * 2);  // types x Hkv x contexts

@@ -1,0 +1,26 @@
+// The multiply-add probes that bench decode's roofline divides by: finite positive rates for the
+// back ends this CPU has, and a named error for a vector width no back end uses.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "kernels/compute_peak.h"
+#include "util/error.h"
+
+using namespace kvx;
+
+TEST(ComputePeak, RatesArePositiveAndBadWidthsNamed) {
+  for (int lanes : {8, 16}) {
+    if (lanes == 16 && !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni"))) continue;
+    const double f32 = kernels::measure_fma_peak_gmacs(lanes, 1, 0.0), int8 = kernels::measure_int8_dot_peak_gmacs(lanes, 1, 0.0);
+    EXPECT_TRUE(std::isfinite(f32) && f32 > 0) << lanes;
+    EXPECT_TRUE(std::isfinite(int8) && int8 > 0) << lanes;
+  }
+  try {
+    kernels::measure_int8_dot_peak_gmacs(4);
+    FAIL() << "4 lanes accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lanes must be 8 (AVX2) or 16 (AVX-512)"), std::string::npos) << e.what();
+  }
+}
