@@ -807,10 +807,15 @@ KVX_INLINE size_t query_floats(int d) {
 // Query heads go in groups of 4, 2, 1 that share each K/V load.
 KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 
-// Rows per tile: K and V tiles of about 8 KB each, so a tile and the one prefetched stay in L1;
-// with one query per KV head (MHA), 32 rows whatever their width: f32, 16K tokens, Zen 5, 1-2%
-// faster when memory is slow and 6-7% when fast (with 4 queries, 11% slower).
-int tile_rows(size_t rb, int G) { return rb <= 256 || G == 1 ? 32 : 16; }
+// Rows per tile. Measured on Zen 5 at 16K tokens, A/B in one process, in this VM's slow (~48 GB/s)
+// and fast (~80 GB/s) bandwidth phases: one query per KV head (MHA), 32 rows (f32, against 16:
+// 1-2% and 6-7% faster); rows of up to 256 bytes, 32 (bf16 GQA: 8 rows were 10-14% faster when
+// slow but 8% slower when fast); wider float rows with several queries, 8 (f32 GQA: 9-10% faster
+// when slow, even when fast; 4 rows no better); q8/q4 wider than 256 bytes, 16 (one transpose).
+int tile_rows(size_t rb, int G, bool quant) {
+  if (rb <= 256 || G == 1) return 32;
+  return quant ? 16 : 8;
+}
 
 // LRKV's residual path (lrkv_decode.h): a second store whose row per token is [R_0 | .. | R_{G-1}]
 // (r values per head), with its own prepared queries qb (avx512_prepare_latent_queries).
@@ -944,7 +949,9 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     for (int h = 0; h < G; ++h) flat.max_count = flat.count(h) > flat.max_count ? flat.count(h) : flat.max_count;
   }
   const size_t rrb = rst ? rst->row_bytes() : 0;
-  const int tile = rst ? (rb + rrb < 1024 ? 32 : 16) : tile_rows(rb, G);  // LRKV: K and V tiles of both stores within ~40 KB
+  // LRKV: K and V tiles of both stores within ~40 KB; from 1 KB a row, 8 rows (f32 r = 8: 6-9% faster than 16 when
+  // memory is slow, 3% when fast; r = 16, 32 no different)
+  const int tile = rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant);
   const Scratch sc(scratch, G, nb, nbr, lb);
   // Also prefetch to L2 the tile 3 ahead, for the f32/bf16 caches with several query heads per
   // row (GQA, LRKV) and q8 LRKV: measured 2-10% faster, where MHA and q8/q4 GQA and q4 LRKV,
