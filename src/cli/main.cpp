@@ -71,15 +71,12 @@ std::vector<std::string> nonempty_list(const std::string& option, const std::str
 CLI::Validator at_least(long long least, const std::string& why) {
   return CLI::Validator(
       [least, why](std::string& value) {
-        size_t used = 0;
-        long long v = 0;
+        const std::string refusal = "must be a whole number >= " + std::to_string(least) + " (" + why + "), got '" + value + "'";
         try {
-          v = std::stoll(value, &used);
-        } catch (const std::exception&) {
-          used = 0;
+          return parse_integer(value, "") >= least ? std::string() : refusal;
+        } catch (const Error&) {
+          return refusal;
         }
-        if (!value.empty() && used == value.size() && v >= least) return std::string();
-        return "must be a whole number >= " + std::to_string(least) + " (" + why + "), got '" + value + "'";
       },
       ">=" + std::to_string(least));
 }

@@ -635,10 +635,13 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     // f32 multiply-add peak.
     const int width = o.head_dim + std::max(t.rank, 0);
     const double macs = 2.0 * o.heads * static_cast<double>(t.ctx) * width;
+    // (LRKV latents of q8/q4 that the kernel dequantises count as f32)
     const kernels::KVType type = kernels::parse_kv_type(o.types[t.type]);
-    const bool int8_scores = type == kernels::KVType::Q8 || type == kernels::KVType::Q4;
-    const double fma_floor = int8_scores ? macs / 2 / (int8_peak_gmacs[t.isa] * 1e9) + macs / 2 / (peak_gmacs[t.isa] * 1e9)
-                                         : macs / (peak_gmacs[t.isa] * 1e9);
+    const bool quant = type == kernels::KVType::Q8 || type == kernels::KVType::Q4;
+    const double scored_rows = static_cast<double>(o.heads) * t.ctx;  // query heads x cached rows
+    const double int8_macs = !quant ? 0.0
+                             : scored_rows * (o.head_dim + (t.rank > 0 && kernels::lrkv_latent_scores_in_int8(t.isa, type, t.rank) ? t.rank : 0));
+    const double fma_floor = int8_macs / (int8_peak_gmacs[t.isa] * 1e9) + (macs - int8_macs) / (peak_gmacs[t.isa] * 1e9);
     const double bw_floor = t.bytes / (t.stream * 1e9);
     const double floor = std::max(bw_floor, fma_floor), s = t.seconds;
     nlohmann::json row = {{"cache", o.types[t.type]},

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <optional>
 
 #include "compress/lla_codec.h"
@@ -150,10 +151,9 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
   auto train_tokens = train::load_split_tokens(dir, sources, m.tokenizer, text::Split::Train);
   // Each window starts as the tokenizer starts a sequence (an imported Llama 3: its BOS), as HF
   // scores text; a kvx tokenizer puts nothing there.
+  // (evaluation_batches caps the count at the windows the text holds)
   const std::vector<int32_t>& prefix = m.tokenizer.special_prefix();
-  const int text_per_window = seq_len - static_cast<int>(prefix.size());
-  int windows = text_per_window > 0 ? static_cast<int>((tokens.tokens.size() - 1) / text_per_window) : 1;
-  if (r.max_windows > 0) windows = std::min(windows, r.max_windows);
+  const int windows = r.max_windows > 0 ? r.max_windows : std::numeric_limits<int>::max();
   auto batches = train::evaluation_batches(tokens.tokens, windows, r.batch, seq_len, prefix);
   auto t0 = std::chrono::steady_clock::now();
   auto q = evaluate_lm(m.model, batches, m.tokenizer);

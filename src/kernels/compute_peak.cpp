@@ -87,7 +87,7 @@ double best_rate(Chains chains, double macs_per_thread, int T, double seconds) {
     best = std::max(best, T * macs_per_thread / std::chrono::duration<double>(t1 - t0).count() / 1e9);
     if (pass >= 2 && std::chrono::duration<double>(t1 - start).count() >= seconds) break;
   }
-  if (sink == 1.5f) best = -best;  // keeps the chains live; never true (integer-valued sums)
+  if (sink == 1.5f) best = -best;  // keeps the chains live; a value the chains' sums do not reach
   return best;
 }
 

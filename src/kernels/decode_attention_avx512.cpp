@@ -147,7 +147,8 @@ struct Prefetch {
   size_t end, next_end;
   const Prefetch* far = nullptr;
   size_t lo = 0, span = 0, total = 0;  // a share (share()): range(from, to) of [0, total) maps into [lo, lo + span)
-  // Bytes [lo, hi) of the range, for a caller that spreads [0, total) over its own part of the work.
+  // range(f, t) of [0, whole) maps onto [from + (to - from) f / whole, ...): bytes [from, to) of the
+  // range, for a caller that spreads [0, whole) over its own part of the work.
   Prefetch share(size_t from, size_t to, size_t whole) const {
     Prefetch p = *this;
     p.lo = from;
@@ -188,6 +189,8 @@ struct FlatLatents {
   int max_count = 0;         // the most vectors one head's segment spans
   int first(int h) const { return h * r / 16; }
   int count(int h) const { return (h * r % 16 + r + 15) / 16; }
+  // The lanes of vector v inside the row. A vector also holds other heads' values (zero query
+  // lanes drop them; the store refuses non-finite values, so 0 x inf never arises).
   __mmask16 mask(int v) const { return v < row_vectors - 1 ? static_cast<__mmask16>(0xffff) : v == row_vectors - 1 ? last : 0; }
 };
 
@@ -811,7 +814,8 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 // and fast (~80 GB/s) bandwidth phases: one query per KV head (MHA), 32 rows (f32, against 16:
 // 1-2% and 6-7% faster); rows of up to 256 bytes, 32 (bf16 GQA: 8 rows were 10-14% faster when
 // slow but 8% slower when fast); wider float rows with several queries, 8 (f32 GQA: 9-10% faster
-// when slow, even when fast; 4 rows no better); q8/q4 wider than 256 bytes, 16 (one transpose).
+// when slow, even when fast; 4 rows no better; bf16 of d_h > 128 follows f32, not measured); q8/q4
+// rows wider than 256 bytes with several queries, 16 (one transpose).
 int tile_rows(size_t rb, int G, bool quant) {
   if (rb <= 256 || G == 1) return 32;
   return quant ? 16 : 8;
@@ -1173,7 +1177,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   }
 
   for (int g = 0; g < G; ++g) l[g] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l + 16 * g));
-  if constexpr (R::kPerm) {  // whole groups only (a masked last latent group is in natural order)
+  if constexpr (R::kPerm) {  // whole groups only (straddling latents, read as flat rows, are in natural order)
     unpermute(acc, G * d);
     for (int g = 0; g < G && rblocks > 0 && !latent_straddle; ++g) unpermute(acc_r + static_cast<size_t>(g) * r, 32 * rblocks);
   }
@@ -1222,6 +1226,8 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
   prepare_int_queries(q, heads, d, scale, type, qs);  // integer queries (decode_attention_isa.h)
 }
 
+bool avx512_latent_words(KVType type, int r) { return latent_words(type, r); }
+
 size_t avx512_latent_query_floats(int heads, int r, KVType type) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
   if (r % 32 == 0) return heads * avx512_query_floats(r, type);
@@ -1263,7 +1269,7 @@ void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const Decod
   }
   auto run = [&](auto tag) {
     using R = decltype(tag);
-    res.qstride = residual && res.r % 32 == 0 ? query_floats<R>(res.r) : 0;  // per head (FlatLatents: unused)
+    res.qstride = residual && res.r % 32 == 0 ? query_floats<R>(res.r) : 0;  // per head (latents of r % 32 != 0: unused)
     for (int p = p0; p < p1; ++p) run_piece<R, true>(shared, pieces[p], qs, H, parts + p * part_size, scratch, res);
   };
   switch (shared.type()) {

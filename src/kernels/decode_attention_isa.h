@@ -72,6 +72,8 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
 // head's part of a block is whole row words (q8: r % 4 == 0, q4: r % 8 == 0), else rounded as the
 // reference does (round_query_blocks), read as floats.
 size_t avx512_latent_query_floats(int heads, int r, KVType type);
+// q8/q4 latents of r % 32 != 0 scored in integers (each head's part of a block is whole row words).
+bool avx512_latent_words(KVType type, int r);
 void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs);
 // Scratch floats one split needs (residual_width: LRKV's H r, else 0).
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width = 0);

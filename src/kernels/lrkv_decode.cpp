@@ -63,6 +63,11 @@ bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int r
   return type == KVType::Q8 || type == KVType::Q4;
 }
 
+bool lrkv_latent_scores_in_int8(DecodeIsa isa, KVType type, int rank) {
+  if (type != KVType::Q8 && type != KVType::Q4) return false;
+  return rank % 32 == 0 || (isa == DecodeIsa::Avx512 && detail::avx512_latent_words(type, rank));
+}
+
 void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, const KVStore& shared,
                                   const KVStore* residual, float scale, float* out_s, float* out_r, int threads,
                                   int splits, DecodeIsa isa) {

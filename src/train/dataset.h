@@ -68,8 +68,9 @@ class BatchSampler {
   MqarMix mix_;
 };
 
-// `count` windows of seq_len + 1 tokens spread evenly over the tokens (deterministic), as
-// (inputs, targets) batches of at most `batch` rows. With a `prefix` of p tokens (a tokenizer's
+// `count` windows (at most as many as the text holds) of seq_len + 1 tokens, or seq_len - p + 1
+// with a prefix, spread evenly over the tokens (deterministic), as (inputs, targets) batches of
+// at most `batch` rows. With a `prefix` of p tokens (a tokenizer's
 // BOS: BpeTokenizer::special_prefix) each input is the prefix then seq_len - p text tokens, and
 // the targets are the text's seq_len - p + 1 tokens: the predictions of the inputs' last
 // seq_len - p + 1 positions (the prefix's last token predicts the text's first). Evaluators score

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "eval/bench.h"
+#include "kernels/lrkv_decode.h"
 #include "util/error.h"
 
 using namespace kvx;
@@ -123,8 +124,14 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
   for (const auto& r : rows) {
     if (!r.contains("us_per_step") || (r.contains("family") && r["family"] != "lrkv")) continue;
     const auto [f32_peak, int8_peak] = peaks.at(r["isa"].get<std::string>());
-    const double macs = r["macs"].get<double>();
-    const double fma_us = r["cache"] == "q8" ? (macs / 2 / int8_peak + macs / 2 / f32_peak) / 1e3 : macs / f32_peak / 1e3;
+    const double macs = r["macs"].get<double>(), rows_scored = 4.0 * r["context"].get<int64_t>();  // heads x rows
+    // q8: K_s (d_h 32) in int8, the latents too where the kernel scores them so (else f32)
+    const int rank = r.value("rank", 0);
+    const bool int8_latents = rank > 0 && kernels::lrkv_latent_scores_in_int8(kernels::parse_decode_isa(r["isa"].get<std::string>()),
+                                                                              kernels::KVType::Q8, rank);
+    const double int8_macs = r["cache"] == "q8" ? rows_scored * (32 + (int8_latents ? rank : 0)) : 0.0;
+    EXPECT_EQ(macs, 2 * rows_scored * (32 + rank));
+    const double fma_us = (int8_macs / int8_peak + (macs - int8_macs) / f32_peak) / 1e3;
     EXPECT_NEAR(r["fma_floor_us"].get<double>(), fma_us, 1e-9 * fma_us) << r.dump();
     EXPECT_NEAR(r["of_roofline"].get<double>(), roof_us(r) / r["us_per_step"].get<double>(), 1e-9) << r.dump();
     const double probe = r["probe_gbps"].get<double>();
