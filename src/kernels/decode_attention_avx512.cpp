@@ -812,13 +812,15 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 
 // Rows per tile. Measured on Zen 5 at 16K tokens, A/B in one process, in this VM's slow (~48 GB/s)
 // and fast (~80 GB/s) bandwidth phases: one query per KV head (MHA), 32 rows (f32, against 16:
-// 1-2% and 6-7% faster); rows of up to 256 bytes, 32 (bf16 GQA: 8 rows were 10-14% faster when
-// slow but 8% slower when fast); wider float rows with several queries, 8 (f32 GQA: 9-10% faster
-// when slow, even when fast; 4 rows no better; bf16 of d_h > 128 follows f32, not measured); q8/q4
-// rows wider than 256 bytes with several queries, 16 (one transpose).
+// 1-2% and 6-7% faster); float rows with several queries, 16 rows of up to 256 bytes (bf16 GQA:
+// 0-19%, mostly 8-10%, faster than 32 when slow, the same when fast; 8 rows lost 8% when fast)
+// and 8 rows wider (f32 GQA: 9-10% faster than 16 when slow, the same when fast; 4 no better);
+// q8/q4 with several queries, 32 rows of up to 256 bytes (16 were 10-20% slower), else 16 (one
+// transpose).
 int tile_rows(size_t rb, int G, bool quant) {
-  if (rb <= 256 || G == 1) return 32;
-  return quant ? 16 : 8;
+  if (G == 1) return 32;
+  if (quant) return rb <= 256 ? 32 : 16;
+  return rb <= 256 ? 16 : 8;
 }
 
 // LRKV's residual path (lrkv_decode.h): a second store whose row per token is [R_0 | .. | R_{G-1}]
