@@ -12,6 +12,7 @@
 #include "attention/cost.h"
 #include "compare/report.h"
 #include "compress/lla_codec.h"
+#include "compress/lla_shape.h"
 #include "compress/lrkv_convert.h"
 #include "compress/nectar.h"
 #include "compare/runner.h"
@@ -896,8 +897,7 @@ int main(int argc, char** argv) {
         lla_run.rank_v = static_cast<int>(parse_integer(r[1], "fit lla: --ranks"));
       }
       if (lla_run.out.empty()) {  // next to the model it compresses; --budget 4, 4x and 4X name one directory
-        std::string budget = lla_run.budget;
-        if (!budget.empty() && (budget.back() == 'x' || budget.back() == 'X')) budget.pop_back();
+        const std::string budget = compress::budget_number(lla_run.budget);
         lla_run.out = lla_run.teacher + "/lla-" + lla_run.variant +
                       (lla_run.variant == "final_loop" ? std::string()
                        : budget.empty() ? "-" + std::to_string(lla_run.rank_k) + "-" + std::to_string(lla_run.rank_v)

@@ -75,9 +75,14 @@ LlaShape LlaShape::of_teacher(const model::ModelConfig& t, const std::string& va
   return s;
 }
 
-std::pair<int, int> ranks_for_budget(const std::string& budget, const std::string& variant, const model::ModelConfig& teacher) {
+std::string budget_number(const std::string& budget) {
   std::string b = budget;
   if (!b.empty() && (b.back() == 'x' || b.back() == 'X')) b.pop_back();
+  return b;
+}
+
+std::pair<int, int> ranks_for_budget(const std::string& budget, const std::string& variant, const model::ModelConfig& teacher) {
+  const std::string b = budget_number(budget);
   double rho = 0;
   try {
     size_t used = 0;

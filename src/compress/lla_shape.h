@@ -32,6 +32,9 @@ struct LlaShape {
   static LlaShape of_teacher(const model::ModelConfig& teacher, const std::string& variant, int rank_k, int rank_v);
 };
 
+// A compression budget's number as written, without its optional x ("4x", "4X", "4" -> "4").
+std::string budget_number(const std::string& budget);
+
 // Ranks for a compression budget ("4x" or "4"): r_k + r_v = 2 width / budget, split 3:5 so values
 // get more (the seed's Ouro-1.4B example: 96 + 160 at 4x).
 std::pair<int, int> ranks_for_budget(const std::string& budget, const std::string& variant, const model::ModelConfig& teacher);

@@ -150,6 +150,7 @@ struct Prefetch {
   // range(f, t) of [0, whole) maps onto [from + (to - from) f / whole, ...): bytes [from, to) of the
   // range, for a caller that spreads [0, whole) over its own part of the work.
   Prefetch share(size_t from, size_t to, size_t whole) const {
+    if (from == 0 && to == whole) return *this;  // the whole range (one query group): no mapping
     Prefetch p = *this;
     p.lo = from;
     p.span = to - from;
@@ -560,6 +561,17 @@ KVX_INLINE LatentQuery latent_query(const uint8_t* qb, size_t qb_bytes, int G, u
   return {codes, _mm512_load_si512(perm), _mm512_load_si512(bias), _mm512_load_ps(dq), G};
 }
 
+// The head segments of latent block b (values [32 b, 32 b + 32) of the flat [H][r] row), in order:
+// f(h, c0, c1) for head h's columns [c0, c1) (one division a block; the head steps by one).
+template <class F>
+KVX_INLINE void for_block_segments(int b, int r, F&& f) {
+  int h = 32 * b / r;
+  for (int c0 = 32 * b, c1; c0 < 32 * b + 32; c0 = c1, ++h) {
+    c1 = imin((h + 1) * r, 32 * b + 32);
+    f(h, c0, c1);
+  }
+}
+
 // q8/q4 latents whose blocks straddle heads (r % 32 != 0), each head's segment of a block whole
 // row words (latent_words): s[h * kRow + t] += qb_h . R_h,t in integers, per block one transpose
 // of the 16 rows' words (row_words) and per head segment its words' vpdpbusd with the flat
@@ -575,9 +587,7 @@ KVX_INLINE void latent_word_scores(const Rows& rows, size_t offset, int blocks, 
     __m512i u[16];
     row_words<R>(rows, offset, blocks, b, false, u);
     const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(kT + static_cast<size_t>(b) * kMaxTile), _mm512_set1_ps(dq[b]));
-    for (int c0 = 32 * b, c1; c0 < 32 * b + 32; c0 = c1) {
-      const int h = c0 / r;
-      c1 = imin((h + 1) * r, 32 * b + 32);
+    for_block_segments(b, r, [&](int h, int c0, int c1) {
       __m512i acc = _mm512_set1_epi32(*seg_bias++);
       for (int i = (c0 - 32 * b) / kUnit; i < (c1 - 32 * b) / kUnit; ++i) {
         acc = dpbusd_broadcast(acc, u[i], words + 8 * b + i);
@@ -585,7 +595,7 @@ KVX_INLINE void latent_word_scores(const Rows& rows, size_t offset, int blocks, 
       }
       float* sh = s + h * kRow;
       _mm512_storeu_ps(sh, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), scale, _mm512_loadu_ps(sh)));
-    }
+    });
   }
 }
 
@@ -596,13 +606,12 @@ KVX_INLINE void latent_segment_biases(const uint8_t* qi, int blocks, int r, int3
   constexpr int kUnit = R::kNibbles ? 8 : 4;
   const int8_t* codes = reinterpret_cast<const int8_t*>(qi);
   for (int b = 0; b < blocks; ++b)
-    for (int c0 = 32 * b, c1; c0 < 32 * b + 32; c0 = c1) {
-      c1 = imin((c0 / r + 1) * r, 32 * b + 32);
+    for_block_segments(b, r, [&](int, int c0, int c1) {
       int sum = 0;
       for (int i = (c0 - 32 * b) / kUnit; i < (c1 - 32 * b) / kUnit; ++i)
         for (int k = 0; k < 4; ++k) sum += codes[4 * (8 * b + i) + k] + (R::kNibbles ? codes[4 * (8 * b + 4 + i) + k] : 0);
       *seg_bias++ = (R::kNibbles ? -8 : -128) * sum;
-    }
+    });
 }
 
 // q8/q4 latents whose blocks straddle heads (r % 32 != 0): s[h * kRow + t] += sum_c qbr[c] K_t[c]
@@ -627,14 +636,12 @@ KVX_INLINE void latent_column_scores(const Rows& rows, size_t offset, int blocks
           _mm512_storeu_ps(cols + 16 * (4 * i + k), _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w[i], 24 - 8 * k), 24)));
     }
     const __m512 dk = _mm512_loadu_ps(kT + static_cast<size_t>(b) * kMaxTile);
-    for (int c0 = 32 * b, c1; c0 < 32 * b + 32; c0 = c1) {
-      const int h = c0 / r;
-      c1 = imin((h + 1) * r, 32 * b + 32);
+    for_block_segments(b, r, [&](int h, int c0, int c1) {
       __m512 x = _mm512_setzero_ps();
       for (int c = c0; c < c1; ++c) x = _mm512_fmadd_ps(_mm512_set1_ps(qbr[c]), _mm512_loadu_ps(cols + 16 * (c - 32 * b)), x);
       float* sh = s + h * kRow;
       _mm512_storeu_ps(sh, _mm512_fmadd_ps(x, dk, _mm512_loadu_ps(sh)));
-    }
+    });
   }
 }
 

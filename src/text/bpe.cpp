@@ -324,7 +324,8 @@ std::string OrRetrain(const char* fix) { return std::string(fix) + " or " + kRet
 // a single sequence, HF's add_special_tokens=True. Returns whether it adds any. A Sequence may
 // hold one processor that adds tokens (HF's template would see the pieces a previous one made as
 // a pair), among ByteLevel ones.
-bool post_processor_tokens(const nlohmann::json& pp, std::vector<int32_t>* prefix, std::vector<int32_t>* suffix, int depth = 0) {
+bool post_processor_tokens(const nlohmann::json& pp, size_t vocab, std::vector<int32_t>* prefix, std::vector<int32_t>* suffix,
+                           int depth = 0) {
   using json = nlohmann::json;
   const auto fix = OrRetrain("remove the post_processor (prompts then get no special tokens)");
   auto string_at = [](const json& o, const char* key) {  // o[key] if o is an object holding a string there, else ""
@@ -335,6 +336,9 @@ bool post_processor_tokens(const nlohmann::json& pp, std::vector<int32_t>* prefi
   auto token_id = [&](const json& id, const std::string& what) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max())
       bad_json("'post_processor' " + what + " has id " + id.dump().substr(0, 40) + ", not a token id", fix);
+    if (static_cast<size_t>(id.get<int64_t>()) >= vocab)
+      bad_json("'post_processor' adds token id " + id.dump() + ", outside the vocabulary of " + std::to_string(vocab) + " tokens",
+               OrRetrain("correct its ids, or remove the post_processor"));
     return static_cast<int32_t>(id.get<int64_t>());
   };
   auto pair_id = [&](const char* key) {  // ["<s>", 0]
@@ -349,7 +353,7 @@ bool post_processor_tokens(const nlohmann::json& pp, std::vector<int32_t>* prefi
     if (procs == pp.end() || !procs->is_array()) bad_json("'post_processor' Sequence needs a 'processors' array", fix);
     if (depth >= 8) bad_json("'post_processor' nests Sequences more than 8 deep", fix);
     int adding = 0;
-    for (const json& p : *procs) adding += post_processor_tokens(p, prefix, suffix, depth + 1);
+    for (const json& p : *procs) adding += post_processor_tokens(p, vocab, prefix, suffix, depth + 1);
     if (adding > 1)
       bad_json("'post_processor' Sequence holds " + std::to_string(adding) +
                    " processors that add tokens; kvx applies one (HF's later template would see the earlier one's pieces as a pair)",
@@ -390,8 +394,8 @@ bool post_processor_tokens(const nlohmann::json& pp, std::vector<int32_t>* prefi
                  "Sequence of them)",
              fix);
   }
-  prefix->insert(prefix->begin(), before.begin(), before.end());
-  suffix->insert(suffix->end(), after.begin(), after.end());
+  *prefix = std::move(before);  // the only processor that adds tokens (a Sequence refuses two)
+  *suffix = std::move(after);
   return true;
 }
 
@@ -1183,13 +1187,7 @@ BpeTokenizer BpeTokenizer::from_parsed_json(const void* jp) {
   t.nfc_ = nfc;
   t.post_processor_ = post_processor;
   if (is_set(j, "post_processor")) {
-    post_processor_tokens(j["post_processor"], &t.special_prefix_, &t.special_suffix_);
-    for (const auto* ids : {&t.special_prefix_, &t.special_suffix_})
-      for (int32_t id : *ids)
-        if (size_t(id) >= tokens.size())  // ids are >= 0 (post_processor_tokens)
-          bad_json("'post_processor' adds token id " + std::to_string(id) + ", outside the vocabulary of " +
-                       std::to_string(tokens.size()) + " tokens",
-                   OrRetrain("correct its ids, or remove the post_processor"));
+    post_processor_tokens(j["post_processor"], tokens.size(), &t.special_prefix_, &t.special_suffix_);
   }
   t.tok_bytes_.clear();
   t.tok_off_.assign(1, 0);
