@@ -740,19 +740,14 @@ KVX_INLINE void latent_block_values(const uint8_t* row, int b, __m512& a, __m512
 // row's columns) += sum_t p_{head(c)}(t) dv_t,b v_t[c], whole rows in natural order, blocks
 // b0 .. b0 + B - 1 (2 B accumulators across the rows). A block's lane weights come from the
 // numerators by token (pt) by a permute of the 32 heads from its first one (idx, head0), q8/q4
-// times the row's block scale (vT: [b][kMaxTile]). f32/bf16 rows may end mid-block: the lanes of
-// block `blocks - 1` are last0 (values 0-15), last1 (16-31).
+// times the row's block scale (vT: [b][kMaxTile]). f32/bf16 rows may end mid-block: a vector's
+// lanes in the row are fl.mask.
 template <class R, int B>
 KVX_INLINE void latent_row_pass(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, const float* vT,
-                                const int32_t* idx, const int32_t* head0, float* acc, int b0, int blocks,
-                                __mmask16 last0, __mmask16 last1) {
+                                const int32_t* idx, const int32_t* head0, float* acc, int b0, const FlatLatents& fl) {
   __m512 a[2 * B];
   __mmask16 m[2 * B];
-  for (int i = 0; i < B; ++i) {
-    const bool last = b0 + i == blocks - 1;
-    m[2 * i] = last ? last0 : static_cast<__mmask16>(0xffff);
-    m[2 * i + 1] = last ? last1 : static_cast<__mmask16>(0xffff);
-  }
+  for (int i = 0; i < 2 * B; ++i) m[i] = fl.mask(2 * b0 + i);
   for (int i = 0; i < 2 * B; ++i) a[i] = _mm512_maskz_loadu_ps(m[i], acc + 32 * b0 + 16 * i);
   for (int t = 0; t < n; ++t) {
     const uint8_t* row = v0 + t * rb;
@@ -779,12 +774,11 @@ KVX_INLINE void latent_row_pass(const uint8_t* v0, size_t rb, int n, const float
 
 template <class R>
 KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, const float* vT,
-                                  const int32_t* idx, const int32_t* head0, int blocks, float* acc, __mmask16 last0,
-                                  __mmask16 last1) {
+                                  const int32_t* idx, const int32_t* head0, int blocks, float* acc, const FlatLatents& fl) {
   int b = 0;
-  for (; b + 4 <= blocks; b += 4) latent_row_pass<R, 4>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, blocks, last0, last1);
-  for (; b + 2 <= blocks; b += 2) latent_row_pass<R, 2>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, blocks, last0, last1);
-  for (; b < blocks; ++b) latent_row_pass<R, 1>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, blocks, last0, last1);
+  for (; b + 4 <= blocks; b += 4) latent_row_pass<R, 4>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, fl);
+  for (; b + 2 <= blocks; b += 2) latent_row_pass<R, 2>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, fl);
+  for (; b < blocks; ++b) latent_row_pass<R, 1>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, fl);
 }
 
 // All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
@@ -955,11 +949,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const bool latent_straddle = rst && r % 32 != 0;
   const bool latent_int = R::kQuant && latent_straddle && latent_words(kv.type(), r);
   const int lb = latent_straddle ? (G * r + 31) / 32 : 0;
-  const int rem = G * r % 32;  // values in a partial last block (f32/bf16)
-  const __mmask16 last0 = rem == 0 || rem >= 16 ? 0xffff : static_cast<__mmask16>((1u << rem) - 1);
-  const __mmask16 last1 = rem == 0 ? 0xffff : rem > 16 ? static_cast<__mmask16>((1u << (rem - 16)) - 1) : 0;
-  FlatLatents flat;
-  if (!R::kQuant && latent_straddle) {
+  FlatLatents flat;  // f32/bf16 scores; every type's latent_row_values (q8/q4 rows end on a block: H r % 32 == 0)
+  if (latent_straddle) {
     flat.r = r;
     flat.row_vectors = (G * r + 15) / 16;
     flat.last = G * r % 16 ? static_cast<__mmask16>((1u << (G * r % 16)) - 1) : static_cast<__mmask16>(0xffff);
@@ -1166,8 +1157,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           for (int t = 0; t < 16 && t0 + t < n; ++t) _mm512_storeu_ps(sc.pt + (t0 + t) * sc.pt_stride + h0, x[t]);
         }
       rvpf.range(0, rtile);
-      latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, last0,
-                           last1);
+      latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, flat);
     } else if (rst) {  // + a_h R_h^V, heads in groups of up to 4
       const float* wr = R::kQuant ? sc.wr : sc.s;
       const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
