@@ -5,18 +5,14 @@
 #include <sstream>
 
 #include "util/error.h"
+#include "util/strings.h"
 
 namespace kvx::attention {
 
 namespace {
 
 int parse_int(const std::string& spec, const std::string& key, const std::string& value) {
-  try {
-    size_t used = 0;
-    const int v = std::stoi(value, &used);
-    if (used == value.size()) return v;
-  } catch (...) {
-  }
+  if (const auto v = whole_int(value)) return *v;
   throw Error("shape '" + spec + "': " + key + "=" + value + " is not an integer");
 }
 
@@ -56,13 +52,9 @@ AttentionShape AttentionShape::parse(const std::string& spec) {
       else if (key == "HA") s.attn_heads = parse_int(spec, key, value);
       else if (key == "C") s.block = parse_int(spec, key, value);
       else if (key == "f") {
-        try {
-          size_t used = 0;
-          s.softmax_fraction = std::stod(value, &used);
-          if (used != value.size()) throw Error("");
-        } catch (...) {
-          throw Error("shape '" + spec + "': f=" + value + " is not a number");
-        }
+        const auto f = whole_number(value);
+        if (!f) throw Error("shape '" + spec + "': f=" + value + " is not a number");
+        s.softmax_fraction = *f;
       }
       else throw Error("shape '" + spec + "': unknown key '" + key + "'" + usage);
     }

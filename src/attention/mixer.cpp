@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "util/error.h"
+#include "util/strings.h"
 
 namespace kvx::attention {
 
@@ -25,13 +26,7 @@ CacheOptions CacheOptions::parse(const std::string& type, const std::string& evi
       auto eq = item.find('=');
       if (eq == std::string::npos) throw Error("--evict: '" + item + "' is not key=value" + usage);
       const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
-      int64_t n = -1;
-      try {
-        size_t used = 0;
-        n = std::stoll(value, &used);
-        if (used != value.size()) n = -1;
-      } catch (...) {
-      }
+      const int64_t n = whole_integer(value).value_or(-1);
       if (n < 0) throw Error("--evict: '" + value + "' is not a non-negative integer" + usage);
       if (n > (int64_t{1} << 40)) throw Error("--evict: " + key + "=" + value + " is longer than any context (2^40 tokens)" + usage);
       if (key == "sink") {

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "util/error.h"
+#include "util/strings.h"
 
 namespace kvx::attention {
 
@@ -77,14 +78,10 @@ NectarArch NectarArch::parse(const std::string& kind, const std::string& depths)
     while (start <= depths.size()) {
       const size_t comma = std::min(depths.find(',', start), depths.size());
       const std::string item = depths.substr(start, comma - start);
-      size_t used = 0;
-      try {
-        d.push_back(std::stoi(item, &used));
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (item.empty() || used != item.size())  // "1x" is not 1
+      const auto depth = whole_int(item);  // "1x" is not 1
+      if (!depth)
         throw Error("--depths '" + depths + "': expected three integers D_b,D_s,D_t, e.g. 1,1,2");
+      d.push_back(*depth);
       start = comma + 1;
     }
     if (d.size() != 3) throw Error("--depths '" + depths + "': expected three integers D_b,D_s,D_t, e.g. 1,1,2");

@@ -39,23 +39,13 @@ namespace {
 
 // A number from a command-line list; anything else names the option.
 double parse_number(const std::string& s, const std::string& option) {
-  try {
-    size_t used = 0;
-    const double v = std::stod(s, &used);
-    if (used == s.size()) return v;
-  } catch (const std::exception&) {
-  }
+  if (const auto v = whole_number(s)) return *v;
   throw Error(option + ": '" + s + "' is not a number");
 }
 
 // A whole number from a command-line list; anything else names the option.
 int64_t parse_integer(const std::string& s, const std::string& option) {
-  try {
-    size_t used = 0;
-    const long long v = std::stoll(s, &used);
-    if (used == s.size()) return v;
-  } catch (const std::exception&) {
-  }
+  if (const auto v = whole_integer(s)) return *v;
   throw Error(option + ": '" + s + "' is not a whole number");
 }
 

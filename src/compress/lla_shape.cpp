@@ -5,6 +5,7 @@
 
 #include "io/json_config.h"
 #include "util/error.h"
+#include "util/strings.h"
 
 namespace kvx::compress {
 
@@ -83,13 +84,7 @@ std::string budget_number(const std::string& budget) {
 
 std::pair<int, int> ranks_for_budget(const std::string& budget, const std::string& variant, const model::ModelConfig& teacher) {
   const std::string b = budget_number(budget);
-  double rho = 0;
-  try {
-    size_t used = 0;
-    rho = std::stod(b, &used);
-    if (used != b.size()) rho = 0;
-  } catch (...) {
-  }
+  const double rho = whole_number(b).value_or(0);
   if (!(rho >= 1)) throw Error("--budget '" + budget + "' is not a compression factor >= 1 (write e.g. 4x)");
   if (variant == "final_loop") throw Error("--budget does not apply to final_loop (its compression is the loop count)");
   const LlaShape full = LlaShape::of_teacher(teacher, variant == "loop_head" ? "2d" : variant, 1, 1);  // its stacked width

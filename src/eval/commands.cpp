@@ -128,13 +128,8 @@ nlohmann::json evaluate_model(train::LoadedModel& m, const EvalRequest& r) {
   // MQAR pair counts, checked against this context before the cross-entropy evaluation runs
   std::vector<int> mqar_pairs;
   for (const auto& p : split_list(r.mqar)) {
-    size_t used = 0;
-    int n = 0;
-    try {
-      n = std::stoi(p, &used);
-    } catch (const std::exception&) {
-    }
-    if (used != p.size() || n < 1) throw Error("mqar: '" + p + "' is not a pair count; give positive integers, e.g. 1,4,16");
+    const int n = whole_int(p).value_or(0);
+    if (n < 1) throw Error("mqar: '" + p + "' is not a pair count; give positive integers, e.g. 1,4,16");
     train::mqar_spec(m.model->config().vocab_size, n, seq_len, r.mqar_symbols);
     mqar_pairs.push_back(n);
   }

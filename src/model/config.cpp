@@ -5,6 +5,7 @@
 
 #include "io/json_config.h"
 #include "util/error.h"
+#include "util/strings.h"
 
 namespace kvx::model {
 
@@ -213,14 +214,8 @@ std::vector<std::string> expand_layout(const std::string& layout, int num_layers
     auto star = item.find('*');
     if (star != std::string::npos) {
       kind = item.substr(0, star);
-      const std::string n = item.substr(star + 1);
-      size_t used = 0;
-      try {
-        count = std::stoi(n, &used);
-      } catch (...) {
-        count = -1;
-      }
-      if (count <= 0 || used != n.size())
+      count = whole_int(item.substr(star + 1)).value_or(-1);
+      if (count <= 0)
         throw Error("layout '" + layout + "': bad repeat count in '" + item + "' (write kind*N with N >= 1)");
     }
     if (kind.empty()) throw Error("layout '" + layout + "': empty mixer kind");

@@ -19,6 +19,7 @@
 
 #include "io/atomic_file.h"
 #include "util/error.h"
+#include "util/strings.h"
 
 extern char** environ;
 
@@ -34,12 +35,7 @@ std::string env_or(const char* name, const std::string& fallback) {
 int env_int(const char* name, int fallback) {
   const std::string v = env_or(name, "");
   if (v.empty()) return fallback;
-  try {
-    size_t used = 0;
-    const int x = std::stoi(v, &used);
-    if (used == v.size()) return x;
-  } catch (...) {
-  }
+  if (const auto x = whole_int(v)) return *x;
   throw Error(std::string(name) + "='" + v + "' is not an integer");
 }
 
