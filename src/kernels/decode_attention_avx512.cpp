@@ -961,11 +961,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // memory is slow, 3% when fast; r = 16, 32 no different)
   const int tile = rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant);
   const Scratch sc(scratch, G, nb, nbr, lb);
-  // Also prefetch to L2 the tile 3 ahead, for the f32/bf16 caches with several query heads per
-  // row (GQA, LRKV) and q8 LRKV: measured 2-10% faster, where MHA and q8/q4 GQA and q4 LRKV,
-  // whose compute hides the latency, ran 4-8% slower with it.
+  // Also prefetch to L2 the tile 3 ahead for f32/bf16/q8 LRKV whose latent rows are wider than
+  // the shared ones (H r > d). Zen 5, 16K, A/B in one process over both bandwidth phases (median
+  // time without it / with): f32 r = 32 1.02, q8 r = 32 1.07-1.10, bf16 r = 32 0.98-1.02; but
+  // f32 r = 8 0.90-0.93, bf16 and q8 r = 8 0.99-1.02, f32/bf16 GQA 0.93-1.00 (it once measured
+  // 2-10% faster there, before the GQA and LRKV tile changes); MHA, q8/q4 GQA and q4 LRKV were
+  // 4-8% slower with it.
   constexpr int kFarTiles = 3;
-  const bool far = G > 1 && (!R::kQuant || (kLrkv && !R::kNibbles));
+  const bool far = kLrkv && rrb > rb && (!R::kQuant || !R::kNibbles);
   float* m = part;
   float* l = part + G;
   float* acc = part + 2 * G;
