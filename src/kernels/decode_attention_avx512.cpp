@@ -51,8 +51,11 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // runs faster on the hardware prefetcher alone (Zen 5, 16K and 64K, A/B in one process: 5-8%
 // faster without it, and as fast without the K prefetch too); bf16 is no different either way,
 // q8/q4 are 20-150% slower without it.
+// kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece with
+// several queries per row; f32 takes it only for LRKV latents wider than the shared rows.
 struct F32Row {
-  static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false;
+  static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false,
+                        kGroupFarPrefetch = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const float* p = reinterpret_cast<const float*>(row) + 32 * j;
     a = _mm512_loadu_ps(p);
@@ -66,7 +69,8 @@ struct F32Row {
 };
 
 struct BF16Row {
-  static constexpr bool kQuant = false, kPerm = true, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true;
+  static constexpr bool kQuant = false, kPerm = true, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
+                        kGroupFarPrefetch = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_loadu_si512(row + 64 * j);
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -81,7 +85,8 @@ struct BF16Row {
 // q8/q4 values: codes as floats, without the block scale (folded into the attention weights).
 // q8/q4 keys are read by token_scores below, in integers.
 struct Q8Row {
-  static constexpr bool kQuant = true, kPerm = false, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true;
+  static constexpr bool kQuant = true, kPerm = false, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
+                        kGroupFarPrefetch = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const uint8_t* p = row + 32 * j;
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -93,7 +98,8 @@ struct Q8Row {
 KVX_INLINE __m512 q4_values() { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7); }
 
 struct Q4Row {
-  static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false, kMhaValuePrefetch = true;
+  static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false, kMhaValuePrefetch = true,
+                        kGroupFarPrefetch = false;
   // even positions, odd positions
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
@@ -961,14 +967,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // memory is slow, 3% when fast; r = 16, 32 no different)
   const int tile = rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant);
   const Scratch sc(scratch, G, nb, nbr, lb);
-  // Also prefetch to L2 the tile 3 ahead for f32/bf16/q8 LRKV whose latent rows are wider than
-  // the shared ones (H r > d). Zen 5, 16K, A/B in one process over both bandwidth phases (median
-  // time without it / with): f32 r = 32 1.02, q8 r = 32 1.07-1.10, bf16 r = 32 0.98-1.02; but
-  // f32 r = 8 0.90-0.93, bf16 and q8 r = 8 0.99-1.02, f32/bf16 GQA 0.93-1.00 (it once measured
-  // 2-10% faster there, before the GQA and LRKV tile changes); MHA, q8/q4 GQA and q4 LRKV were
-  // 4-8% slower with it.
+  // Also prefetch to L2 the tile 3 ahead: bf16 GQA and LRKV, q8 LRKV, and f32 LRKV whose latent
+  // rows are wider than the shared ones (H r > d). Zen 5, 16K, time without it / with, A/B over
+  // both bandwidth phases: q8 r = 32 1.07-1.10, f32 r = 32 1.02; whole bench runs alternating
+  // with and without, slow phase: bf16 GQA 1.08, bf16 r = 8 1.12. f32 GQA and f32 r = 8 run as
+  // fast without it when memory is slow and up to 10% faster when fast. MHA, q8/q4 GQA and q4
+  // LRKV, whose compute hides the latency, were 4-8% slower with it.
   constexpr int kFarTiles = 3;
-  const bool far = kLrkv && rrb > rb && (!R::kQuant || !R::kNibbles);
+  const bool far = G > 1 && (R::kQuant ? kLrkv && !R::kNibbles : R::kGroupFarPrefetch || rrb > rb);
   float* m = part;
   float* l = part + G;
   float* acc = part + 2 * G;
