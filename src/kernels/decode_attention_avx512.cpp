@@ -48,9 +48,10 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // without their block scale, `row` pointing past the fp16 scales.
 
 // kMhaValuePrefetch: software prefetch of the next V tile with one query per KV head (MHA). f32 MHA
-// runs faster on the hardware prefetcher alone (Zen 5, 16K and 64K, A/B in one process: 5-8%
-// faster without it, and as fast without the K prefetch too); bf16 is no different either way,
-// q8/q4 are 20-150% slower without it.
+// runs faster on the hardware prefetcher alone (Zen 5, 16K and 64K, slow bandwidth phase: 5-8%
+// faster without it in one process, 5-10% in whole bench runs alternating the two binaries; as
+// fast without the K prefetch too); bf16 is no different either way, q8/q4 are 20-150% slower
+// without it.
 // kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece with
 // several queries per row; f32 takes it only for LRKV latents wider than the shared rows.
 struct F32Row {
