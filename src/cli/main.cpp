@@ -62,12 +62,9 @@ std::vector<std::string> nonempty_list(const std::string& option, const std::str
 CLI::Validator at_least(long long least, const std::string& why) {
   return CLI::Validator(
       [least, why](std::string& value) {
-        const std::string refusal = "must be a whole number >= " + std::to_string(least) + " (" + why + "), got '" + value + "'";
-        try {
-          return parse_integer(value, "") >= least ? std::string() : refusal;
-        } catch (const Error&) {
-          return refusal;
-        }
+        const auto v = whole_integer(value);
+        if (v && *v >= least) return std::string();
+        return "must be a whole number >= " + std::to_string(least) + " (" + why + "), got '" + value + "'";
       },
       ">=" + std::to_string(least));
 }
