@@ -31,7 +31,7 @@ namespace kvx::kernels::detail {
 
 namespace {
 
-constexpr int kMaxTile = 32;
+constexpr int kMaxTile = 64;
 constexpr int kRow = kMaxTile + 16;  // score row stride: room for a 16-row block past the tile
 constexpr float kNegInf = -INFINITY;
 
@@ -824,13 +824,16 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 
 // Rows per tile. Measured on Zen 5 at 16K tokens, A/B in one process, in this VM's slow (~48 GB/s)
 // and fast (~80 GB/s) bandwidth phases: one query per KV head (MHA), 32 rows (f32, against 16:
-// 1-2% and 6-7% faster); float rows with several queries, 16 rows of up to 256 bytes (bf16 GQA:
+// 1-2% and 6-7% faster), and for f32 rows past 256 bytes 64 (against 32: 1-5% faster when slow,
+// 5-9% when fast; whole bench runs alternating binaries: -2 to +6% and +1 to +7%; a stream read
+// in longer runs suits the hardware prefetcher; bf16 no better); float rows with several
+// queries, 16 rows of up to 256 bytes (bf16 GQA:
 // 0-19%, mostly 8-10%, faster than 32 when slow, the same when fast; 8 rows lost 8% when fast)
 // and 8 rows wider (f32 GQA: 9-10% faster than 16 when slow, the same when fast; 4 no better);
 // q8/q4 with several queries, 32 rows of up to 256 bytes (16 were 10-20% slower), else 16 (one
 // transpose).
 int tile_rows(size_t rb, int G, bool quant) {
-  if (G == 1) return 32;
+  if (G == 1) return quant || rb <= 256 ? 32 : kMaxTile;
   if (quant) return rb <= 256 ? 32 : 16;
   return rb <= 256 ? 16 : 8;
 }
@@ -936,6 +939,37 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
     const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
     _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), av));
   }
+}
+
+// run_piece's online softmax for one query's tile of 33..64 rows (f32/bf16 MHA, tile_rows), with
+// four score vectors. Out of line: inlined into run_piece, its code slowed f32 GQA 5-10%.
+__attribute__((noinline)) void wide_tile_softmax(float* s, float* l, float& m, float* acc, int d, int n) {
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 sv[kMaxTile / 16];
+  __m512 smax = ninf;
+  for (int v = 0; v < kMaxTile / 16; ++v) {
+    const int left = n - 16 * v;
+    const __mmask16 lanes = left >= 16 ? static_cast<__mmask16>(0xffff) : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
+    sv[v] = _mm512_mask_loadu_ps(ninf, lanes, s + 16 * v);
+    smax = _mm512_max_ps(smax, sv[v]);
+  }
+  if (_mm512_cmp_ps_mask(smax, _mm512_set1_ps(m), _CMP_GT_OQ)) {
+    const float mt = _mm512_reduce_max_ps(smax);
+    if (m != kNegInf) {
+      const float alpha = expf(m - mt);
+      scale_vec(l, 16, alpha);
+      scale_vec(acc, d, alpha);
+    }
+    m = mt;
+  }
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 lsum = _mm512_loadu_ps(l);
+  for (int v = 0; v < kMaxTile / 16; ++v) {
+    sv[v] = exp512(_mm512_sub_ps(sv[v], mv));
+    _mm512_storeu_ps(s + 16 * v, sv[v]);
+    lsum = _mm512_add_ps(lsum, sv[v]);
+  }
+  _mm512_storeu_ps(l, lsum);
 }
 
 // One piece: rows [r0, r1) of KV head `head` for its G queries -> part = [m[G], l[G],
@@ -1104,9 +1138,11 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     }
 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
+    if (n > 32)  // f32/bf16 MHA only (tile_rows): no residual, float weights
+      for (int g = 0; g < G; ++g) wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d, n);
     const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? 0xffff : static_cast<__mmask16>((1u << (n - 16)) - 1);
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < G && n <= 32; ++g) {
       float* sg = sc.s + g * kRow;
       const __m512 ninf = _mm512_set1_ps(kNegInf);
       const __m512 s0 = _mm512_mask_loadu_ps(ninf, lo, sg), s1 = _mm512_mask_loadu_ps(ninf, hi, sg + 16);

@@ -108,7 +108,7 @@ TEST(DecodeAttention, MatchesReferenceForEveryTypeAndGrouping) {
     if (t == KVType::F32 || t == KVType::BF16) dims.push_back(40);
     for (auto [H, Hkv] : groupings)
       for (int d : dims)
-        for (int64_t L : {1, 7, 33, 97})  // tails of 8-row blocks and 32-row tiles; pages of 16
+        for (int64_t L : {1, 7, 33, 97})  // tails of 8-row blocks and 32-row tiles; pages of 16 (MHA's 64-row tiles: below)
           check_case({t, H, Hkv, d, L, 16}, seed++);
   }
 }
@@ -118,6 +118,7 @@ TEST(DecodeAttention, LongerContextsAcrossPagesAndSplits) {
   for (KVType t : {KVType::F32, KVType::BF16, KVType::Q8, KVType::Q4}) {
     check_case({t, 8, 2, 128, 700, 256}, seed++);  // default-sized pages, partial last page
     check_case({t, 4, 4, 64, 515, 100}, seed++);   // pages that are not a multiple of the tile
+    check_case({t, 4, 4, 128, 515, 100}, seed++);  // (f32 MHA: 64-row tiles)
   }
   // stores past 2 MiB, whose pages are carved from chunks (KVStore): f32 6 MB, q4 2.5 MB
   check_case({KVType::F32, 8, 4, 128, 3000, 256}, seed++);
@@ -155,21 +156,23 @@ TEST(DecodeAttention, RandomShapesMatchReference) {
 }
 
 TEST(DecodeAttention, RunningMaxRisesEveryTile) {
-  // Scores grow with position, so every tile raises the max and rescales the accumulator.
-  for (KVType t : {KVType::F32, KVType::Q4}) {
-    std::mt19937 rng(400);
-    const int H = 4, Hkv = 2, d = 64;
-    KVStore s(t, Hkv, d, {}, 64);
-    fill(s, 300, rng, 0.05f);
-    std::vector<float> q(H * d, 0.0f);
-    for (int h = 0; h < H; ++h) q[h * d] = 3.0f;
-    std::vector<float> ref(q.size()), out(q.size());
-    for (DecodeIsa isa : isas(d)) {
-      decode_attention_reference(q.data(), H, s, 1.0f, ref.data(), decode_quantizes_query(isa, t, d));
-      decode_attention_splits(q.data(), H, s, 1.0f, out.data(), 2, 3, isa);
-      EXPECT_LE(rel_err(out, ref, H, d), 1e-5) << kv_type_name(t) << " " << decode_isa_name(isa);
+  // Scores grow with position, so every tile raises the max and rescales the accumulator. MHA
+  // (Hkv = H) runs f32 rows of 128 dims in tiles of 64 rows, here 64 + 36 a page.
+  for (KVType t : {KVType::F32, KVType::BF16, KVType::Q4})
+    for (int Hkv : {2, 4}) {
+      std::mt19937 rng(400);
+      const int H = 4, d = 128;
+      KVStore s(t, Hkv, d, {}, 100);
+      fill(s, 300, rng, 0.05f);
+      std::vector<float> q(H * d, 0.0f);
+      for (int h = 0; h < H; ++h) q[h * d] = 3.0f;
+      std::vector<float> ref(q.size()), out(q.size());
+      for (DecodeIsa isa : isas(d)) {
+        decode_attention_reference(q.data(), H, s, 1.0f, ref.data(), decode_quantizes_query(isa, t, d));
+        decode_attention_splits(q.data(), H, s, 1.0f, out.data(), 2, 3, isa);
+        EXPECT_LE(rel_err(out, ref, H, d), 1e-5) << kv_type_name(t) << " Hkv " << Hkv << " " << decode_isa_name(isa);
+      }
     }
-  }
 }
 
 TEST(DecodeAttention, EvictionAttendsToSinkAndWindowOnly) {
