@@ -941,7 +941,7 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
   }
 }
 
-// run_piece's online softmax for one query's tile of 33..64 rows (f32/bf16 MHA, tile_rows), with
+// run_piece's online softmax for one query's tile of 33..64 rows (f32 MHA, tile_rows), with
 // four score vectors. Out of line: inlined into run_piece, its code slowed f32 GQA 5-10%.
 __attribute__((noinline)) void wide_tile_softmax(float* s, float* l, float& m, float* acc, int d, int n) {
   const __m512 ninf = _mm512_set1_ps(kNegInf);
@@ -1138,7 +1138,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     }
 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
-    if (n > 32)  // f32/bf16 MHA only (tile_rows): no residual, float weights
+    if (n > 32)  // f32 MHA only (tile_rows): no residual, float weights
       for (int g = 0; g < G; ++g) wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d, n);
     const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? 0xffff : static_cast<__mmask16>((1u << (n - 16)) - 1);
