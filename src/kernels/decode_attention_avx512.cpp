@@ -823,15 +823,16 @@ KVX_INLINE size_t query_floats(int d) {
 KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 
 // Rows per tile. Measured on Zen 5 at 16K tokens, A/B in one process, in this VM's slow (~48 GB/s)
-// and fast (~80 GB/s) bandwidth phases: one query per KV head (MHA), 32 rows (f32, against 16:
-// 1-2% and 6-7% faster), and for f32 rows past 256 bytes 64 (against 32: 1-5% faster when slow,
-// 5-9% when fast; whole bench runs alternating binaries: -2 to +6% and +1 to +7%; a stream read
-// in longer runs suits the hardware prefetcher; bf16 no better); float rows with several
-// queries, 16 rows of up to 256 bytes (bf16 GQA:
-// 0-19%, mostly 8-10%, faster than 32 when slow, the same when fast; 8 rows lost 8% when fast)
-// and 8 rows wider (f32 GQA: 9-10% faster than 16 when slow, the same when fast; 4 no better);
-// q8/q4 with several queries, 32 rows of up to 256 bytes (16 were 10-20% slower), else 16 (one
-// transpose).
+// and fast (~80 GB/s) bandwidth phases:
+// - one query per KV head (MHA): 32 rows (f32, against 16: 1-2% and 6-7% faster); f32 rows past
+//   256 bytes 64 (against 32: 1-5% faster when slow, 5-9% when fast; whole bench runs alternating
+//   binaries: -2 to +6% and +1 to +7%; a stream read in longer runs suits the hardware
+//   prefetcher; bf16 no better);
+// - float rows with several queries: 16 rows of up to 256 bytes (bf16 GQA: 0-19%, mostly 8-10%,
+//   faster than 32 when slow, the same when fast; 8 rows lost 8% when fast), 8 rows wider (f32
+//   GQA: 9-10% faster than 16 when slow, the same when fast; 4 no better);
+// - q8/q4 with several queries: 32 rows of up to 256 bytes (16 were 10-20% slower), else 16 (one
+//   transpose).
 int tile_rows(size_t rb, int G, bool quant) {
   if (G == 1) return quant || rb <= 256 ? 32 : kMaxTile;
   if (quant) return rb <= 256 ? 32 : 16;
@@ -1142,7 +1143,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       for (int g = 0; g < G; ++g) wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d, n);
     const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? 0xffff : static_cast<__mmask16>((1u << (n - 16)) - 1);
-    for (int g = 0; g < G && n <= 32; ++g) {
+    for (int g = 0; g < G && n <= 32; ++g) {  // up to 32 rows (wider tiles: above)
       float* sg = sc.s + g * kRow;
       const __m512 ninf = _mm512_set1_ps(kNegInf);
       const __m512 s0 = _mm512_mask_loadu_ps(ninf, lo, sg), s1 = _mm512_mask_loadu_ps(ninf, hi, sg + 16);
