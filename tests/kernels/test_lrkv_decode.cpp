@@ -112,6 +112,13 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
     check(t, 16, 64, 6, 90, 16, {4, 28}, seed++);   // columns with eviction
     check(t, 16, 64, 8, 90, 16, {4, 28}, seed++);   // words with eviction
   }
+  // f32/bf16 latents of r % 32 != 0 (flat rows): the bench shape in 32-row tiles (bf16), more than
+  // 16 heads, a latent row that ends mid-vector, eviction.
+  for (KVType t : {KVType::F32, KVType::BF16}) {
+    check(t, 16, 128, 8, 70, 64, {}, seed++);
+    check(t, 20, 64, 6, 70, 64, {}, seed++);
+    check(t, 33, 32, 3, 45, 16, {4, 20}, seed++);
+  }
 }
 
 // Random shapes (seeded): head counts, widths and ranks the lists above do not name, short
