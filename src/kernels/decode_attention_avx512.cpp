@@ -15,10 +15,10 @@
 // the query is permuted to match and the V accumulator un-permuted at the end of a piece. q8/q4
 // codes are read unscaled, the V block scales folded into the weights (p_t d_b).
 // Zen 5, measured with loops of independent instructions of one or two kinds: FMAs and vpdpbusd
-// share two pipes; vpermps, vpmovsx/zx, vshufi32x4 and vpermt2q share two shuffle pipes; shifts
-// and vcvtdq2ps share the two add pipes; unpacks and logic ops run on all four. With FMAs in the
-// mix, about 3 vector instructions start a cycle, so the work around the multiply-adds
-// (conversions, transposes, horizontal sums) costs time even where its pipes are idle.
+// share two pipes; vpermps and vpmovsx/zx share two shuffle pipes (vshufi32x4, vpermt2q: also two
+// a cycle); shifts and vcvtdq2ps share the two add pipes; unpacks and logic ops run on all four.
+// With FMAs in the mix about 3 vector instructions start a cycle, so the work around the
+// multiply-adds (conversions, transposes, horizontal sums) costs time even where its pipes idle.
 #include "kernels/decode_attention_isa.h"
 
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__))
@@ -200,7 +200,8 @@ struct Prefetch {
 // avx512_prepare_latent_queries).
 // Tokens in lanes instead (K_s and latent rows of 16 tokens transposed once, each head's query
 // broadcast per dimension, no horizontal sums) measured no faster for bf16 at H = 16, r = 8 with
-// the cache in L2, and 5-15% slower in bench runs alternating the two binaries (Zen 5).
+// the cache in L2, and about 10% slower at 4K and 16K tokens in bench runs alternating the two
+// binaries (Zen 5, three runs each).
 struct FlatLatents {
   int r = 0;
   int row_vectors = 0;       // ceil(H r / 16)
