@@ -670,37 +670,41 @@ KVX_INLINE void latent_column_scores(const Rows& rows, size_t offset, int blocks
 // <= 16 accumulators in registers across the n rows. Weights: f32/bf16 w[g * wg + t] (the
 // softmax numerators); q8/q4 w[g * wg + j * kMaxTile + t], the numerators times the rows' block
 // scales (the codes are read unscaled).
-template <class R>
-KVX_INLINE float weight(const float* w, size_t wg, int g, int j, int t) {
-  if constexpr (R::kQuant)
-    return w[g * wg + static_cast<size_t>(j) * kMaxTile + t];
-  else
-    return w[g * wg + t];
-}
-
+// The loops over the accumulators are unrolled by pragma: left to GCC 12, they were not, and the
+// accumulators went through a stack array at each pass's ends (bf16, 4 queries, 16 L1-resident
+// rows: 23 cycles a row, 17 unrolled; the dense and LRKV kernels in L2 3-15% faster a call).
 template <class R, int GB, int JB>
 KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d, int j0) {
   static_assert(GB * 2 * JB <= 16, "value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
+  float* base = acc + 32 * j0;
+#pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(acc + g * d + 32 * j0 + 16 * i);
-  for (int t = 0; t < n; ++t) {
-    const uint8_t* row = v0 + t * rb;
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(base + g * d + 16 * i);
+  const uint8_t* row = v0;
+  const float* wt0 = R::kQuant ? w + static_cast<size_t>(j0) * kMaxTile : w;
+  for (int t = 0; t < n; ++t, row += rb, ++wt0) {
     __m512 wt[GB];  // f32/bf16: one weight per query and row, for all groups
     if constexpr (!R::kQuant)
-      for (int g = 0; g < GB; ++g) wt[g] = _mm512_set1_ps(w[g * wg + t]);
+#pragma GCC unroll 16
+      for (int g = 0; g < GB; ++g) wt[g] = _mm512_set1_ps(wt0[g * wg]);
+#pragma GCC unroll 16
     for (int jj = 0; jj < JB; ++jj) {
       __m512 va, vb;
       R::val(row, j0 + jj, va, vb);
+#pragma GCC unroll 16
       for (int g = 0; g < GB; ++g) {
-        const __m512 wv = R::kQuant ? _mm512_set1_ps(weight<R>(w, wg, g, j0 + jj, t)) : wt[g];
+        const __m512 wv = R::kQuant ? _mm512_set1_ps(wt0[g * wg + static_cast<size_t>(jj) * kMaxTile]) : wt[g];
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
     }
   }
+#pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * d + 32 * j0 + 16 * i, a[g][i]);
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(base + g * d + 16 * i, a[g][i]);
 }
 
 // LRKV latents: acc_r[g] += sum_t w(g, t, j) R_{h0+g},t for GB heads, each reading its own
@@ -711,19 +715,28 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
                                     float* acc, int r, int jr0) {
   static_assert(GB * 2 * JB <= 16, "residual_value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
+  float* base = acc + 32 * jr0;
+#pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(acc + g * r + 32 * jr0 + 16 * i);
-  for (int t = 0; t < n; ++t)
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(base + g * r + 16 * i);
+  const uint8_t* row = v0;
+  const float* wt = R::kQuant ? w + static_cast<size_t>(jr0) * kMaxTile : w;
+  for (int t = 0; t < n; ++t, row += rb, ++wt)
+#pragma GCC unroll 16
     for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 16
       for (int jj = 0; jj < JB; ++jj) {
         __m512 va, vb;
-        R::val(v0 + t * rb + g * head_bytes, jr0 + jj, va, vb);
-        const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, g, jr0 + jj, t));
+        R::val(row + g * head_bytes, jr0 + jj, va, vb);
+        const __m512 wv = _mm512_set1_ps(wt[g * wg + (R::kQuant ? static_cast<size_t>(jj) * kMaxTile : 0)]);
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
+#pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * r + 32 * jr0 + 16 * i, a[g][i]);
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(base + g * r + 16 * i, a[g][i]);
 }
 
 template <class R, int GB>
