@@ -1182,12 +1182,13 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         m[g] = mt;
       }
       const __m512 mv = _mm512_set1_ps(m[g]);
-      const __m512 p0 = exp512(_mm512_sub_ps(s0, mv)), p1 = exp512(_mm512_sub_ps(s1, mv));
+      // tiles of up to 16 rows (f32/bf16 GQA, LRKV's widest rows, a page's end) skip the second vector
+      const __m512 p0 = exp512(_mm512_sub_ps(s0, mv)), p1 = n > 16 ? exp512(_mm512_sub_ps(s1, mv)) : _mm512_setzero_ps();
       if (!R::kQuant || latent_straddle) {  // f32/bf16 weights (and latent_row_values'); q8/q4 keep theirs with the V scales below
         _mm512_storeu_ps(sg, p0);
-        _mm512_storeu_ps(sg + 16, p1);
+        if (n > 16) _mm512_storeu_ps(sg + 16, p1);
       }
-      _mm512_storeu_ps(lg, _mm512_add_ps(_mm512_loadu_ps(lg), _mm512_add_ps(p0, p1)));
+      _mm512_storeu_ps(lg, _mm512_add_ps(_mm512_loadu_ps(lg), n > 16 ? _mm512_add_ps(p0, p1) : p0));
       if constexpr (R::kQuant)  // value weights: the numerators times the V rows' block scales
         for (int t0 = 0; t0 < n; t0 += 16) {
           const __m512 p = t0 == 0 ? p0 : p1;
