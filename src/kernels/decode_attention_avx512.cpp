@@ -57,11 +57,15 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // faster without it in one process, 5-10% in whole bench runs alternating the two binaries; as
 // fast without the K prefetch too); bf16 is no different either way, q8/q4 are 20-150% slower
 // without it.
+// kStepValueRows: value_pass steps its row and weight pointers (f32/bf16), or indexes them from the
+// tile's start (q8/q4). Zen 5, 16K, caches emptied, A/B in one process: stepping made f32 GQA
+// 6-17% and bf16 LRKV r = 8 2-4% faster, and q8 GQA 1-5% and q8 LRKV r = 32 1-7% slower.
 // kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece with
 // several queries per row; f32 takes it only for LRKV latents wider than the shared rows.
 struct F32Row {
   static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false,
-                        kGroupFarPrefetch = false;
+                        kGroupFarPrefetch = false,
+                        kStepValueRows = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const float* p = reinterpret_cast<const float*>(row) + 32 * j;
     a = _mm512_loadu_ps(p);
@@ -76,7 +80,8 @@ struct F32Row {
 
 struct BF16Row {
   static constexpr bool kQuant = false, kPerm = true, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
-                        kGroupFarPrefetch = true;
+                        kGroupFarPrefetch = true,
+                        kStepValueRows = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_loadu_si512(row + 64 * j);
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -92,7 +97,8 @@ struct BF16Row {
 // q8/q4 keys are read by token_scores below, in integers.
 struct Q8Row {
   static constexpr bool kQuant = true, kPerm = false, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
-                        kGroupFarPrefetch = false;
+                        kGroupFarPrefetch = false,
+                        kStepValueRows = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const uint8_t* p = row + 32 * j;
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -105,7 +111,8 @@ KVX_INLINE __m512 q4_values() { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2
 
 struct Q4Row {
   static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false, kMhaValuePrefetch = true,
-                        kGroupFarPrefetch = false;
+                        kGroupFarPrefetch = false,
+                        kStepValueRows = false;
   // even positions, odd positions
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
@@ -672,7 +679,8 @@ KVX_INLINE void latent_column_scores(const Rows& rows, size_t offset, int blocks
 // scales (the codes are read unscaled).
 // The loops over the accumulators are unrolled by pragma: left to GCC 12, they were not, and the
 // accumulators went through a stack array at each pass's ends (bf16, 4 queries, 16 L1-resident
-// rows: 23 cycles a row, 17 unrolled; the dense and LRKV kernels in L2 3-15% faster a call).
+// rows: 23 cycles a row, 17 unrolled). Rows stepped or indexed: R::kStepValueRows (residual_value_pass
+// indexes: stepping there made q8 LRKV r = 32 3% slower).
 template <class R, int GB, int JB>
 KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d, int j0) {
   static_assert(GB * 2 * JB <= 16, "value_pass holds up to 16 accumulators");
@@ -682,24 +690,30 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 16
     for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(base + g * d + 16 * i);
-  const uint8_t* row = v0;
-  const float* wt0 = R::kQuant ? w + static_cast<size_t>(j0) * kMaxTile : w;
-  for (int t = 0; t < n; ++t, row += rb, ++wt0) {
-    __m512 wt[GB];  // f32/bf16: one weight per query and row, for all groups
+  const float* w0 = R::kQuant ? w + static_cast<size_t>(j0) * kMaxTile : w;  // row 0's weights
+  auto add_row = [&](const uint8_t* row, const float* wt) __attribute__((always_inline)) {
+    __m512 wf[GB];  // f32/bf16: one weight per query and row, for all groups
     if constexpr (!R::kQuant)
 #pragma GCC unroll 16
-      for (int g = 0; g < GB; ++g) wt[g] = _mm512_set1_ps(wt0[g * wg]);
+      for (int g = 0; g < GB; ++g) wf[g] = _mm512_set1_ps(wt[g * wg]);
 #pragma GCC unroll 16
     for (int jj = 0; jj < JB; ++jj) {
       __m512 va, vb;
       R::val(row, j0 + jj, va, vb);
 #pragma GCC unroll 16
       for (int g = 0; g < GB; ++g) {
-        const __m512 wv = R::kQuant ? _mm512_set1_ps(wt0[g * wg + static_cast<size_t>(jj) * kMaxTile]) : wt[g];
+        const __m512 wv = R::kQuant ? _mm512_set1_ps(wt[g * wg + static_cast<size_t>(jj) * kMaxTile]) : wf[g];
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
     }
+  };
+  if constexpr (R::kStepValueRows) {
+    const uint8_t* row = v0;
+    const float* wt = w0;
+    for (int t = 0; t < n; ++t, row += rb, ++wt) add_row(row, wt);
+  } else {
+    for (int t = 0; t < n; ++t) add_row(v0 + t * rb, w0 + t);
   }
 #pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
@@ -715,28 +729,25 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
                                     float* acc, int r, int jr0) {
   static_assert(GB * 2 * JB <= 16, "residual_value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
-  float* base = acc + 32 * jr0;
 #pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 16
-    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(base + g * r + 16 * i);
-  const uint8_t* row = v0;
-  const float* wt = R::kQuant ? w + static_cast<size_t>(jr0) * kMaxTile : w;
-  for (int t = 0; t < n; ++t, row += rb, ++wt)
+    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(acc + g * r + 32 * jr0 + 16 * i);
+  for (int t = 0; t < n; ++t)
 #pragma GCC unroll 16
     for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 16
       for (int jj = 0; jj < JB; ++jj) {
         __m512 va, vb;
-        R::val(row + g * head_bytes, jr0 + jj, va, vb);
-        const __m512 wv = _mm512_set1_ps(wt[g * wg + (R::kQuant ? static_cast<size_t>(jj) * kMaxTile : 0)]);
+        R::val(v0 + t * rb + g * head_bytes, jr0 + jj, va, vb);
+        const __m512 wv = _mm512_set1_ps(R::kQuant ? w[g * wg + static_cast<size_t>(jr0 + jj) * kMaxTile + t] : w[g * wg + t]);
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
 #pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 16
-    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(base + g * r + 16 * i, a[g][i]);
+    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * r + 32 * jr0 + 16 * i, a[g][i]);
 }
 
 template <class R, int GB>
