@@ -57,15 +57,17 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // faster without it in one process, 5-10% in whole bench runs alternating the two binaries; as
 // fast without the K prefetch too); bf16 is no different either way, q8/q4 are 20-150% slower
 // without it.
-// kStepValueRows: value_pass steps its row and weight pointers (f32/bf16), or indexes them from the
-// tile's start (q8/q4). Zen 5, 16K, caches emptied, A/B in one process: stepping made f32 GQA
-// 6-17% and bf16 LRKV r = 8 2-4% faster, and q8 GQA 1-5% and q8 LRKV r = 32 1-7% slower.
+// kUnrolledValuePass: value_pass unrolls its loops over the accumulators by pragma and steps its
+// row and weight pointers (f32/bf16), or keeps plain indexed loops (q8/q4). Zen 5, 16K, caches
+// emptied, A/B in one process: the unrolled stepped pass made f32 GQA 5-17%, bf16 GQA 1-9% and
+// bf16 LRKV r = 8 2-4% faster than plain loops; for q8 the plain loops measured 1-7% faster (GQA,
+// LRKV r = 8 and 32) than unrolled ones, stepped or not, though slower in cache.
 // kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece with
 // several queries per row; f32 takes it only for LRKV latents wider than the shared rows.
 struct F32Row {
   static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false,
                         kGroupFarPrefetch = false,
-                        kStepValueRows = true;
+                        kUnrolledValuePass = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const float* p = reinterpret_cast<const float*>(row) + 32 * j;
     a = _mm512_loadu_ps(p);
@@ -81,7 +83,7 @@ struct F32Row {
 struct BF16Row {
   static constexpr bool kQuant = false, kPerm = true, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = true,
-                        kStepValueRows = true;
+                        kUnrolledValuePass = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_loadu_si512(row + 64 * j);
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -98,7 +100,7 @@ struct BF16Row {
 struct Q8Row {
   static constexpr bool kQuant = true, kPerm = false, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = false,
-                        kStepValueRows = false;
+                        kUnrolledValuePass = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const uint8_t* p = row + 32 * j;
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -112,7 +114,7 @@ KVX_INLINE __m512 q4_values() { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2
 struct Q4Row {
   static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = false,
-                        kStepValueRows = false;
+                        kUnrolledValuePass = false;
   // even positions, odd positions
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
@@ -677,10 +679,17 @@ KVX_INLINE void latent_column_scores(const Rows& rows, size_t offset, int blocks
 // <= 16 accumulators in registers across the n rows. Weights: f32/bf16 w[g * wg + t] (the
 // softmax numerators); q8/q4 w[g * wg + j * kMaxTile + t], the numerators times the rows' block
 // scales (the codes are read unscaled).
-// The loops over the accumulators are unrolled by pragma: left to GCC 12, they were not, and the
-// accumulators went through a stack array at each pass's ends (bf16, 4 queries, 16 L1-resident
-// rows: 23 cycles a row, 17 unrolled). Rows stepped or indexed: R::kStepValueRows (residual_value_pass
-// indexes: stepping there made q8 LRKV r = 32 3% slower).
+template <class R>
+KVX_INLINE float weight(const float* w, size_t wg, int g, int j, int t) {
+  if constexpr (R::kQuant)
+    return w[g * wg + static_cast<size_t>(j) * kMaxTile + t];
+  else
+    return w[g * wg + t];
+}
+
+// R::kUnrolledValuePass: the loops over the accumulators unrolled by pragma. Left to GCC 12, they
+// were not, and the accumulators went through a stack array at each pass's ends (bf16, 4 queries,
+// 16 L1-resident rows: 23 cycles a row, 17 unrolled and stepped).
 template <class R, int GB, int JB>
 KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d, int j0) {
   static_assert(GB * 2 * JB <= 16, "value_pass holds up to 16 accumulators");
@@ -708,12 +717,23 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
       }
     }
   };
-  if constexpr (R::kStepValueRows) {
+  if constexpr (R::kUnrolledValuePass) {
     const uint8_t* row = v0;
     const float* wt = w0;
     for (int t = 0; t < n; ++t, row += rb, ++wt) add_row(row, wt);
   } else {
-    for (int t = 0; t < n; ++t) add_row(v0 + t * rb, w0 + t);
+    for (int t = 0; t < n; ++t) {
+      const uint8_t* row = v0 + t * rb;
+      for (int jj = 0; jj < JB; ++jj) {
+        __m512 va, vb;
+        R::val(row, j0 + jj, va, vb);
+        for (int g = 0; g < GB; ++g) {
+          const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, g, j0 + jj, t));
+          a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
+          a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
+        }
+      }
+    }
   }
 #pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
@@ -729,24 +749,18 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
                                     float* acc, int r, int jr0) {
   static_assert(GB * 2 * JB <= 16, "residual_value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
-#pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
-#pragma GCC unroll 16
     for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(acc + g * r + 32 * jr0 + 16 * i);
   for (int t = 0; t < n; ++t)
-#pragma GCC unroll 16
     for (int g = 0; g < GB; ++g)
-#pragma GCC unroll 16
       for (int jj = 0; jj < JB; ++jj) {
         __m512 va, vb;
         R::val(v0 + t * rb + g * head_bytes, jr0 + jj, va, vb);
-        const __m512 wv = _mm512_set1_ps(R::kQuant ? w[g * wg + static_cast<size_t>(jr0 + jj) * kMaxTile + t] : w[g * wg + t]);
+        const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, g, jr0 + jj, t));
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
-#pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
-#pragma GCC unroll 16
     for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * r + 32 * jr0 + 16 * i, a[g][i]);
 }
 
