@@ -59,9 +59,9 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // without it.
 // kUnrolledValuePass: value_pass unrolls its loops over the accumulators by pragma and steps its
 // row and weight pointers (f32/bf16), or keeps plain indexed loops (q8/q4). Zen 5, 16K, caches
-// emptied, A/B in one process: the unrolled stepped pass made f32 GQA 5-17%, bf16 GQA 1-9% and
-// bf16 LRKV r = 8 2-4% faster than plain loops; for q8 the plain loops measured 1-7% faster (GQA,
-// LRKV r = 8 and 32) than unrolled ones, stepped or not, though slower in cache.
+// emptied, A/B in one process against the plain loops: f32 GQA 3-14% and bf16 GQA up to 9% faster
+// (the other f32/bf16 cases within 3%); unrolled, stepped or not, q8 LRKV r = 8 and 32 ran 2-10%
+// slower, though faster in cache. Indexed rows with the unrolling cost f32 GQA 15-20%.
 // kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece with
 // several queries per row; f32 takes it only for LRKV latents wider than the shared rows.
 struct F32Row {
