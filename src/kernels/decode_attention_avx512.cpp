@@ -689,9 +689,11 @@ KVX_INLINE float weight(const float* w, size_t wg, int g, int j, int t) {
 
 // R::kUnrolledValuePass: the loops over the accumulators unrolled by pragma. Left to GCC 12, they
 // were not, and the accumulators went through a stack array at each pass's ends (bf16, 4 queries,
-// 16 L1-resident rows: 23 cycles a row, 17 unrolled and stepped).
+// 16 L1-resident rows: 23 cycles a row, 17 unrolled and stepped). pf: the unrolled pass prefetches
+// [pf_lo, pf_hi) of it in steps of 8 rows (value_tile).
 template <class R, int GB, int JB>
-KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d, int j0) {
+KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d, int j0,
+                           const Prefetch* pf = nullptr, size_t pf_lo = 0, size_t pf_hi = 0) {
   static_assert(GB * 2 * JB <= 16, "value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
   float* base = acc + 32 * j0;
@@ -720,7 +722,16 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
   if constexpr (R::kUnrolledValuePass) {
     const uint8_t* row = v0;
     const float* wt = w0;
-    for (int t = 0; t < n; ++t, row += rb, ++wt) add_row(row, wt);
+    const size_t chunk = n > 0 ? (pf_hi - pf_lo) * 8 / n : 0;
+    size_t at = pf_lo;
+    for (int t = 0; t < n; ++t, row += rb, ++wt) {
+      if (pf && t % 8 == 0) {
+        const size_t to = t + 8 >= n ? pf_hi : at + chunk;
+        pf->range(at, to);
+        at = to;
+      }
+      add_row(row, wt);
+    }
   } else {
     for (int t = 0; t < n; ++t) {
       const uint8_t* row = v0 + t * rb;
@@ -837,7 +848,9 @@ KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const flo
 
 // All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
 // needs several accumulators to hide the FMA latency); the passes share out the prefetch of
-// the next V tile.
+// the next V tile, f32/bf16 passes (kUnrolledValuePass) their share in steps of 8 rows (Zen 5,
+// 16K, caches emptied, A/B in one process against the share at the pass's start: bf16 MHA and
+// GQA 1-4%, bf16 LRKV r = 8 0-7%, f32 GQA 1-6% when memory is slow, the same when fast).
 template <class R, int GB>
 KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d,
                            const Prefetch* pf) {
@@ -847,8 +860,12 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
   int j = 0;
   auto pass = [&](auto jb) {
     constexpr int B = decltype(jb)::value;
-    if (pf) pf->range(bytes * j / nj, bytes * (j + B) / nj);
-    value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j);
+    if constexpr (R::kUnrolledValuePass) {
+      value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
+    } else {
+      if (pf) pf->range(bytes * j / nj, bytes * (j + B) / nj);
+      value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j);
+    }
     j += B;
   };
   while (j + JB <= nj) pass(Int<JB>{});
