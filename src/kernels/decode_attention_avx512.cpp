@@ -696,7 +696,7 @@ KVX_INLINE float weight(const float* w, size_t wg, int g, int j, int t) {
 
 // R::kUnrolledValuePass: the loops over the accumulators unrolled by pragma. Left to GCC 12, they
 // were not, and the accumulators went through a stack array at each pass's ends (bf16, 4 queries,
-// 16 L1-resident rows: 23 cycles a row, 17 unrolled and stepped). pf: the unrolled pass prefetches
+// 16 L1-resident rows: 23 cycles a row, 17 unrolled and stepped). pf: the pass prefetches
 // [pf_lo, pf_hi) of it in steps of 8 rows (value_tile).
 template <class R, int GB, int JB>
 KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d, int j0,
@@ -740,7 +740,9 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
       add_row(row, wt);
     }
   } else {
+    const size_t chunk = n > 0 ? (pf_hi - pf_lo) * 8 / n : 0;
     for (int t = 0; t < n; ++t) {
+      if (pf && t % 8 == 0) pf->range(pf_lo + chunk * (t / 8), t + 8 >= n ? pf_hi : pf_lo + chunk * (t / 8 + 1));
       const uint8_t* row = v0 + t * rb;
       for (int jj = 0; jj < JB; ++jj) {
         __m512 va, vb;
@@ -855,9 +857,10 @@ KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const flo
 
 // All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
 // needs several accumulators to hide the FMA latency); the passes share out the prefetch of
-// the next V tile, f32/bf16 passes (kUnrolledValuePass) their share in steps of 8 rows (Zen 5,
-// 16K, caches emptied, A/B in one process against the share at the pass's start: bf16 MHA and
-// GQA 1-4%, bf16 LRKV r = 8 0-7%, f32 GQA 1-6% when memory is slow, the same when fast).
+// the next V tile, f32/bf16 passes (kUnrolledValuePass) and every MHA pass their share in steps of
+// 8 rows (Zen 5, 16K, caches emptied, A/B in one process against the share at the pass's start:
+// bf16 MHA and GQA 1-4%, bf16 LRKV r = 8 0-7%, f32 GQA 1-6% faster when memory is slow, the same
+// when fast; q8 MHA 4-8% faster; q8/q4 GQA ran slower, so they keep the share at the start).
 template <class R, int GB>
 KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d,
                            const Prefetch* pf) {
@@ -867,7 +870,7 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
   int j = 0;
   auto pass = [&](auto jb) {
     constexpr int B = decltype(jb)::value;
-    if constexpr (R::kUnrolledValuePass) {
+    if constexpr (R::kUnrolledValuePass || GB == 1) {
       value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else {
       if (pf) pf->range(bytes * j / nj, bytes * (j + B) / nj);
