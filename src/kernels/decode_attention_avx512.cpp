@@ -857,10 +857,11 @@ KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const flo
 
 // All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
 // needs several accumulators to hide the FMA latency); the passes share out the prefetch of
-// the next V tile, f32/bf16 passes (kUnrolledValuePass) and every MHA pass their share in steps of
+// the next V tile, f32/bf16 passes (kUnrolledValuePass) and q8 MHA passes their share in steps of
 // 8 rows (Zen 5, 16K, caches emptied, A/B in one process against the share at the pass's start:
 // bf16 MHA and GQA 1-4%, bf16 LRKV r = 8 0-7%, f32 GQA 1-6% faster when memory is slow, the same
-// when fast; q8 MHA 4-8% faster; q8/q4 GQA ran slower, so they keep the share at the start).
+// when fast; q8 MHA 4-8% faster, though no faster than before the f32/bf16 passes were unrolled;
+// q4 MHA 12-14% and q8/q4 GQA slower, so they keep the share at the start).
 template <class R, int GB>
 KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d,
                            const Prefetch* pf) {
@@ -870,7 +871,7 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
   int j = 0;
   auto pass = [&](auto jb) {
     constexpr int B = decltype(jb)::value;
-    if constexpr (R::kUnrolledValuePass || GB == 1) {
+    if constexpr (R::kUnrolledValuePass || (GB == 1 && !R::kNibbles)) {
       value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else {
       if (pf) pf->range(bytes * j / nj, bytes * (j + B) / nj);
