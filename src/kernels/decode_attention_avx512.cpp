@@ -726,23 +726,20 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
       }
     }
   };
+  const size_t chunk = n > 0 ? (pf_hi - pf_lo) * 8 / n : 0;  // the prefetch per 8 rows
+  auto prefetch_step = [&](int t) __attribute__((always_inline)) {
+    if (pf && t % 8 == 0) pf->range(pf_lo + chunk * (t / 8), t + 8 >= n ? pf_hi : pf_lo + chunk * (t / 8 + 1));
+  };
   if constexpr (R::kUnrolledValuePass) {
     const uint8_t* row = v0;
     const float* wt = w0;
-    const size_t chunk = n > 0 ? (pf_hi - pf_lo) * 8 / n : 0;
-    size_t at = pf_lo;
     for (int t = 0; t < n; ++t, row += rb, ++wt) {
-      if (pf && t % 8 == 0) {
-        const size_t to = t + 8 >= n ? pf_hi : at + chunk;
-        pf->range(at, to);
-        at = to;
-      }
+      prefetch_step(t);
       add_row(row, wt);
     }
   } else {
-    const size_t chunk = n > 0 ? (pf_hi - pf_lo) * 8 / n : 0;
     for (int t = 0; t < n; ++t) {
-      if (pf && t % 8 == 0) pf->range(pf_lo + chunk * (t / 8), t + 8 >= n ? pf_hi : pf_lo + chunk * (t / 8 + 1));
+      prefetch_step(t);
       const uint8_t* row = v0 + t * rb;
       for (int jj = 0; jj < JB; ++jj) {
         __m512 va, vb;
