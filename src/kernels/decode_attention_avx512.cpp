@@ -62,12 +62,14 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // emptied, A/B in one process against the plain loops: f32 GQA 3-14% and bf16 GQA up to 9% faster
 // (the other f32/bf16 cases within 3%); unrolled, stepped or not, q8 LRKV r = 8 and 32 ran 2-10%
 // slower, though faster in cache. Indexed rows with the unrolling cost f32 GQA 15-20%.
+// kMhaValuePrefetchSteps: MHA value passes prefetch the next V tile in steps of 8 rows (value_tile),
+// not in one burst at the pass's start (q4 MHA ran 12-14% slower in steps).
 // kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece with
 // several queries per row; f32 takes it only for LRKV latents wider than the shared rows.
 struct F32Row {
   static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = true;
+                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const float* p = reinterpret_cast<const float*>(row) + 32 * j;
     a = _mm512_loadu_ps(p);
@@ -83,7 +85,7 @@ struct F32Row {
 struct BF16Row {
   static constexpr bool kQuant = false, kPerm = true, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = true,
-                        kUnrolledValuePass = true;
+                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_loadu_si512(row + 64 * j);
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -100,7 +102,7 @@ struct BF16Row {
 struct Q8Row {
   static constexpr bool kQuant = true, kPerm = false, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = false;
+                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const uint8_t* p = row + 32 * j;
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -114,7 +116,7 @@ KVX_INLINE __m512 q4_values() { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2
 struct Q4Row {
   static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = false;
+                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = false;
   // even positions, odd positions
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
@@ -868,7 +870,7 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
   int j = 0;
   auto pass = [&](auto jb) {
     constexpr int B = decltype(jb)::value;
-    if constexpr (R::kUnrolledValuePass || (GB == 1 && !R::kNibbles)) {
+    if constexpr (R::kUnrolledValuePass || (GB == 1 && R::kMhaValuePrefetchSteps)) {
       value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else {
       if (pf) pf->range(bytes * j / nj, bytes * (j + B) / nj);
