@@ -351,22 +351,25 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   // Roofline inputs, measured in this run: the multiply-add peak per back end (its vector
   // width) and the read bandwidth, probed before, between and after the timings (this VM's
   // bandwidth drifts between phases minutes long).
-  // q8/q4 scores are int8 dot products (the query quantised too), so their multiply-adds count
-  // against that instruction's own peak.
-  std::map<kernels::DecodeIsa, double> peak_gmacs, int8_peak_gmacs;
+  // q8/q4 scores are int8 dot products (the query quantised too), and bf16 scores bf16 dot
+  // products where the back end has them (decode_dots_bf16), so their multiply-adds count against
+  // that instruction's own peak.
+  std::map<kernels::DecodeIsa, double> peak_gmacs, int8_peak_gmacs, bf16_peak_gmacs;
   auto measure_peak = [&](kernels::DecodeIsa isa) {
     if (peak_gmacs.count(isa)) return;
     const int lanes = isa == kernels::DecodeIsa::Avx512 ? 16 : 8;
     peak_gmacs[isa] = kernels::measure_fma_peak_gmacs(lanes, threads, 0.5);
     int8_peak_gmacs[isa] = kernels::measure_int8_dot_peak_gmacs(lanes, threads, 0.5);
+    bf16_peak_gmacs[isa] = kernels::decode_dots_bf16(isa) ? kernels::measure_bf16_dot_peak_gmacs(threads, 0.5) : peak_gmacs[isa];
     rows.push_back({{"fma_peak_gmacs", peak_gmacs[isa]},
                     {"int8_dot_peak_gmacs", int8_peak_gmacs[isa]},
+                    {"bf16_dot_peak_gmacs", bf16_peak_gmacs[isa]},
                     {"isa", kernels::decode_isa_name(isa)},
                     {"lanes", lanes},
                     {"threads", threads}});
     if (verbose)
-      std::fprintf(stderr, "bench decode: %s multiply-add peak %.1f G MAC/s (f32), %.1f (int8 dot products)\n",
-                   kernels::decode_isa_name(isa).c_str(), peak_gmacs[isa], int8_peak_gmacs[isa]);
+      std::fprintf(stderr, "bench decode: %s multiply-add peak %.1f G MAC/s (f32), %.1f (int8 dot products), %.1f (bf16 scores)\n",
+                   kernels::decode_isa_name(isa).c_str(), peak_gmacs[isa], int8_peak_gmacs[isa], bf16_peak_gmacs[isa]);
   };
   // The back ends asked for, as requested (auto) and as the dense kernel resolves them.
   std::vector<kernels::DecodeIsa> requested, isas;
@@ -631,8 +634,9 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
       if (t.rank >= 0 && u.rank < 0 && u.isa == t.dense_isa && u.hkv == o.heads && u.type == t.type) mha_s = u.seconds;
     }
     // Multiply-adds per step: scores and values, every query head, every cached row (LRKV: the
-    // shared width plus the latent's); q8/q4 scores at the int8 dot-product peak, the rest at the
-    // f32 multiply-add peak.
+    // shared width plus the latent's); q8/q4 scores at the int8 dot-product peak, bf16 scores at
+    // the bf16 one (the f32 peak where the back end widens them; LRKV latents of r % 32 != 0 are
+    // widened), the rest at the f32 multiply-add peak.
     const int width = o.head_dim + std::max(t.rank, 0);
     const double macs = 2.0 * o.heads * static_cast<double>(t.ctx) * width;
     // (LRKV latents of q8/q4 that the kernel dequantises count as f32)
@@ -641,7 +645,10 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     const double scored_rows = static_cast<double>(o.heads) * t.ctx;  // query heads x cached rows
     const double int8_macs = !quant ? 0.0
                              : scored_rows * (o.head_dim + (t.rank > 0 && kernels::lrkv_latent_scores_in_int8(t.isa, type, t.rank) ? t.rank : 0));
-    const double fma_floor = int8_macs / (int8_peak_gmacs[t.isa] * 1e9) + (macs - int8_macs) / (peak_gmacs[t.isa] * 1e9);
+    const double bf16_macs = type != kernels::KVType::BF16 ? 0.0
+                             : scored_rows * (o.head_dim + (t.rank > 0 && t.rank % 32 == 0 ? t.rank : 0));
+    const double fma_floor = int8_macs / (int8_peak_gmacs[t.isa] * 1e9) + bf16_macs / (bf16_peak_gmacs[t.isa] * 1e9) +
+                             (macs - int8_macs - bf16_macs) / (peak_gmacs[t.isa] * 1e9);
     const double bw_floor = t.bytes / (t.stream * 1e9);
     const double floor = std::max(bw_floor, fma_floor), s = t.seconds;
     nlohmann::json row = {{"cache", o.types[t.type]},

@@ -71,6 +71,21 @@ __attribute__((target("avx512f,avx512vnni"))) float int8_chains_avx512() {
   return static_cast<float>(_mm512_reduce_add_epi32(t));
 }
 
+// bf16 dot-product chains: vdpbf16ps (AVX-512 BF16: 32 multiply-adds per instruction, pairs of
+// bf16 products into fp32 lanes), what the AVX-512 decode kernel scores bf16 keys with.
+__attribute__((target("avx512f,avx512bf16"))) float bf16_chains_avx512() {
+  __m512 a[kChainsAvx512];
+  for (int i = 0; i < kChainsAvx512; ++i) a[i] = _mm512_set1_ps(1.0f + 0.001f * i);
+  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x3f803f80), c = (__m512bh)_mm512_set1_epi32(0x33d633d6);  // 1.0, 1e-7 pairs
+  for (long it = 0; it < kIters; ++it)
+    for (int i = 0; i < kChainsAvx512; ++i) a[i] = _mm512_dpbf16_ps(a[i], b, c);
+  __m512 s = a[0];
+  for (int i = 1; i < kChainsAvx512; ++i) s = _mm512_add_ps(s, a[i]);
+  alignas(64) float r[16];
+  _mm512_store_ps(r, s);
+  return r[0];
+}
+
 // Best multiply-adds per second (1e9) of `chains` run by T threads, each pass `macs_per_thread`.
 template <class Chains>
 double best_rate(Chains chains, double macs_per_thread, int T, double seconds) {
@@ -112,6 +127,14 @@ double measure_int8_dot_peak_gmacs(int lanes, int threads, double seconds) {
   // 4 byte products per 32-bit lane (VNNI), 2 per 16-bit lane of a 256-bit vector (AVX2)
   const double macs = static_cast<double>(kIters) * (lanes == 16 ? kChainsAvx512 * 64 : kChainsAvx2 * 32);
   return lanes == 16 ? best_rate(int8_chains_avx512, macs, T, seconds) : best_rate(int8_chains_avx2, macs, T, seconds);
+}
+
+double measure_bf16_dot_peak_gmacs(int threads, double seconds) {
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16"))
+    throw Error("measure_bf16_dot_peak_gmacs: this CPU has no AVX-512 BF16");
+  const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
+  const double macs = static_cast<double>(kIters) * kChainsAvx512 * 32;  // 2 products per fp32 lane
+  return best_rate(bf16_chains_avx512, macs, T, seconds);
 }
 
 }  // namespace kvx::kernels

@@ -14,4 +14,8 @@ double measure_fma_peak_gmacs(int lanes, int threads = 0, double seconds = 0.5);
 // vpmaddubsw into 16-bit sums plus an add (32 per pair), as the decode kernels use them.
 double measure_int8_dot_peak_gmacs(int lanes, int threads = 0, double seconds = 0.5);
 
+// The same for bf16 dot products (AVX-512 BF16's vdpbf16ps, 32 multiply-adds each), what the
+// AVX-512 decode kernel scores bf16 keys with where the CPU has them (decode_dots_bf16).
+double measure_bf16_dot_peak_gmacs(int threads = 0, double seconds = 0.5);
+
 }  // namespace kvx::kernels

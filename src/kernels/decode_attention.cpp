@@ -1047,15 +1047,16 @@ float* detail::avx2_prepare_queries(const float* q, int heads, int d, float scal
     prepare_int_queries(q, heads, d, scale, type, qs);
     return qs;
   }
-  for (size_t i = 0; i < n; ++i) qs[i] = q[i] * scale;
+  round_query(type, q, static_cast<int>(n), scale, qs);  // bf16: rounded to bf16 (round_query)
   if (type == KVType::BF16)
     for (int h = 0; h < heads; ++h)
       for (int i = 0; i + 16 <= d; i += 16) {
-        const float* x = q + static_cast<size_t>(h) * d + i;
         float* y = qs + static_cast<size_t>(h) * d + i;
+        float x[16];
+        std::copy(y, y + 16, x);
         for (int j = 0; j < 8; ++j) {
-          y[j] = x[2 * j] * scale;
-          y[8 + j] = x[2 * j + 1] * scale;
+          y[j] = x[2 * j];
+          y[8 + j] = x[2 * j + 1];
         }
       }
   return qs;
@@ -1308,20 +1309,22 @@ void decode_attention(const float* q, int heads, const KVStore& kv, float scale,
   decode_attention_splits(q, heads, kv, scale, out, T, T, isa, extra);
 }
 
-bool decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim) {
-  resolve_decode_isa(isa, head_dim);  // both back ends score q8/q4 keys in integers; this checks isa
-  return type == KVType::Q8 || type == KVType::Q4;
+bool decode_rounds_query(DecodeIsa isa, KVType type, int head_dim) {
+  resolve_decode_isa(isa, head_dim);  // both back ends round the query alike; this checks isa
+  return type != KVType::F32;
 }
 
+bool decode_dots_bf16(DecodeIsa isa) { return isa == DecodeIsa::Avx512 && detail::avx512_bf16_dot(); }
+
 void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out,
-                                bool quantized_query, const VirtualPair* extra) {
+                                bool rounded_query, const VirtualPair* extra) {
   check_args(q, heads, kv, out, extra, "decode_attention_reference");
   const int hkv = kv.kv_heads(), G = heads / hkv, d = kv.head_dim();
   const int64_t L = kv.stored();
   std::vector<float> qq;
-  if (quantized_query) {  // the scaled query, quantised and dequantised; no further scaling
+  if (rounded_query) {  // the scaled query as the kernels round it; no further scaling
     qq.resize(static_cast<size_t>(heads) * d);
-    round_query_blocks(q, heads * d, scale, qq.data());
+    round_query(kv.type(), q, heads * d, scale, qq.data());
     q = qq.data();
     scale = 1.0f;
   }

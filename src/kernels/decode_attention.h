@@ -60,15 +60,19 @@ void decode_attention(const float* q, int heads, const KVStore& kv, float scale,
 void decode_attention_splits(const float* q, int heads, const KVStore& kv, float scale, float* out,
                              int threads, int splits, DecodeIsa isa = DecodeIsa::Auto, const VirtualPair* extra = nullptr);
 
-// Whether a back end quantises the query for a cache type: both back ends dot q8/q4 keys in
-// integers against the scaled query in int8 32-blocks (quantize_query_blocks, as llama.cpp
-// does); its error is of the order of q8's own on the keys.
-bool decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim);
+// Whether a back end rounds the query for a cache type (round_query): both back ends dot q8/q4 keys
+// in integers against the scaled query in int8 32-blocks (quantize_query_blocks, as llama.cpp
+// does), and bf16 keys with the scaled query rounded to bf16 (bf16 pairs multiply exactly into
+// fp32 sums: AVX-512 BF16's vdpbf16ps); either error is of the order of the cache's own on the keys.
+bool decode_rounds_query(DecodeIsa isa, KVType type, int head_dim);
+// Whether a resolved back end scores bf16 keys with bf16 dot products (AVX-512 BF16; the rate
+// bench decode charges them at), rather than fp32 multiply-adds.
+bool decode_dots_bf16(DecodeIsa isa);
 
-// Plain reference: dequantise every stored row, two-pass softmax in double. quantized_query:
-// the scaled query goes through quantize_query_blocks first (what those kernels compute).
+// Plain reference: dequantise every stored row, two-pass softmax in double. rounded_query:
+// the scaled query goes through round_query for the cache's type first (what the kernels compute).
 void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out,
-                                bool quantized_query = false, const VirtualPair* extra = nullptr);
+                                bool rounded_query = false, const VirtualPair* extra = nullptr);
 
 // Bytes the fused kernel reads from the cache per call: K and V rows of all stored tokens,
 // once per KV head (= kv.bytes()).

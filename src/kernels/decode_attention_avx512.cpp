@@ -7,7 +7,9 @@
 // which is what GQA needs: with G query heads per KV head the kernel does 2 G d multiply-adds
 // per row pair, so at G = 4 on AVX2 it is bound by the FMA pipes rather than by memory.
 // f32/bf16 scores: each K row read once per group of up to 4 queries, lanes along head_dim,
-// then one transpose-add per 16 scores. q8/q4 scores: tokens in lanes (token_scores): 16 rows
+// then one transpose-add per 16 scores; bf16 rows are dotted as they are stored, by vdpbf16ps
+// with the query rounded to bf16 (AVX-512 BF16: half the instructions of widening the row to
+// fp32; Zen 5, G = 4, rows in L1: 11 cycles a row and KV head against 19), else widened. q8/q4 scores: tokens in lanes (token_scores): 16 rows
 // transposed once for all G queries, then per query and block 8 integer dot-product
 // instructions (VNNI) and no horizontal sums.
 // Values: rows read 32 values at a time (a "group"; a q8/q4 block): f32 and q8 as two vectors
@@ -28,6 +30,7 @@
 #include <immintrin.h>
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define KVX_INLINE inline __attribute__((always_inline))
@@ -69,7 +72,7 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 struct F32Row {
   static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true;
+                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const float* p = reinterpret_cast<const float*>(row) + 32 * j;
     a = _mm512_loadu_ps(p);
@@ -85,7 +88,7 @@ struct F32Row {
 struct BF16Row {
   static constexpr bool kQuant = false, kPerm = true, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = true,
-                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true;
+                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_loadu_si512(row + 64 * j);
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -97,12 +100,18 @@ struct BF16Row {
   }
 };
 
+// bf16 on CPUs without AVX-512 BF16 (or with KVX_NO_AVX512_BF16 set, for the tests): keys
+// widened to floats (val) against the same bf16-rounded query, prepared as (even | odd) floats.
+struct BF16FmaRow : BF16Row {
+  static constexpr bool kDotBF16 = false;
+};
+
 // q8/q4 values: codes as floats, without the block scale (folded into the attention weights).
 // q8/q4 keys are read by token_scores below, in integers.
 struct Q8Row {
   static constexpr bool kQuant = true, kPerm = false, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = true;
+                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = true, kDotBF16 = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const uint8_t* p = row + 32 * j;
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -116,7 +125,7 @@ KVX_INLINE __m512 q4_values() { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2
 struct Q4Row {
   static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = false;
+                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = false, kDotBF16 = false;
   // even positions, odd positions
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
@@ -236,6 +245,12 @@ struct ResidualRows {
   int head = 0;                 // flat: the group's first head
 };
 
+// acc + the products of the 32 bf16 values in k with the 32 at q, pairwise into 16 lanes
+// (vdpbf16ps; the products are exact in fp32).
+KVX_INLINE __m512 dot_bf16(__m512 acc, __m512i k, const uint8_t* q) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q), (__m512bh)k);
+}
+
 // kFlat: latents of r % 32 != 0, as flat rows (a separate instantiation, so that the code of r % 32
 // == 0 stays as it was).
 // kSpread: the block prefetches its rows' share [pf_lo, pf_hi) of the next K tile in nj steps,
@@ -250,6 +265,12 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
   for (int j = 0; j < nj; ++j) {
     if constexpr (kSpread) pf->range(pf_lo + pf_step * j, j + 1 == nj ? pf_hi : pf_lo + pf_step * (j + 1));
     for (int t = 0; t < TB; ++t) {
+      if constexpr (R::kDotBF16) {
+        const __m512i k = _mm512_loadu_si512(rows[t] + 64 * j);
+        for (int g = 0; g < GB; ++g)
+          acc[g * TB + t] = dot_bf16(acc[g * TB + t], k, reinterpret_cast<const uint8_t*>(q + g * d) + 64 * j);
+        continue;
+      }
       __m512 ka, kb;
       R::val(rows[t], j, ka, kb);
       for (int g = 0; g < GB; ++g) {
@@ -273,6 +294,12 @@ KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const*
   } else if (res) {
     for (int j = 0; j < res->blocks; ++j)
       for (int g = 0; g < GB; ++g) {
+        if constexpr (R::kDotBF16) {
+          const uint8_t* qg = res->qb + g * res->qb_stride + 64 * j;
+          for (int t = 0; t < TB; ++t)
+            acc[g * TB + t] = dot_bf16(acc[g * TB + t], _mm512_loadu_si512(res->rows[t] + g * res->head_bytes + 64 * j), qg);
+          continue;
+        }
         const float* qg = reinterpret_cast<const float*>(res->qb + g * res->qb_stride) + 32 * j;
         const __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16);
         for (int t = 0; t < TB; ++t) {
@@ -1323,6 +1350,11 @@ void run_pieces(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, co
 
 }  // namespace
 
+bool avx512_bf16_dot() {
+  static const bool dot = __builtin_cpu_supports("avx512bf16") && !getenv("KVX_NO_AVX512_BF16");
+  return dot;
+}
+
 bool avx512_usable() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
@@ -1340,16 +1372,32 @@ size_t avx512_query_floats(int d, KVType type) {
 
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs) {
   const size_t stride = avx512_query_floats(d, type);
-  if (type == KVType::F32 || type == KVType::BF16) {
-    const bool perm = type == KVType::BF16;
+  if (type == KVType::F32) {
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < d; ++i) qs[h * stride + i] = q[static_cast<size_t>(h) * d + i] * scale;
+    return;
+  }
+  if (type == KVType::BF16 && !avx512_bf16_dot()) {  // BF16FmaRow: the rounded query as floats, (even | odd) per 32 values
+    round_query(type, q, heads * d, scale, qs);  // stride == d
     for (int h = 0; h < heads; ++h)
       for (int i = 0; i < d; i += 32) {
-        const float* x = q + static_cast<size_t>(h) * d + i;
-        float* y = qs + h * stride + i;
-        for (int j = 0; j < 16; ++j) {
-          y[j] = (perm ? x[2 * j] : x[j]) * scale;
-          y[16 + j] = (perm ? x[2 * j + 1] : x[16 + j]) * scale;
-        }
+        float* y = qs + static_cast<size_t>(h) * d + i;
+        const __m512 a = _mm512_loadu_ps(y), b = _mm512_loadu_ps(y + 16);
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        _mm512_storeu_ps(y, _mm512_permutex2var_ps(a, even, b));
+        _mm512_storeu_ps(y + 16, _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b));
+      }
+    return;
+  }
+  if (type == KVType::BF16) {  // BF16Row: the scaled query rounded to bf16 (round_query), as bf16 in natural order
+    round_query(type, q, heads * d, scale, qs);  // stride == d
+    for (int h = 0; h < heads; ++h)  // in place: head h's bf16 values in the first half of its floats
+      for (int i = 0; i < d; i += 32) {
+        float* x = qs + static_cast<size_t>(h) * d + i;
+        const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(x)), 16);
+        const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(x + 16)), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + static_cast<size_t>(h) * d) + i / 16, _mm512_cvtepi32_epi16(lo));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + static_cast<size_t>(h) * d) + i / 16 + 1, _mm512_cvtepi32_epi16(hi));
       }
     return;
   }
@@ -1369,12 +1417,15 @@ void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scal
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
   if (r % 32 == 0) {
     avx512_prepare_queries(qb, heads, r, scale, type, qbs);
-  } else if (!quant) {  // FlatLatents: per head, its scaled qb at its segment's lanes of the flat row's vectors
+  } else if (!quant) {  // FlatLatents: per head, its scaled (bf16: and rounded) qb at its segment's lanes of the flat row's vectors
     const int hv = FlatLatents::head_vectors(r);
     for (int h = 0; h < heads; ++h) {
       float* y = qbs + static_cast<size_t>(h) * hv * 16;
       const int off = h * r % 16;  // the segment's first lane in its first vector
-      for (int i = 0; i < hv * 16; ++i) y[i] = i >= off && i < off + r ? qb[static_cast<size_t>(h) * r + i - off] * scale : 0.0f;
+      for (int i = 0; i < hv * 16; ++i) {
+        y[i] = 0.0f;
+        if (i >= off && i < off + r) round_query(type, qb + static_cast<size_t>(h) * r + i - off, 1, scale, y + i);
+      }
     }
   } else if (latent_words(type, r)) {  // latent_word_scores: the flat [H][r] as one integer query
     prepare_int_queries(qb, 1, heads * r, scale, type, qbs);
@@ -1404,7 +1455,12 @@ void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const Decod
   };
   switch (shared.type()) {
     case KVType::F32: run(F32Row{}); return;
-    case KVType::BF16: run(BF16Row{}); return;
+    case KVType::BF16:
+      if (avx512_bf16_dot())
+        run(BF16Row{});
+      else
+        run(BF16FmaRow{});
+      return;
     case KVType::Q8: run(Q8Row{}); return;
     case KVType::Q4: run(Q4Row{}); return;
   }
@@ -1414,7 +1470,12 @@ void avx512_run_split(const KVStore& kv, const DecodePiece* pieces, int p0, int 
                       size_t part_size, float* scratch) {
   switch (kv.type()) {
     case KVType::F32: run_pieces<F32Row>(kv, pieces, p0, p1, qs, G, parts, part_size, scratch); return;
-    case KVType::BF16: run_pieces<BF16Row>(kv, pieces, p0, p1, qs, G, parts, part_size, scratch); return;
+    case KVType::BF16:
+      if (avx512_bf16_dot())
+        run_pieces<BF16Row>(kv, pieces, p0, p1, qs, G, parts, part_size, scratch);
+      else
+        run_pieces<BF16FmaRow>(kv, pieces, p0, p1, qs, G, parts, part_size, scratch);
+      return;
     case KVType::Q8: run_pieces<Q8Row>(kv, pieces, p0, p1, qs, G, parts, part_size, scratch); return;
     case KVType::Q4: run_pieces<Q4Row>(kv, pieces, p0, p1, qs, G, parts, part_size, scratch); return;
   }

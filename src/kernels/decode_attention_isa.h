@@ -41,7 +41,8 @@ size_t int_query_floats(int w);
 void prepare_int_queries(const float* q, int heads, int w, float scale, KVType type, float* out);
 
 // AVX2 back end (decode_attention.cpp), for LRKV's driver. Scaled queries in its layout: f32
-// [heads][d], bf16 (even | odd) per whole 16 values, q8/q4 the integer queries; returned
+// [heads][d], bf16 rounded to bf16 (round_query) in (even | odd) per whole 16 values, q8/q4 the
+// integer queries; returned
 // page-aligned in buf (slot_aligned), so that no query load splits a cache line (LRKV f32/bf16,
 // in cache, Zen 3: 1.5-5.5% faster a call than from a plain vector's 16-byte alignment).
 float* avx2_prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& buf);
@@ -58,11 +59,15 @@ float* avx2_prepare_latent_queries(const float* qb, int heads, int r, float scal
 void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
                    const float* qs, const float* qbs, int H, float* parts, size_t part_size);
 
-// AVX-512 back end (AVX-512 F/BW/VL/DQ/VNNI), for head_dim % 32 == 0.
+// AVX-512 back end (AVX-512 F/BW/VL/DQ/VNNI), for head_dim % 32 == 0. bf16 keys are dotted
+// with vdpbf16ps where the CPU has AVX-512 BF16 (and KVX_NO_AVX512_BF16 is unset), else widened
+// to fp32; either way against the query rounded to bf16 (round_query), so the results agree.
 bool avx512_usable();
-// Scaled queries in its layout, avx512_query_floats(d, type) floats per head: f32 [d]; bf16 as
-// (even | odd) positions per 32 values; q8/q4 quantised to int8 blocks (integer dot products).
-// d % 32 == 0.
+bool avx512_bf16_dot();  // bf16 keys by vdpbf16ps (BF16Row), else widened (BF16FmaRow)
+// Scaled queries in its layout, avx512_query_floats(d, type) floats per head: f32 [d]; bf16
+// rounded to bf16 (round_query) and stored as bf16 in natural order in the first half (vdpbf16ps),
+// or as floats in (even | odd) positions per 32 values (without AVX-512 BF16); q8/q4 quantised to
+// int8 blocks (integer dot products). d % 32 == 0.
 size_t avx512_query_floats(int d, KVType type);
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs);
 // LRKV's qb in the layout avx512_run_lrkv reads: per head as avx512_prepare_queries, except for

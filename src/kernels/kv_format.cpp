@@ -119,11 +119,15 @@ void quantize_q4(const float* x, int n, uint8_t* dst) {
 
 }  // namespace
 
-uint16_t float_to_bf16(float x) {
+namespace {
+inline uint16_t bf16_of(float x) {  // float_to_bf16, inlined where a loop calls it (it vectorises)
   const uint32_t u = bits_of(x);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+}  // namespace
+
+uint16_t float_to_bf16(float x) { return bf16_of(x); }
 
 uint16_t float_to_fp16(float x) {
 #if defined(__F16C__)
@@ -252,12 +256,25 @@ void round_query_blocks(const float* x, int n, float scale, float* out) {
   for (int i = 0; i < n; ++i) out[i] = static_cast<float>(codes[i]) * d[i / kQBlock];
 }
 
+void round_query(KVType t, const float* x, int n, float scale, float* out) {
+  switch (t) {
+    case KVType::F32:
+      for (int i = 0; i < n; ++i) out[i] = x[i] * scale;
+      return;
+    case KVType::BF16:
+      for (int i = 0; i < n; ++i) out[i] = bf16_to_float(bf16_of(x[i] * scale));
+      return;
+    case KVType::Q8:
+    case KVType::Q4: round_query_blocks(x, n, scale, out); return;
+  }
+}
+
 void quantize_row(KVType t, const float* x, int n, uint8_t* dst) {
   row_bytes(t, n);  // validates n
   switch (t) {
     case KVType::F32: std::memcpy(dst, x, 4 * static_cast<size_t>(n)); return;
     case KVType::BF16:
-      for (int i = 0; i < n; ++i) store_u16(dst + 2 * i, float_to_bf16(x[i]));
+      for (int i = 0; i < n; ++i) store_u16(dst + 2 * i, bf16_of(x[i]));
       return;
     case KVType::Q8: quantize_q8(x, n, dst); return;
     case KVType::Q4: quantize_q4(x, n, dst); return;

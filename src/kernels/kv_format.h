@@ -48,6 +48,10 @@ void quantize_query_blocks(const float* x, int n, int8_t* codes, float* scales);
 // quantize_query_blocks(x * scale) (n % 32 == 0; the references, and LRKV latents whose blocks
 // straddle heads where they are read as f32).
 void round_query_blocks(const float* x, int n, float scale, float* out);
+// The query the decode kernels score a cache of type t with, as floats: out = x * scale, rounded to
+// bf16 for bf16 caches (round to nearest even; the kernels multiply bf16 pairs exactly into fp32
+// sums), through round_query_blocks for q8/q4.
+void round_query(KVType t, const float* x, int n, float scale, float* out);
 
 // Scalar helpers shared with the kernels and tests.
 uint16_t float_to_bf16(float x);  // round to nearest even; NaN stays NaN

@@ -58,9 +58,9 @@ DecodeIsa lrkv_decode_isa(DecodeIsa isa, KVType type, int head_dim, int rank) {
   return isa;
 }
 
-bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int rank) {
-  lrkv_decode_isa(isa, type, head_dim, rank);  // both back ends round q and qb as the int8 query; this checks isa
-  return type == KVType::Q8 || type == KVType::Q4;
+bool lrkv_decode_rounds_query(DecodeIsa isa, KVType type, int head_dim, int rank) {
+  lrkv_decode_isa(isa, type, head_dim, rank);  // both back ends round q and qb alike (round_query); this checks isa
+  return type != KVType::F32;
 }
 
 bool lrkv_latent_scores_in_int8(DecodeIsa isa, KVType type, int rank) {
@@ -140,17 +140,17 @@ void lrkv_decode_attention(const float* q, const float* qb, int heads, const KVS
 
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
                                      const KVStore* residual, float scale, float* out_s, float* out_r,
-                                     bool quantized_query) {
+                                     bool rounded_query) {
   check(q, qb, heads, shared, residual, out_s, out_r, "lrkv_decode_attention_reference");
   const int d = shared.head_dim(), r = residual ? residual->head_dim() / heads : 0;
   std::vector<float> qq, qbq;
-  if (quantized_query) {  // the scaled q and qb through quantize_query_blocks; no further scaling
+  if (rounded_query) {  // the scaled q and qb as the kernels round them (round_query); no further scaling
     qq.resize(static_cast<size_t>(heads) * d);
-    round_query_blocks(q, heads * d, scale, qq.data());
+    round_query(shared.type(), q, heads * d, scale, qq.data());
     q = qq.data();
     if (r > 0) {
       qbq.resize(static_cast<size_t>(heads) * r);
-      round_query_blocks(qb, heads * r, scale, qbq.data());
+      round_query(residual->type(), qb, heads * r, scale, qbq.data());
       qb = qbq.data();
     }
     scale = 1.0f;

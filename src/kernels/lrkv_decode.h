@@ -33,9 +33,9 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
                                   const KVStore* residual, float scale, float* out_s, float* out_r, int threads,
                                   int splits, DecodeIsa isa = DecodeIsa::Auto);
 // The back end Auto picks for this cache type and these widths (AVX-512 needs d_h % 32 == 0), and
-// whether it quantises q and qb (q8/q4, on both back ends).
+// whether it rounds q and qb (round_query: bf16, q8, q4, on both back ends).
 DecodeIsa lrkv_decode_isa(DecodeIsa isa, KVType type, int head_dim, int rank);
-bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int rank);
+bool lrkv_decode_rounds_query(DecodeIsa isa, KVType type, int head_dim, int rank);
 // Whether the fused kernel scores the latents of rank `rank` with int8 dot products (q8/q4: whole
 // 32-value blocks per head; on AVX-512 also head segments of whole row words) rather than f32
 // multiply-adds on dequantised values: what bench decode's roofline charges them at. isa: a
@@ -43,6 +43,6 @@ bool lrkv_decode_quantizes_query(DecodeIsa isa, KVType type, int head_dim, int r
 bool lrkv_latent_scores_in_int8(DecodeIsa isa, KVType type, int rank);
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
                                      const KVStore* residual, float scale, float* out_s, float* out_r,
-                                     bool quantized_query = false);
+                                     bool rounded_query = false);
 
 }  // namespace kvx::kernels

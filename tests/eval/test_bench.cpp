@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "eval/bench.h"
+#include "kernels/decode_attention.h"
 #include "kernels/lrkv_decode.h"
 #include "util/error.h"
 
@@ -112,12 +113,18 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
       if (probe == std::max(probes[i], probes[i + 1])) return true;
     return false;
   };
-  // Roofline: q8 scores count against the int8 dot-product peak, the rest against the f32 one.
+  // Roofline: q8 scores count against the int8 dot-product peak, bf16 scores against the bf16
+  // one (the f32 peak where the back end widens bf16), the rest against the f32 one.
   std::map<std::string, std::pair<double, double>> peaks;  // isa -> f32, int8 G MAC/s
   for (const auto& r : rows)
     if (r.contains("fma_peak_gmacs")) {
       peaks[r["isa"].get<std::string>()] = {r["fma_peak_gmacs"].get<double>(), r["int8_dot_peak_gmacs"].get<double>()};
       EXPECT_GT(r["int8_dot_peak_gmacs"].get<double>(), 0);
+      const auto isa = kernels::parse_decode_isa(r["isa"].get<std::string>());
+      if (kernels::decode_dots_bf16(isa))
+        EXPECT_GT(r["bf16_dot_peak_gmacs"].get<double>(), 0);
+      else
+        EXPECT_EQ(r["bf16_dot_peak_gmacs"].get<double>(), r["fma_peak_gmacs"].get<double>());
     }
   auto roof_us = [](const nlohmann::json& r) { return std::max(r["bw_floor_us"].get<double>(), r["fma_floor_us"].get<double>()); };
   int lrkv = 0, dense = 0;

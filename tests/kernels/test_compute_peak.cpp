@@ -17,6 +17,12 @@ TEST(ComputePeak, RatesArePositiveAndBadWidthsNamed) {
     EXPECT_TRUE(std::isfinite(f32) && f32 > 0) << lanes;
     EXPECT_TRUE(std::isfinite(int8) && int8 > 0) << lanes;
   }
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16")) {
+    const double bf16 = kernels::measure_bf16_dot_peak_gmacs(1, 0.0);
+    EXPECT_TRUE(std::isfinite(bf16) && bf16 > 0);
+  } else {
+    EXPECT_THROW(kernels::measure_bf16_dot_peak_gmacs(1, 0.0), Error);
+  }
   try {
     kernels::measure_int8_dot_peak_gmacs(4);
     FAIL() << "4 lanes accepted";

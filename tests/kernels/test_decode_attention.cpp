@@ -77,20 +77,20 @@ void check_case(const Case& c, uint32_t seed) {
   fill(s, c.len, rng);
   const auto q = randn(static_cast<size_t>(c.heads) * c.d, 2.5f, rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
-  std::vector<float> plain_ref(q.size()), int8_query_ref(q.size()), out(q.size());
+  std::vector<float> plain_ref(q.size()), rounded_query_ref(q.size()), out(q.size());
   decode_attention_reference(q.data(), c.heads, s, scale, plain_ref.data());
-  const bool quantizable = c.type == KVType::Q8 || c.type == KVType::Q4;
-  if (quantizable) decode_attention_reference(q.data(), c.heads, s, scale, int8_query_ref.data(), true);
-  auto& auto_ref = decode_quantizes_query(DecodeIsa::Auto, c.type, c.d) ? int8_query_ref : plain_ref;
+  const bool roundable = c.type != KVType::F32;
+  if (roundable) decode_attention_reference(q.data(), c.heads, s, scale, rounded_query_ref.data(), true);
+  auto& auto_ref = decode_rounds_query(DecodeIsa::Auto, c.type, c.d) ? rounded_query_ref : plain_ref;
   std::fill(out.begin(), out.end(), NAN);
   decode_attention(q.data(), c.heads, s, scale, out.data(), 2);
   EXPECT_LE(rel_err(out, auto_ref, c.heads, c.d), 1e-5) << name(c);
-  if (quantizable)  // the int8 query changes the result by about q8's error, no more
-    EXPECT_LE(rel_err(int8_query_ref, plain_ref, c.heads, c.d), 0.05) << name(c);
+  if (roundable)  // the rounded query changes the result by about the cache's own error on the keys, no more
+    EXPECT_LE(rel_err(rounded_query_ref, plain_ref, c.heads, c.d), 0.05) << name(c);
   // Splits cut heads and tiles at odd places; one thread runs them in turn, two share them.
   for (DecodeIsa isa : isas(c.d))
     for (auto [threads, splits] : std::vector<std::pair<int, int>>{{1, 1}, {1, 3}, {1, 7}, {2, 2}, {2, 5}}) {
-      const auto& ref = decode_quantizes_query(isa, c.type, c.d) ? int8_query_ref : plain_ref;
+      const auto& ref = decode_rounds_query(isa, c.type, c.d) ? rounded_query_ref : plain_ref;
       std::fill(out.begin(), out.end(), NAN);
       decode_attention_splits(q.data(), c.heads, s, scale, out.data(), threads, splits, isa);
       EXPECT_LE(rel_err(out, ref, c.heads, c.d), 1e-5)
@@ -168,7 +168,7 @@ TEST(DecodeAttention, RunningMaxRisesEveryTile) {
       for (int h = 0; h < H; ++h) q[h * d] = 3.0f;
       std::vector<float> ref(q.size()), out(q.size());
       for (DecodeIsa isa : isas(d)) {
-        decode_attention_reference(q.data(), H, s, 1.0f, ref.data(), decode_quantizes_query(isa, t, d));
+        decode_attention_reference(q.data(), H, s, 1.0f, ref.data(), decode_rounds_query(isa, t, d));
         decode_attention_splits(q.data(), H, s, 1.0f, out.data(), 2, 3, isa);
         EXPECT_LE(rel_err(out, ref, H, d), 1e-5) << kv_type_name(t) << " Hkv " << Hkv << " " << decode_isa_name(isa);
       }
@@ -192,7 +192,7 @@ TEST(DecodeAttention, EvictionAttendsToSinkAndWindowOnly) {
     std::vector<float> ref(q.size()), out(q.size());
     for (DecodeIsa isa : isas(d))
       for (int threads : {1, 2}) {
-        decode_attention_reference(q.data(), H, kept, 0.2f, ref.data(), decode_quantizes_query(isa, t, d));
+        decode_attention_reference(q.data(), H, kept, 0.2f, ref.data(), decode_rounds_query(isa, t, d));
         decode_attention_splits(q.data(), H, evicting, 0.2f, out.data(), threads, 3, isa);
         EXPECT_LE(rel_err(out, ref, H, d), 1e-5) << kv_type_name(t) << " " << decode_isa_name(isa);
       }
@@ -237,7 +237,7 @@ TEST(DecodeAttention, ValuesAreKeysStoresEachRowOnce) {
     const auto q = randn(H * d, 2.0f, rng);
     std::vector<float> ref(q.size()), out(q.size());
     for (DecodeIsa isa : isas(d)) {
-      decode_attention_reference(q.data(), H, both, 0.125f, ref.data(), decode_quantizes_query(isa, t, d));
+      decode_attention_reference(q.data(), H, both, 0.125f, ref.data(), decode_rounds_query(isa, t, d));
       decode_attention_splits(q.data(), H, shared, 0.125f, out.data(), 2, 3, isa);
       EXPECT_LE(rel_err(out, ref, H, d), 1e-5) << kv_type_name(t) << " " << decode_isa_name(isa);
     }
@@ -287,11 +287,11 @@ TEST(DecodeAttention, ExtraPairMergesLikeTheRowsItSummarises) {
       decode_attention_reference(q.data(), heads, local, scale, ref.data(), false, &pair);
       const std::string what = kv_type_name(type) + " H" + std::to_string(heads) + "/" + std::to_string(kv_heads);
       EXPECT_LT(rel_err(ref, full, heads, d), 1e-5) << what;
-      // The kernels dot q8 keys with the query in int8 blocks: the reference does the same.
-      std::vector<float> int8_query_ref(q.size());
-      decode_attention_reference(q.data(), heads, local, scale, int8_query_ref.data(), true, &pair);
+      // The kernels dot bf16/q8 keys with the query rounded (round_query): the reference does the same.
+      std::vector<float> rounded_query_ref(q.size());
+      decode_attention_reference(q.data(), heads, local, scale, rounded_query_ref.data(), true, &pair);
       for (const DecodeIsa isa : {DecodeIsa::Avx2, DecodeIsa::Auto}) {
-        const auto& kernel_ref = decode_quantizes_query(isa, type, d) ? int8_query_ref : ref;
+        const auto& kernel_ref = decode_rounds_query(isa, type, d) ? rounded_query_ref : ref;
         for (const int threads : {1, 2})
           for (const int splits : {1, 3, 7}) {
             decode_attention_splits(q.data(), heads, local, scale, out.data(), threads, splits, isa, &pair);

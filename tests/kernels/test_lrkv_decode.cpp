@@ -58,7 +58,7 @@ void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict
   for (DecodeIsa isa : isas)
   for (auto [threads, splits] : std::vector<std::pair<int, int>>{{1, 1}, {1, 3}, {2, 2}, {2, 5}}) {
     lrkv_decode_attention_reference(q.data(), qb.data(), H, shared, residual.get(), scale, ref_s.data(), ref_r.data(),
-                                    lrkv_decode_quantizes_query(isa, type, d, r));
+                                    lrkv_decode_rounds_query(isa, type, d, r));
     std::fill(out_s.begin(), out_s.end(), NAN);
     std::fill(out_r.begin(), out_r.end(), NAN);
     lrkv_decode_attention_splits(q.data(), qb.data(), H, shared, residual.get(), scale, out_s.data(), out_r.data(), threads,
@@ -68,7 +68,7 @@ void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict
     if (r > 0) EXPECT_LE(worst_rel(out_r, ref_r, H, r), 1e-5) << where;
   }
   lrkv_decode_attention_reference(q.data(), qb.data(), H, shared, residual.get(), scale, ref_s.data(), ref_r.data(),
-                                  lrkv_decode_quantizes_query(DecodeIsa::Auto, type, d, r));
+                                  lrkv_decode_rounds_query(DecodeIsa::Auto, type, d, r));
   lrkv_decode_attention(q.data(), qb.data(), H, shared, residual.get(), scale, out_s.data(), out_r.data(), 0);
   EXPECT_LE(worst_rel(out_s, ref_s, H, d), 1e-5) << what;
   if (r > 0) EXPECT_LE(worst_rel(out_r, ref_r, H, r), 1e-5) << what;

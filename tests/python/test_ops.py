@@ -68,8 +68,9 @@ def test_decode_attention_quantized_matches_its_reference(cache):
     q, k, v = randn(4, 64), randn(45, 2, 64), randn(45, 2, 64)
     fused = ops.decode_attention(q, k, v, kv_cache=cache)
     ref = ops.decode_attention(q, k, v, kv_cache=cache, reference=True)
-    # The kernels quantise the query for q8/q4 (llama.cpp style); q8's own error bound then.
-    tol = 2e-2 if cache in ("q8", "q4") else 1e-5
+    # The kernels round the query for the cache (round_query: int8 blocks for q8/q4, llama.cpp style;
+    # bf16 for bf16) and the plain reference does not: about the cache's own error on the keys.
+    tol = 2e-2 if cache in ("q8", "q4") else 1e-2
     np.testing.assert_allclose(fused, ref, rtol=tol, atol=tol)
     exact = softmax_attend(q, k, v, 1 / 8)
     assert np.abs(fused - exact).max() < {"bf16": 0.02, "q8": 0.05, "q4": 0.3}[cache]
@@ -139,7 +140,7 @@ def test_lrkv_factored_matches_expanded(rank):
         np.testing.assert_allclose(ops.lrkv_attention(q, ks, vs, rk, rv, bk, bv, reference=reference), want,
                                    rtol=1e-3, atol=1e-4)
     if rank % 32 == 0:  # quantised latents: the fused kernel against the reference over the same blocks
-        for cache, tol in (("bf16", 1e-4), ("q8", 2e-2)):
+        for cache, tol in (("bf16", 2e-2), ("q8", 2e-2)):  # the kernels round q and qb for the cache (round_query)
             fused = ops.lrkv_attention(q, ks, vs, rk, rv, bk, bv, kv_cache=cache)
             ref = ops.lrkv_attention(q, ks, vs, rk, rv, bk, bv, kv_cache=cache, reference=True)
             np.testing.assert_allclose(fused, ref, rtol=tol, atol=tol)
