@@ -9,8 +9,8 @@
 // f32/bf16 scores: each K row read once per group of up to 4 queries, lanes along head_dim,
 // then one transpose-add per 16 scores; bf16 rows are dotted as they are stored, by vdpbf16ps
 // with the query rounded to bf16 (AVX-512 BF16: half the instructions of widening the row to
-// fp32; Zen 5, G = 4, rows in L1: 11 cycles a row and KV head against 19), else widened. q8/q4 scores: tokens in lanes (token_scores): 16 rows
-// transposed once for all G queries, then per query and block 8 integer dot-product
+// fp32; Zen 5, G = 4, rows in L1: 11 cycles a row and KV head against 19), else widened.
+// q8/q4 scores: tokens in lanes (token_scores): 16 rows transposed once for all G queries, then per query and block 8 integer dot-product
 // instructions (VNNI) and no horizontal sums.
 // Values: rows read 32 values at a time (a "group"; a q8/q4 block): f32 and q8 as two vectors
 // in natural order, bf16 and q4 as (even | odd) positions (one load, shift/mask, no shuffles);
@@ -1377,27 +1377,22 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
       for (int i = 0; i < d; ++i) qs[h * stride + i] = q[static_cast<size_t>(h) * d + i] * scale;
     return;
   }
-  if (type == KVType::BF16 && !avx512_bf16_dot()) {  // BF16FmaRow: the rounded query as floats, (even | odd) per 32 values
-    round_query(type, q, heads * d, scale, qs);  // stride == d
+  if (type == KVType::BF16) {  // the scaled query rounded to bf16 (round_query), then laid out in place (stride == d)
+    round_query(type, q, heads * d, scale, qs);
+    const bool dot = avx512_bf16_dot();
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     for (int h = 0; h < heads; ++h)
       for (int i = 0; i < d; i += 32) {
-        float* y = qs + static_cast<size_t>(h) * d + i;
-        const __m512 a = _mm512_loadu_ps(y), b = _mm512_loadu_ps(y + 16);
-        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        _mm512_storeu_ps(y, _mm512_permutex2var_ps(a, even, b));
-        _mm512_storeu_ps(y + 16, _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b));
-      }
-    return;
-  }
-  if (type == KVType::BF16) {  // BF16Row: the scaled query rounded to bf16 (round_query), as bf16 in natural order
-    round_query(type, q, heads * d, scale, qs);  // stride == d
-    for (int h = 0; h < heads; ++h)  // in place: head h's bf16 values in the first half of its floats
-      for (int i = 0; i < d; i += 32) {
         float* x = qs + static_cast<size_t>(h) * d + i;
-        const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(x)), 16);
-        const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(x + 16)), 16);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + static_cast<size_t>(h) * d) + i / 16, _mm512_cvtepi32_epi16(lo));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + static_cast<size_t>(h) * d) + i / 16 + 1, _mm512_cvtepi32_epi16(hi));
+        const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+        if (dot) {  // BF16Row: bf16 in natural order, head h's in the first half of its floats
+          __m256i* y = reinterpret_cast<__m256i*>(qs + static_cast<size_t>(h) * d) + i / 16;
+          _mm256_storeu_si256(y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a), 16)));
+          _mm256_storeu_si256(y + 1, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(b), 16)));
+        } else {  // BF16FmaRow: floats, (even | odd) per 32 values
+          _mm512_storeu_ps(x, _mm512_permutex2var_ps(a, even, b));
+          _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b));
+        }
       }
     return;
   }
@@ -1422,10 +1417,8 @@ void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scal
     for (int h = 0; h < heads; ++h) {
       float* y = qbs + static_cast<size_t>(h) * hv * 16;
       const int off = h * r % 16;  // the segment's first lane in its first vector
-      for (int i = 0; i < hv * 16; ++i) {
-        y[i] = 0.0f;
-        if (i >= off && i < off + r) round_query(type, qb + static_cast<size_t>(h) * r + i - off, 1, scale, y + i);
-      }
+      for (int i = 0; i < hv * 16; ++i) y[i] = 0.0f;
+      round_query(type, qb + static_cast<size_t>(h) * r, r, scale, y + off);
     }
   } else if (latent_words(type, r)) {  // latent_word_scores: the flat [H][r] as one integer query
     prepare_int_queries(qb, 1, heads * r, scale, type, qbs);
