@@ -10,6 +10,7 @@
 // then one transpose-add per 16 scores; bf16 rows are dotted as they are stored, by vdpbf16ps
 // with the query rounded to bf16 (AVX-512 BF16: half the instructions of widening the row to
 // fp32; Zen 5, G = 4, rows in L1: 11 cycles a row and KV head against 19), else widened.
+// LRKV f32/bf16 at 8-16 heads with small latents: heads in lanes instead (head_lane_scores).
 // q8/q4 scores: tokens in lanes (token_scores): 16 rows transposed once for all G queries, then per query and block 8 integer dot-product
 // instructions (VNNI) and no horizontal sums.
 // Values: rows read 32 values at a time (a "group"; a q8/q4 block): f32 and q8 as two vectors
@@ -69,10 +70,11 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // not in one burst at the pass's start (q4 MHA ran 12-14% slower in steps).
 // kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece with
 // several queries per row; f32 takes it only for LRKV latents wider than the shared rows.
+// kHeadLanes: LRKV scores may run with heads in lanes (head_lane_scores: f32, and bf16 by vdpbf16ps).
 struct F32Row {
   static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = false;
+                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = false, kHeadLanes = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const float* p = reinterpret_cast<const float*>(row) + 32 * j;
     a = _mm512_loadu_ps(p);
@@ -88,7 +90,7 @@ struct F32Row {
 struct BF16Row {
   static constexpr bool kQuant = false, kPerm = true, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = true,
-                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = true;
+                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = true, kHeadLanes = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_loadu_si512(row + 64 * j);
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -103,7 +105,7 @@ struct BF16Row {
 // bf16 on CPUs without AVX-512 BF16 (or with KVX_NO_AVX512_BF16 set, for the tests): keys
 // widened to floats (val) against the same bf16-rounded query, prepared as (even | odd) floats.
 struct BF16FmaRow : BF16Row {
-  static constexpr bool kDotBF16 = false;
+  static constexpr bool kDotBF16 = false, kHeadLanes = false;
 };
 
 // q8/q4 values: codes as floats, without the block scale (folded into the attention weights).
@@ -111,7 +113,7 @@ struct BF16FmaRow : BF16Row {
 struct Q8Row {
   static constexpr bool kQuant = true, kPerm = false, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = true, kDotBF16 = false;
+                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = true, kDotBF16 = false, kHeadLanes = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const uint8_t* p = row + 32 * j;
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -125,7 +127,7 @@ KVX_INLINE __m512 q4_values() { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2
 struct Q4Row {
   static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = false, kDotBF16 = false;
+                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = false, kDotBF16 = false, kHeadLanes = false;
   // even positions, odd positions
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
@@ -712,15 +714,16 @@ KVX_INLINE void latent_column_scores(const Rows& rows, size_t offset, int blocks
 
 // ---------------------------------------------------------------------------------------------
 // Values: acc[g][group j] += sum_t w(g, t, j) v_t[group j] for groups j0 .. j0 + JB - 1, GB * 2 JB
-// <= 16 accumulators in registers across the n rows. Weights: f32/bf16 w[g * wg + t] (the
-// softmax numerators); q8/q4 w[g * wg + j * kMaxTile + t], the numerators times the rows' block
-// scales (the codes are read unscaled).
+// <= 16 accumulators in registers across the n rows. Weights: f32/bf16 w[g * wg + t * ws] (the
+// softmax numerators; ws = 1, or the row stride of numerators by token with heads in lanes);
+// q8/q4 w[g * wg + j * kMaxTile + t], the numerators times the rows' block scales (the codes are
+// read unscaled).
 template <class R>
-KVX_INLINE float weight(const float* w, size_t wg, int g, int j, int t) {
+KVX_INLINE float weight(const float* w, size_t wg, size_t ws, int g, int j, int t) {
   if constexpr (R::kQuant)
     return w[g * wg + static_cast<size_t>(j) * kMaxTile + t];
   else
-    return w[g * wg + t];
+    return w[g * wg + t * ws];
 }
 
 // R::kUnrolledValuePass: the loops over the accumulators unrolled by pragma. Left to GCC 12, they
@@ -728,7 +731,7 @@ KVX_INLINE float weight(const float* w, size_t wg, int g, int j, int t) {
 // 16 L1-resident rows: 23 cycles a row, 17 unrolled and stepped). pf: the pass prefetches
 // [pf_lo, pf_hi) of it in steps of 8 rows (value_tile).
 template <class R, int GB, int JB>
-KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d, int j0,
+KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, size_t ws, float* acc, int d, int j0,
                            const Prefetch* pf = nullptr, size_t pf_lo = 0, size_t pf_hi = 0) {
   static_assert(GB * 2 * JB <= 16, "value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
@@ -762,7 +765,7 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
   if constexpr (R::kUnrolledValuePass) {
     const uint8_t* row = v0;
     const float* wt = w0;
-    for (int t = 0; t < n; ++t, row += rb, ++wt) {
+    for (int t = 0; t < n; ++t, row += rb, wt += ws) {
       prefetch_step(t);
       add_row(row, wt);
     }
@@ -774,7 +777,7 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
         __m512 va, vb;
         R::val(row, j0 + jj, va, vb);
         for (int g = 0; g < GB; ++g) {
-          const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, g, j0 + jj, t));
+          const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, ws, g, j0 + jj, t));
           a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
           a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
         }
@@ -792,7 +795,7 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
 // accumulators held across the rows.
 template <class R, int GB, int JB>
 KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg,
-                                    float* acc, int r, int jr0) {
+                                    size_t ws, float* acc, int r, int jr0) {
   static_assert(GB * 2 * JB <= 16, "residual_value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
   for (int g = 0; g < GB; ++g)
@@ -802,7 +805,7 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
       for (int jj = 0; jj < JB; ++jj) {
         __m512 va, vb;
         R::val(v0 + t * rb + g * head_bytes, jr0 + jj, va, vb);
-        const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, g, jr0 + jj, t));
+        const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, ws, g, jr0 + jj, t));
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
@@ -811,12 +814,12 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
 }
 
 template <class R, int GB>
-KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg, int blocks,
-                                float* acc, int r) {
+KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg, size_t ws,
+                                int blocks, float* acc, int r) {
   constexpr int JB = GB >= 8 ? 1 : 2;
   int j = 0;
-  for (; j + JB <= blocks; j += JB) residual_value_pass<R, GB, JB>(v0, rb, head_bytes, n, w, wg, acc, r, j);
-  for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, w, wg, acc, r, j);
+  for (; j + JB <= blocks; j += JB) residual_value_pass<R, GB, JB>(v0, rb, head_bytes, n, w, wg, ws, acc, r, j);
+  for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, w, wg, ws, acc, r, j);
 }
 
 // Block b of a latent row: its 32 values in natural order (q8/q4: codes, unscaled; f32/bf16: zeros
@@ -889,7 +892,7 @@ KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const flo
 // when fast; q8 MHA 4-8% faster, though no faster than before the f32/bf16 passes were unrolled;
 // q4 MHA 12-14% and q8/q4 GQA slower, so they keep the share at the start).
 template <class R, int GB>
-KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d,
+KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, size_t ws, float* acc, int d,
                            const Prefetch* pf) {
   constexpr int JB = 8 / GB;
   const int nj = d / 32;
@@ -898,10 +901,10 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
   auto pass = [&](auto jb) {
     constexpr int B = decltype(jb)::value;
     if constexpr (R::kUnrolledValuePass || (GB == 1 && R::kMhaValuePrefetchSteps)) {
-      value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
+      value_pass<R, GB, B>(v0, rb, n, w, wg, ws, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else {
       if (pf) pf->range(bytes * j / nj, bytes * (j + B) / nj);
-      value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j);
+      value_pass<R, GB, B>(v0, rb, n, w, wg, ws, acc, d, j);
     }
     j += B;
   };
@@ -947,13 +950,15 @@ struct Residual {
   const float* qb = nullptr;
   size_t qstride = 0;
   int r = 0;
+  bool head_lanes = false;  // scores with heads in lanes (head_lanes()): q is QT, qb flat
 };
 
 // Scratch (floats): scores G * kRow; the softmax denominators per lane, G * 16; q8/q4 also, per block of the rows (nb of K/V, nbr of the
 // residual's), the tile's K and V scales [block][kMaxTile] and the weights of the values
 // ([g][block][kMaxTile], then the residual's [block][kMaxTile]).
-// Latents whose blocks straddle heads (r % 32 != 0; lb blocks of 32 a row) also get: the tile's
-// numerators by token, pt[t * pt_stride + h]; per latent block, the lanes' head offsets from its
+// LRKV with heads in lanes (by_token) gets the tile's scores, then numerators, by token,
+// pt[t * pt_stride + h]; latents whose blocks straddle heads (r % 32 != 0; lb blocks of 32 a row)
+// get them too (by_token), and per latent block, the lanes' head offsets from its
 // first head (idx, 32 int32) and that head (head0); q8/q4 also a block's 32 dequantised columns of
 // 16 rows (cols) and the integer query's bias per (block, head) segment (seg_bias, up to 32 / 4 + 2
 // a block).
@@ -963,17 +968,17 @@ struct Scratch {
   float *pt, *cols;
   int32_t *idx, *head0, *seg_bias;
   int pt_stride;
-  Scratch(float* base, int G, int nb, int nbr, int lb)
+  Scratch(float* base, int G, int nb, int nbr, int lb, bool by_token)
       : s(base), l(s + G * kRow), kT(l + 16 * G), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)),
         wr(w + kMaxTile * G * nb), latent_codes(reinterpret_cast<uint8_t*>(wr + kMaxTile * nbr)),
-        pt(wr + kMaxTile * nbr + (nbr ? 256 : 0)), cols(pt + (lb ? kMaxTile * pt_floats(G) : 0)),
+        pt(wr + kMaxTile * nbr + (nbr ? 256 : 0)), cols(pt + (by_token ? kMaxTile * pt_floats(G) : 0)),
         idx(reinterpret_cast<int32_t*>(cols + (nbr ? 32 * 16 : 0))), head0(idx + 32 * lb), seg_bias(head0 + lb),
         pt_stride(pt_floats(G)) {}
   // a row of pt: room for a 32-float load from any head
   static int pt_floats(int G) { return (G + 15) / 16 * 16 + 32; }
-  static size_t floats(int G, int nb, int nbr, int lb) {
+  static size_t floats(int G, int nb, int nbr, int lb, bool by_token) {
     return static_cast<size_t>(G) * (kRow + 16) + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) +
-           (nbr ? 256 + 32 * 16 + 10 * nbr : 0) + (lb ? kMaxTile * pt_floats(G) + 33 * lb : 0) + 16;
+           (nbr ? 256 + 32 * 16 + 10 * nbr : 0) + (by_token ? kMaxTile * pt_floats(G) : 0) + 33 * lb + 16;
   }
 };
 
@@ -1048,6 +1053,175 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// LRKV f32/bf16 scores with heads in lanes: for 8 to 16 heads on one K_s row, lane h of a row's
+// score vector is head h's, so the row is read once with each of its values (f32) or value pairs
+// (bf16) broadcast against the heads' query vectors QT (lane h: q_h's value or pair; prepared by
+// avx512_prepare_lrkv_queries), with no horizontal sums, no per-head row pointers and one
+// exp512 a row for the softmax. The residual qb_h . R_h,t: the row's vectors times the flat qb
+// ([H][r] in the row's own layout), each head's L lanes (f32: r values, bf16: r / 2 pairs) then
+// summed by halving the groups pairwise (log2 L levels of two permutes and an add).
+// Zen 5, one thread, 4K tokens in cache, H = 16, A/B in one process against the score blocks
+// (score_block): r = 8 bf16 1.15x, f32 1.09x faster a call; r = 32 (L = 16, 32: a reduce16 a row
+// for the residual, which the score blocks share with K_s) 0.87x, so wide latents keep them.
+
+// LRKV decode keeps heads in lanes (run_piece) for f32, and bf16 with vdpbf16ps, at 8 to 16
+// heads (fewer leave most lanes idle) and latents whose L is a power of two up to 8 (or none).
+bool head_lanes(KVType type, int G, int r) {
+  if (type != KVType::F32 && !(type == KVType::BF16 && avx512_bf16_dot())) return false;
+  if (G < 8 || G > 16) return false;
+  if (r == 0) return true;
+  if (type == KVType::BF16 && r % 2) return false;
+  const int L = type == KVType::F32 ? r : r / 2;
+  return L <= 8 && (L & (L - 1)) == 0;
+}
+
+// acc + a times the 32-bit word at w broadcast: a's bf16 pairs dotted with the word's pair
+// (vdpbf16ps), or a's floats times the float (vfmadd231ps); {1to16} from memory, which the
+// compiler does not fold on its own.
+KVX_INLINE __m512 dpbf16_broadcast(__m512 acc, __m512 a, const int32_t* w) {
+  __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
+  return acc;
+}
+KVX_INLINE __m512 fmadd_broadcast(__m512 acc, __m512 a, const int32_t* w) {
+  __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
+  return acc;
+}
+
+// The residual's layout with heads in lanes.
+struct HeadLaneResidual {
+  int L = 0;                 // words per head (f32: r, bf16: r / 2)
+  int words = 0;             // G L: the row's words
+  __m512i lo[3], hi[3];      // halving level i (groups of L >> i lanes): lanes taken from the first and second half of each group
+  const float* qb = nullptr; // flat qb, zeros past G heads (16 L words)
+  explicit HeadLaneResidual(int L_ = 0, int G = 0, const float* qb_ = nullptr) : L(L_), words(G * L_), qb(qb_) {
+    for (int level = 0, g = L; g > 1; ++level, g /= 2) {
+      alignas(64) int32_t a[16], b[16];
+      for (int o = 0; o < 16; ++o) {  // output lane o: from the first vector (o < 8) or the second (+ 16)
+        const int src = o < 8 ? 0 : 16, p = o % 8, k = p / (g / 2), e = p % (g / 2);
+        a[o] = src + k * g + e;
+        b[o] = src + k * g + g / 2 + e;
+      }
+      lo[level] = _mm512_load_si512(a);
+      hi[level] = _mm512_load_si512(b);
+    }
+  }
+};
+
+// Lane h = the sum of head h's L lanes of the flat product x[0 .. L) (L <= 8; vector v holds heads
+// v 16 / L on, in order), by halving: each level sums the first and second halves of every
+// group of two vectors side by side, so the heads stay in order.
+KVX_INLINE __m512 sum_head_groups(__m512* x, const HeadLaneResidual& hr) {
+  int n = hr.L;
+  for (int level = 0; n > 1; ++level, n /= 2)
+    for (int i = 0; i < n / 2; ++i)
+      x[i] = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i], hr.lo[level], x[2 * i + 1]),
+                           _mm512_permutex2var_ps(x[2 * i], hr.hi[level], x[2 * i + 1]));
+  return x[0];
+}
+
+// K_s scores of TB rows from row t0 of the tile (rows past n repeat its last), prefetching
+// steps [step0, step0 + chunks) of `steps` shares of the next tile's K_s.
+template <class R, int TB>
+KVX_INLINE void head_lane_block(const float* qt, int chunks, const uint8_t* kb, size_t rb, int n, int t0, float* pt,
+                                int pt_stride, const Prefetch& kpf, size_t kbytes, int step0, int steps) {
+  const int32_t* rows[TB];
+  for (int t = 0; t < TB; ++t) rows[t] = reinterpret_cast<const int32_t*>(kb + imin(t0 + t, n - 1) * rb);
+  // TB accumulators in registers (GCC 12 left the loops rolled, one chain through memory)
+  __m512 acc[TB];
+#pragma GCC unroll 16
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  for (int c = 0; c < chunks; ++c) {
+    const int step = step0 + c;
+    kpf.range(kbytes * step / steps, kbytes * (step + 1) / steps);
+    __m512 q[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) q[k] = _mm512_loadu_ps(qt + 16 * (8 * c + k));
+    // row by row (word-major order measured 10-15% slower a call, in cache and not)
+#pragma GCC unroll 16
+    for (int t = 0; t < TB; ++t)
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k)
+        acc[t] = R::kDotBF16 ? dpbf16_broadcast(acc[t], q[k], rows[t] + 8 * c + k) : fmadd_broadcast(acc[t], q[k], rows[t] + 8 * c + k);
+  }
+  for (int t = 0; t < TB && t0 + t < n; ++t) _mm512_storeu_ps(pt + (t0 + t) * pt_stride, acc[t]);
+}
+
+// pt[t * pt_stride + h] = q_h . K_s,t (+ qb_h . R_h,t) for the n rows at kb (rb bytes apart; the
+// residual's at rkb, rrb apart). qt: [words of a K_s row][16] (lane h of word i: q_h's value i,
+// or its pair i). kpf/rkpf: the next tile's K_s / latent rows, fetched a share per step. Rows
+// in blocks of 16, or 8 for a tile's last 8 or fewer (f32 and wide latents tile by 8 rows).
+template <class R>
+KVX_INLINE void head_lane_scores(const float* qt, int d, const uint8_t* kb, size_t rb, int n, const HeadLaneResidual* hr,
+                                 const uint8_t* rkb, size_t rrb, float* pt, int pt_stride, const Prefetch& kpf,
+                                 const Prefetch* rkpf) {
+  constexpr bool kBF16 = R::kDotBF16;
+  const int chunks = (kBF16 ? d / 2 : d) / 8;  // 8 words of QT held at a time
+  const size_t kbytes = static_cast<size_t>(n) * rb;
+  const int blocks = (n + 15) / 16, steps = blocks * chunks;
+  for (int t0 = 0, b = 0; t0 < n; t0 += 16, ++b) {
+    if (n - t0 > 8)
+      head_lane_block<R, 16>(qt, chunks, kb, rb, n, t0, pt, pt_stride, kpf, kbytes, b * chunks, steps);
+    else
+      head_lane_block<R, 8>(qt, chunks, kb, rb, n, t0, pt, pt_stride, kpf, kbytes, b * chunks, steps);
+  }
+  if (!hr) return;
+  const size_t rbytes = static_cast<size_t>(n) * rrb;
+  __mmask16 lanes[8];
+  __m512 qbv[8];
+  for (int v = 0; v < hr->L; ++v) {
+    const int left = hr->words - 16 * v;
+    lanes[v] = left >= 16 ? static_cast<__mmask16>(0xffff) : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
+    qbv[v] = _mm512_loadu_ps(hr->qb + 16 * v);
+  }
+  for (int t = 0; t < n; ++t) {
+    if (t % 4 == 0) rkpf->range(rbytes * t / n, rbytes * imin(t + 4, n) / n);
+    const uint8_t* row = rkb + t * rrb;
+    __m512 x[8];
+    for (int v = 0; v < hr->L; ++v) {
+      const __m512 w = _mm512_maskz_loadu_ps(lanes[v], row + 64 * v);
+      x[v] = kBF16 ? _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qbv[v], (__m512bh)w) : _mm512_mul_ps(qbv[v], w);
+    }
+    float* s = pt + t * pt_stride;
+    _mm512_storeu_ps(s, _mm512_add_ps(_mm512_loadu_ps(s), sum_head_groups(x, *hr)));
+  }
+}
+
+// The online softmax of a tile's n score vectors at pt (heads in lanes; G heads): m (the G running
+// maxima) and l (16 lanes) updated, acc (G x d) and acc_r (G x r) rescaled where a head's max
+// rises, pt replaced by the numerators e^(s - m).
+KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float* m, float* l, float* acc, int d, float* acc_r, int r) {
+  const __mmask16 heads = G >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << G) - 1);
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 mv = _mm512_maskz_loadu_ps(heads, m);  // lanes past G: scores 0, max 0 (finite numerators, unused)
+  __m512 smax = ninf;
+  for (int t = 0; t < n; ++t) smax = _mm512_max_ps(smax, _mm512_loadu_ps(pt + t * pt_stride));
+  __m512 lv = _mm512_loadu_ps(l);
+  const __mmask16 rise = _mm512_mask_cmp_ps_mask(heads, smax, mv, _CMP_GT_OQ);
+  if (rise) {
+    const __m512 mt = _mm512_mask_max_ps(mv, rise, mv, smax);
+    const __m512 alpha = exp512(_mm512_sub_ps(mv, mt));  // 0 where m was -inf (acc and l are 0 there)
+    alignas(64) float a[16], mo[16];
+    _mm512_store_ps(a, alpha);
+    _mm512_store_ps(mo, mv);
+    for (int h = 0; h < G; ++h)
+      if ((rise >> h & 1) && mo[h] != kNegInf) {
+        scale_vec(acc + static_cast<size_t>(h) * d, d, a[h]);
+        if (r > 0) scale_vec(acc_r + static_cast<size_t>(h) * r, r, a[h]);
+      }
+    lv = _mm512_mask_mul_ps(lv, rise, lv, alpha);
+    mv = mt;
+    _mm512_mask_storeu_ps(m, heads, mv);
+  }
+  for (int t = 0; t < n; ++t) {
+    float* s = pt + t * pt_stride;
+    const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(s), mv));
+    _mm512_storeu_ps(s, p);
+    lv = _mm512_add_ps(lv, p);
+  }
+  _mm512_storeu_ps(l, lv);
+}
+
 // run_piece's online softmax for one query's tile of 33..64 rows (f32 MHA, tile_rows), with
 // four score vectors. Out of line: inlined into run_piece, its code slowed f32 GQA 5-10%.
 __attribute__((noinline)) void wide_tile_softmax(float* s, float* l, float& m, float* acc, int d, int n) {
@@ -1108,7 +1282,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // LRKV: K and V tiles of both stores within ~40 KB; from 1 KB a row, 8 rows (f32 r = 8: 6-9% faster than 16 when
   // memory is slow, 3% when fast; r = 16, 32 no different)
   const int tile = rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant);
-  const Scratch sc(scratch, G, nb, nbr, lb);
+  // heads in lanes (head_lane_scores): q is QT, res.qb the flat qb
+  const bool hl = R::kHeadLanes && kLrkv && res.head_lanes;
+  const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl);
+  const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
   // Also prefetch to L2 the tile 3 ahead: bf16 GQA and LRKV, q8 LRKV, and f32 LRKV whose latent
   // rows are wider than the shared ones (H r > d). Zen 5, 16K, time without it / with, A/B over
   // both bandwidth phases: q8 r = 32 1.07-1.10, f32 r = 32 1.02; whole bench runs alternating
@@ -1226,6 +1403,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         else
           rows16(Int<1>{}, t0);
       }
+    } else if (hl) {
+      head_lane_scores<R>(q, d, kb, rb, n, rst ? &hlr : nullptr, rkb, rrb, sc.pt, sc.pt_stride, kpf, &rkpf);
     } else {
       for (int g0 = 0, gb; g0 < G; g0 += gb) {
         gb = group_size(G - g0);
@@ -1245,11 +1424,12 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     }
 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
+    if (hl) head_lane_softmax(sc.pt, sc.pt_stride, n, G, m, sc.l, acc, d, acc_r, r);
     if (n > 32)  // f32 MHA only (tile_rows): no residual, float weights
       for (int g = 0; g < G; ++g) wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d, n);
     const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? 0xffff : static_cast<__mmask16>((1u << (n - 16)) - 1);
-    for (int g = 0; g < G && n <= 32; ++g) {  // up to 32 rows (wider tiles: above)
+    for (int g = 0; g < G && n <= 32 && !hl; ++g) {  // up to 32 rows (wider tiles: above)
       float* sg = sc.s + g * kRow;
       const __m512 ninf = _mm512_set1_ps(kNegInf);
       const __m512 s0 = _mm512_mask_loadu_ps(ninf, lo, sg), s1 = _mm512_mask_loadu_ps(ninf, hi, sg + 16);
@@ -1288,22 +1468,22 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     }
 
     // Values; the first group's passes prefetch the next V tile (MHA: where R::kMhaValuePrefetch).
-    const float* w = R::kQuant ? sc.w : sc.s;
-    const size_t wg = R::kQuant ? static_cast<size_t>(nb) * kMaxTile : kRow;
+    const float* w = R::kQuant ? sc.w : hl ? sc.pt : sc.s;
+    const size_t wg = R::kQuant ? static_cast<size_t>(nb) * kMaxTile : hl ? 1 : kRow, ws = hl ? sc.pt_stride : 1;
     for (int g0 = 0, gb; g0 < G; g0 += gb) {
       gb = G - g0 >= 8 ? 8 : group_size(G - g0);
       const Prefetch* pf = g0 == 0 && (G > 1 || R::kMhaValuePrefetch) ? &vpf : nullptr;
       float* ag = acc + static_cast<size_t>(g0) * d;
       const float* wgp = w + g0 * wg;
       switch (gb) {
-        case 8: value_tile<R, 8>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
-        case 4: value_tile<R, 4>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
-        case 2: value_tile<R, 2>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
-        default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ag, d, pf); break;
+        case 8: value_tile<R, 8>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf); break;
+        case 4: value_tile<R, 4>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf); break;
+        case 2: value_tile<R, 2>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf); break;
+        default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf); break;
       }
     }
     if (latent_straddle) {  // + a_h R_h^V, whole rows; the numerators by token first
-      for (int h0 = 0; h0 < G; h0 += 16)
+      for (int h0 = 0; h0 < G && !hl; h0 += 16)  // (heads in lanes: already by token)
         for (int t0 = 0; t0 < n; t0 += 16) {
           __m512 x[16];
           for (int i = 0; i < 16; ++i) x[i] = h0 + i < G ? _mm512_loadu_ps(sc.s + (h0 + i) * kRow + t0) : _mm512_setzero_ps();
@@ -1313,8 +1493,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       rvpf.range(0, rtile);
       latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, flat);
     } else if (rst) {  // + a_h R_h^V, heads in groups of up to 4
-      const float* wr = R::kQuant ? sc.wr : sc.s;
-      const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
+      const float* wr = R::kQuant ? sc.wr : hl ? sc.pt : sc.s;
+      const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : hl ? 1 : kRow;
       for (int h0 = 0, gb; h0 < G; h0 += gb) {
         // f32 latents in groups of 8 heads (measured 20% faster at H=16, r=32; the others are not)
         gb = R::kWideResidualGroups && G - h0 >= 8 ? 8 : group_size(G - h0);
@@ -1323,17 +1503,17 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         const float* wh = wr + h0 * wrg;
         float* ar = acc_r + static_cast<size_t>(h0) * r;
         switch (gb) {
-          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
-          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
-          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
-          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
+          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, ws, rblocks, ar, r); break;
+          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, ws, rblocks, ar, r); break;
+          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, ws, rblocks, ar, r); break;
+          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, ws, rblocks, ar, r); break;
         }
       }
     }
     row += n;
   }
 
-  for (int g = 0; g < G; ++g) l[g] = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l + 16 * g));
+  for (int g = 0; g < G; ++g) l[g] = hl ? sc.l[g] : _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l + 16 * g));
   if constexpr (R::kPerm) {  // whole groups only (straddling latents, read as flat rows, are in natural order)
     unpermute(acc, G * d);
     for (int g = 0; g < G && rblocks > 0 && !latent_straddle; ++g) unpermute(acc_r + static_cast<size_t>(g) * r, 32 * rblocks);
@@ -1399,10 +1579,52 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
   prepare_int_queries(q, heads, d, scale, type, qs);  // integer queries (decode_attention_isa.h)
 }
 
+size_t avx512_lrkv_query_floats(int heads, int d, int r, KVType type) {
+  if (head_lanes(type, heads, r)) return static_cast<size_t>(type == KVType::F32 ? 16 : 8) * d;  // QT
+  return heads * avx512_query_floats(d, type);
+}
+
+// The scaled q (bf16: rounded) as 32-bit words [i][16 lanes]: lane h holds head h's value i
+// (f32) or its values 2i, 2i + 1 (bf16, the first in the low half); zeros past the heads.
+// bf16 also packs a flat [heads][w] run of rounded values (pack_bf16).
+namespace {
+uint32_t bf16_bits(float x) {  // x already rounded to bf16: its high half
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return u >> 16;
+}
+void pack_bf16(const float* x, size_t n, float* out) {
+  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+  for (size_t i = 0; i < n; ++i) o[i] = static_cast<uint16_t>(bf16_bits(x[i]));
+}
+}  // namespace
+
+void avx512_prepare_lrkv_queries(const float* q, int heads, int d, int r, float scale, KVType type, float* qs) {
+  if (!head_lanes(type, heads, r)) return avx512_prepare_queries(q, heads, d, scale, type, qs);
+  float* x = static_cast<float*>(malloc(sizeof(float) * heads * d));
+  round_query(type, q, heads * d, scale, x);
+  uint32_t* w = reinterpret_cast<uint32_t*>(qs);
+  const int words = type == KVType::F32 ? d : d / 2;
+  for (int i = 0; i < words; ++i)
+    for (int h = 0; h < 16; ++h) {
+      uint32_t v = 0;
+      if (h < heads) {
+        const float* xh = x + static_cast<size_t>(h) * d;
+        if (type == KVType::F32)
+          memcpy(&v, xh + i, 4);
+        else
+          v = bf16_bits(xh[2 * i]) | bf16_bits(xh[2 * i + 1]) << 16;
+      }
+      w[16 * i + h] = v;
+    }
+  free(x);
+}
+
 bool avx512_latent_words(KVType type, int r) { return latent_words(type, r); }
 
 size_t avx512_latent_query_floats(int heads, int r, KVType type) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
+  if (head_lanes(type, heads, r)) return static_cast<size_t>(type == KVType::F32 ? 16 : 8) * r;  // flat, 16 heads' room
   if (r % 32 == 0) return heads * avx512_query_floats(r, type);
   if (!quant) return static_cast<size_t>(heads) * FlatLatents::head_vectors(r) * 16;
   return latent_words(type, r) ? int_query_floats(heads * r) : static_cast<size_t>(heads) * r;
@@ -1410,7 +1632,18 @@ size_t avx512_latent_query_floats(int heads, int r, KVType type) {
 
 void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
-  if (r % 32 == 0) {
+  if (head_lanes(type, heads, r)) {  // head_lane_scores: the flat [heads][r] in the row's layout, zeros to 16 heads
+    const size_t n = static_cast<size_t>(heads) * r, room = avx512_latent_query_floats(heads, r, type);
+    memset(qbs, 0, sizeof(float) * room);
+    if (type == KVType::F32) {
+      round_query(type, qb, static_cast<int>(n), scale, qbs);
+    } else {
+      float* x = static_cast<float*>(malloc(sizeof(float) * n));
+      round_query(type, qb, static_cast<int>(n), scale, x);
+      pack_bf16(x, n, qbs);
+      free(x);
+    }
+  } else if (r % 32 == 0) {
     avx512_prepare_queries(qb, heads, r, scale, type, qbs);
   } else if (!quant) {  // FlatLatents: per head, its scaled (bf16: and rounded) qb at its segment's lanes of the flat row's vectors
     const int hv = FlatLatents::head_vectors(r);
@@ -1427,10 +1660,11 @@ void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scal
   }
 }
 
-size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width) {
+size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width, bool lrkv) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
   const int latent_blocks = (residual_width + 31) / 32;  // the most a straddling row has
-  return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks);
+  const bool by_token = latent_blocks > 0 || (lrkv && head_lanes(type, G, residual_width / G));
+  return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks, by_token);
 }
 
 void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
@@ -1441,6 +1675,7 @@ void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const Decod
     res.qb = qbs;
     res.r = residual->head_dim() / H;
   }
+  res.head_lanes = head_lanes(shared.type(), H, res.r);
   auto run = [&](auto tag) {
     using R = decltype(tag);
     res.qstride = residual && res.r % 32 == 0 ? query_floats<R>(res.r) : 0;  // per head (latents of r % 32 != 0: unused)

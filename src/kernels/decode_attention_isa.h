@@ -70,8 +70,14 @@ bool avx512_bf16_dot();  // bf16 keys by vdpbf16ps (BF16Row), else widened (BF16
 // int8 blocks (integer dot products). d % 32 == 0.
 size_t avx512_query_floats(int d, KVType type);
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs);
-// LRKV's qb in the layout avx512_run_lrkv reads: per head as avx512_prepare_queries, except for
-// latents of r % 32 != 0 (blocks straddle heads). f32/bf16: per head, (r + 30) / 16 position
+// LRKV's q: as avx512_prepare_queries, or with heads in lanes (f32, and bf16 with vdpbf16ps, at 8
+// to 16 heads and a rank that suits; see head_lanes() there) QT: per 32-bit word of a K_s row, 16
+// lanes of the heads' matching value (f32) or pair (bf16), zeros past the heads.
+size_t avx512_lrkv_query_floats(int heads, int d, int r, KVType type);
+void avx512_prepare_lrkv_queries(const float* q, int heads, int d, int r, float scale, KVType type, float* qs);
+// LRKV's qb in the layout avx512_run_lrkv reads: with heads in lanes, the flat [heads][r] in the
+// rows' layout (f32, or packed bf16), zeros to 16 heads; else per head as avx512_prepare_queries,
+// except for latents of r % 32 != 0 (blocks straddle heads). f32/bf16: per head, (r + 30) / 16 position
 // vectors (its scaled qb at its segment's lanes of the flat row's 16-value vectors, zeros
 // elsewhere). q8/q4: the flat [heads][r] as one integer query (prepare_int_queries) where each
 // head's part of a block is whole row words (q8: r % 4 == 0, q4: r % 8 == 0), else rounded as the
@@ -80,8 +86,8 @@ size_t avx512_latent_query_floats(int heads, int r, KVType type);
 // q8/q4 latents of r % 32 != 0 scored in integers (each head's part of a block is whole row words).
 bool avx512_latent_words(KVType type, int r);
 void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs);
-// Scratch floats one split needs (residual_width: LRKV's H r, else 0).
-size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width = 0);
+// Scratch floats one split needs (lrkv: for LRKV decode; residual_width: its H r, else 0).
+size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width = 0, bool lrkv = false);
 // Pieces [p0, p1): part p = [m[G], l[G], acc[G][d]] at parts + p * part_size (natural order).
 void avx512_run_split(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, const float* qs, int G,
                       float* parts, size_t part_size, float* scratch);

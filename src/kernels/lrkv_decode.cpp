@@ -87,15 +87,15 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
   // Queries page-aligned (slot_aligned): no query load splits a cache line.
   const float *qsp = nullptr, *qbp = nullptr;
   if (wide) {  // queries in the AVX-512 layout, scaled
-    float* qs = detail::slot_aligned(qbuf, detail::avx512_query_floats(sh.d, shared.type()) * heads);
-    detail::avx512_prepare_queries(q, heads, sh.d, scale, shared.type(), qs);
+    float* qs = detail::slot_aligned(qbuf, detail::avx512_lrkv_query_floats(heads, sh.d, sh.r, shared.type()));
+    detail::avx512_prepare_lrkv_queries(q, heads, sh.d, sh.r, scale, shared.type(), qs);
     qsp = qs;
     if (sh.r > 0) {
       float* qbs = detail::slot_aligned(qbbuf, detail::avx512_latent_query_floats(heads, sh.r, shared.type()));
       detail::avx512_prepare_latent_queries(qb, heads, sh.r, scale, shared.type(), qbs);
       qbp = qbs;
     }
-    const size_t scratch_size = detail::slot_floats(detail::avx512_scratch_floats(heads, sh.d, shared.type(), sh.r * heads));
+    const size_t scratch_size = detail::slot_floats(detail::avx512_scratch_floats(heads, sh.d, shared.type(), sh.r * heads, true));
     float* scr = detail::slot_aligned(scratch, scratch_size * ns);
 #pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
     for (int i = 0; i < ns; ++i)

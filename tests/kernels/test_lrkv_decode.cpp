@@ -121,6 +121,24 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
   }
 }
 
+// AVX-512 scores with heads in lanes (f32, and bf16 with vdpbf16ps, at 8 to 16 heads with latents
+// of up to 8 words a head): the ranks of 2 or more words (r = 1 can cancel to near zero, below
+// 1e-5 of f32 rounding), with neighbours that keep the score blocks (r = 6 and f32 r = 16), heads
+// below 16, r = 0, tiles of 8 (rows past 1 KB) and 32 rows, a tile's last 1-8 rows, pages and
+// eviction.
+TEST(LrkvDecode, HeadsInLanesMatchReference) {
+  uint32_t seed = 700;
+  for (KVType t : {KVType::F32, KVType::BF16})
+    for (int H : {8, 11, 16})
+      for (int r : {0, 2, 4, 6, 8, 16})
+        for (int64_t L : {1, 19, 70}) check(t, H, 64, r, L, 32, {}, seed++);
+  for (KVType t : {KVType::F32, KVType::BF16}) {
+    check(t, 16, 128, 8, 203, 64, {}, seed++);
+    check(t, 16, 96, 4, 150, 40, {3, 60}, seed++);
+    check(t, 9, 32, 2, 77, 16, {2, 25}, seed++);
+  }
+}
+
 // Random shapes (seeded): head counts, widths and ranks the lists above do not name, short
 // pages, eviction. q8/q4 need d_h and H r multiples of 32 (their blocks).
 TEST(LrkvDecode, RandomShapesMatchReference) {
