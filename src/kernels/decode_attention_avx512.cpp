@@ -795,7 +795,7 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
 // accumulators held across the rows.
 template <class R, int GB, int JB>
 KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg,
-                                    size_t ws, float* acc, int r, int jr0) {
+                                    float* acc, int r, int jr0) {
   static_assert(GB * 2 * JB <= 16, "residual_value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
   for (int g = 0; g < GB; ++g)
@@ -805,7 +805,7 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
       for (int jj = 0; jj < JB; ++jj) {
         __m512 va, vb;
         R::val(v0 + t * rb + g * head_bytes, jr0 + jj, va, vb);
-        const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, ws, g, jr0 + jj, t));
+        const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, 1, g, jr0 + jj, t));
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
@@ -814,12 +814,12 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
 }
 
 template <class R, int GB>
-KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg, size_t ws,
-                                int blocks, float* acc, int r) {
+KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg, int blocks,
+                                float* acc, int r) {
   constexpr int JB = GB >= 8 ? 1 : 2;
   int j = 0;
-  for (; j + JB <= blocks; j += JB) residual_value_pass<R, GB, JB>(v0, rb, head_bytes, n, w, wg, ws, acc, r, j);
-  for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, w, wg, ws, acc, r, j);
+  for (; j + JB <= blocks; j += JB) residual_value_pass<R, GB, JB>(v0, rb, head_bytes, n, w, wg, acc, r, j);
+  for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, w, wg, acc, r, j);
 }
 
 // Block b of a latent row: its 32 values in natural order (q8/q4: codes, unscaled; f32/bf16: zeros
@@ -1061,9 +1061,10 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 // exp512 a row for the softmax. The residual qb_h . R_h,t: the row's vectors times the flat qb
 // ([H][r] in the row's own layout), each head's L lanes (f32: r values, bf16: r / 2 pairs) then
 // summed by halving the groups pairwise (log2 L levels of two permutes and an add).
-// Zen 5, one thread, 4K tokens in cache, H = 16, A/B in one process against the score blocks
-// (score_block): r = 8 bf16 1.15x, f32 1.09x faster a call; r = 32 (L = 16, 32: a reduce16 a row
-// for the residual, which the score blocks share with K_s) 0.87x, so wide latents keep them.
+// Zen 5, H = 16, A/B in one process against the score blocks (score_block), time before / after:
+// r = 8 bf16 1.10-1.19 (16K, caches emptied, two threads) and 1.20 (4K in cache, one thread), f32
+// 1.06 (16K); r = 32 (L = 16, 32: a reduce16 a row for the residual, which the score blocks share
+// with K_s) 0.87 in cache, so wider latents keep the score blocks.
 
 // LRKV decode keeps heads in lanes (run_piece) for f32, and bf16 with vdpbf16ps, at 8 to 16
 // heads (fewer leave most lanes idle) and latents whose L is a power of two up to 8 (or none).
@@ -1493,8 +1494,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       rvpf.range(0, rtile);
       latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, flat);
     } else if (rst) {  // + a_h R_h^V, heads in groups of up to 4
-      const float* wr = R::kQuant ? sc.wr : hl ? sc.pt : sc.s;
-      const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : hl ? 1 : kRow;
+      const float* wr = R::kQuant ? sc.wr : sc.s;  // (heads in lanes take latents of r <= 16 only: straddling)
+      const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
       for (int h0 = 0, gb; h0 < G; h0 += gb) {
         // f32 latents in groups of 8 heads (measured 20% faster at H=16, r=32; the others are not)
         gb = R::kWideResidualGroups && G - h0 >= 8 ? 8 : group_size(G - h0);
@@ -1503,10 +1504,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         const float* wh = wr + h0 * wrg;
         float* ar = acc_r + static_cast<size_t>(h0) * r;
         switch (gb) {
-          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, ws, rblocks, ar, r); break;
-          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, ws, rblocks, ar, r); break;
-          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, ws, rblocks, ar, r); break;
-          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, ws, rblocks, ar, r); break;
+          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
+          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
+          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
+          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
         }
       }
     }
