@@ -1292,9 +1292,11 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // both bandwidth phases: q8 r = 32 1.07-1.10, f32 r = 32 1.02; whole bench runs alternating
   // with and without, slow phase: bf16 GQA 1.08, bf16 r = 8 1.12. f32 GQA and f32 r = 8 run as
   // fast without it when memory is slow and up to 10% faster when fast. MHA, q8/q4 GQA and q4
-  // LRKV, whose compute hides the latency, were 4-8% slower with it.
+  // LRKV, whose compute hides the latency, were 4-8% slower with it; so was bf16 r = 8 once its
+  // scores took heads in lanes (hl; 16K, caches emptied, A/B in one process, with / without:
+  // 1.02-1.09, 64K 1.03, in cache 1.10), which therefore goes without.
   constexpr int kFarTiles = 3;
-  const bool far = G > 1 && (R::kQuant ? kLrkv && !R::kNibbles : R::kGroupFarPrefetch || rrb > rb);
+  const bool far = G > 1 && !hl && (R::kQuant ? kLrkv && !R::kNibbles : R::kGroupFarPrefetch || rrb > rb);
   float* m = part;
   float* l = part + G;
   float* acc = part + 2 * G;
