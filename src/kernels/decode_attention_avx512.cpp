@@ -69,7 +69,7 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // kMhaValuePrefetchSteps: MHA value passes prefetch the next V tile in steps of 8 rows (value_tile),
 // not in one burst at the pass's start (q4 MHA ran 12-14% slower in steps).
 // kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece with
-// several queries per row; f32 takes it only for LRKV latents wider than the shared rows.
+// 8 or more queries per row; f32 takes it only for LRKV latents wider than the shared rows.
 // kHeadLanes: LRKV scores may run with heads in lanes (head_lane_scores: f32, and bf16 by vdpbf16ps).
 struct F32Row {
   static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false,
@@ -1018,9 +1018,9 @@ KVX_INLINE void scores_for(const float* q, int gb, int d, const uint8_t* kb, siz
     const ResidualRows* rp = rt ? &res : nullptr;
     const size_t lo = t0 * rb, hi = imin(t0 + TB, n) * rb;
     const bool flat = rt && rt->flat;
-    // K rows with no far prefetch (MHA, f32 GQA) spread the next tile's over the block: Zen 5, 16K, caches
-    // emptied, A/B in one process: f32 GQA 8-16%, bf16 MHA 3-9% faster; with the far prefetch too
-    // (bf16 GQA and LRKV) 1-17% slower, so those keep the share before the block
+    // K rows with no far prefetch (MHA, f32 and bf16 GQA) spread the next tile's over the block: Zen 5,
+    // 16K, caches emptied, A/B in one process: f32 GQA 8-16%, bf16 MHA 3-9% faster; with the far
+    // prefetch too (bf16 MQA and LRKV) 1-17% slower, so those keep the share before the block
     const Prefetch* spread = pf && !pf->far && !flat ? pf : nullptr;
     if (pf && !spread) pf->range(lo, hi);
     float* sg = s + t0;
@@ -1287,16 +1287,19 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const bool hl = R::kHeadLanes && kLrkv && res.head_lanes;
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
-  // Also prefetch to L2 the tile 3 ahead: bf16 GQA and LRKV, q8 LRKV, and f32 LRKV whose latent
+  // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, q8 LRKV, and f32 LRKV whose latent
   // rows are wider than the shared ones (H r > d). Zen 5, 16K, time without it / with, A/B over
   // both bandwidth phases: q8 r = 32 1.07-1.10, f32 r = 32 1.02; whole bench runs alternating
   // with and without, slow phase: bf16 GQA 1.08, bf16 r = 8 1.12. f32 GQA and f32 r = 8 run as
   // fast without it when memory is slow and up to 10% faster when fast. MHA, q8/q4 GQA and q4
-  // LRKV, whose compute hides the latency, were 4-8% slower with it; so was bf16 r = 8 once its
+  // LRKV, whose compute hides the latency, were 4-8% slower with it; so were bf16 r = 8 once its
   // scores took heads in lanes (hl; 16K, caches emptied, A/B in one process, with / without:
-  // 1.02-1.09, 64K 1.03, in cache 1.10), which therefore goes without.
+  // 1.02-1.09, 64K 1.03, in cache 1.10) and, after its tiles and prefetch steps changed, bf16 GQA
+  // at 4 queries a KV head (1.01-1.11 in either bandwidth phase, 64K 1.08, in cache 1.10; its K
+  // prefetch is then spread over the score blocks), which therefore go without. bf16 at 8 queries
+  // a KV head ran the same either way, at 16 (MQA) 5-7% faster with it.
   constexpr int kFarTiles = 3;
-  const bool far = G > 1 && !hl && (R::kQuant ? kLrkv && !R::kNibbles : R::kGroupFarPrefetch || rrb > rb);
+  const bool far = G > 1 && !hl && (R::kQuant ? kLrkv && !R::kNibbles : (R::kGroupFarPrefetch && G >= 8) || rrb > rb);
   float* m = part;
   float* l = part + G;
   float* acc = part + 2 * G;
