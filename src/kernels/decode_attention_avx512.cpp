@@ -1590,40 +1590,31 @@ size_t avx512_lrkv_query_floats(int heads, int d, int r, KVType type) {
   return heads * avx512_query_floats(d, type);
 }
 
-// The scaled q (bf16: rounded) as 32-bit words [i][16 lanes]: lane h holds head h's value i
-// (f32) or its values 2i, 2i + 1 (bf16, the first in the low half); zeros past the heads.
-// bf16 also packs a flat [heads][w] run of rounded values (pack_bf16).
+// Heads in lanes: n values of x scaled (round_query: f32 scaled, bf16 also rounded) as the rows
+// store them: f32 as floats, bf16 packed two to a 32-bit word (the first in the low half); word
+// i of the result to out[i * stride] (n even for bf16). 32 values at a time.
 namespace {
-uint32_t bf16_bits(float x) {  // x already rounded to bf16: its high half
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  return u >> 16;
-}
-void pack_bf16(const float* x, size_t n, float* out) {
-  uint16_t* o = reinterpret_cast<uint16_t*>(out);
-  for (size_t i = 0; i < n; ++i) o[i] = static_cast<uint16_t>(bf16_bits(x[i]));
+void round_words(KVType type, const float* x, int n, float scale, uint32_t* out, size_t stride) {
+  float y[32];
+  for (int i0 = 0; i0 < n; i0 += 32) {
+    const int m = imin(32, n - i0);
+    round_query(type, x + i0, m, scale, y);
+    uint32_t u[32];
+    memcpy(u, y, sizeof(float) * m);
+    if (type == KVType::F32)
+      for (int i = 0; i < m; ++i) out[(i0 + i) * stride] = u[i];
+    else  // rounded to bf16: the high halves
+      for (int i = 0; i < m; i += 2) out[(i0 + i) / 2 * stride] = u[i] >> 16 | (u[i + 1] & 0xffff0000u);
+  }
 }
 }  // namespace
 
+// QT: word i of a K_s row's [16 lanes], lane h of head h's query, zeros past the heads.
 void avx512_prepare_lrkv_queries(const float* q, int heads, int d, int r, float scale, KVType type, float* qs) {
   if (!head_lanes(type, heads, r)) return avx512_prepare_queries(q, heads, d, scale, type, qs);
-  float* x = static_cast<float*>(malloc(sizeof(float) * heads * d));
-  round_query(type, q, heads * d, scale, x);
   uint32_t* w = reinterpret_cast<uint32_t*>(qs);
-  const int words = type == KVType::F32 ? d : d / 2;
-  for (int i = 0; i < words; ++i)
-    for (int h = 0; h < 16; ++h) {
-      uint32_t v = 0;
-      if (h < heads) {
-        const float* xh = x + static_cast<size_t>(h) * d;
-        if (type == KVType::F32)
-          memcpy(&v, xh + i, 4);
-        else
-          v = bf16_bits(xh[2 * i]) | bf16_bits(xh[2 * i + 1]) << 16;
-      }
-      w[16 * i + h] = v;
-    }
-  free(x);
+  memset(w, 0, sizeof(float) * avx512_lrkv_query_floats(heads, d, r, type));
+  for (int h = 0; h < heads; ++h) round_words(type, q + static_cast<size_t>(h) * d, d, scale, w + h, 16);
 }
 
 bool avx512_latent_words(KVType type, int r) { return latent_words(type, r); }
@@ -1639,16 +1630,8 @@ size_t avx512_latent_query_floats(int heads, int r, KVType type) {
 void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
   if (head_lanes(type, heads, r)) {  // head_lane_scores: the flat [heads][r] in the row's layout, zeros to 16 heads
-    const size_t n = static_cast<size_t>(heads) * r, room = avx512_latent_query_floats(heads, r, type);
-    memset(qbs, 0, sizeof(float) * room);
-    if (type == KVType::F32) {
-      round_query(type, qb, static_cast<int>(n), scale, qbs);
-    } else {
-      float* x = static_cast<float*>(malloc(sizeof(float) * n));
-      round_query(type, qb, static_cast<int>(n), scale, x);
-      pack_bf16(x, n, qbs);
-      free(x);
-    }
+    memset(qbs, 0, sizeof(float) * avx512_latent_query_floats(heads, r, type));
+    round_words(type, qb, heads * r, scale, reinterpret_cast<uint32_t*>(qbs), 1);
   } else if (r % 32 == 0) {
     avx512_prepare_queries(qb, heads, r, scale, type, qbs);
   } else if (!quant) {  // FlatLatents: per head, its scaled (bf16: and rounded) qb at its segment's lanes of the flat row's vectors
