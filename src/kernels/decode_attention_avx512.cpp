@@ -1187,8 +1187,7 @@ template <class R>
 KVX_INLINE void head_lane_scores(const float* qt, int d, const uint8_t* kb, size_t rb, int n, const HeadLaneResidual* hr,
                                  const uint8_t* rkb, size_t rrb, float* pt, int pt_stride, const Prefetch& kpf,
                                  const Prefetch* rkpf) {
-  constexpr bool kBF16 = R::kDotBF16;
-  const int chunks = (kBF16 ? d / 2 : d) / 8;  // 8 words of QT held at a time
+  const int chunks = (R::kDotBF16 ? d / 2 : d) / 8;  // 8 words of QT held at a time
   const size_t kbytes = static_cast<size_t>(n) * rb;
   const int blocks = (n + 15) / 16, steps = blocks * chunks;
   for (int t0 = 0, b = 0; t0 < n; t0 += 16, ++b) {
