@@ -1573,29 +1573,53 @@ size_t avx512_query_floats(int d, KVType type) {
   return 0;
 }
 
+// n values of x scaled (round_query: f32 scaled, bf16 also rounded) as the rows store them: f32
+// as floats, bf16 packed two to a 32-bit word (the first in the low half); word i of the result
+// to out[i * stride] (n even for bf16). Rounded 256 values at a time (32 a call cost a bf16
+// decode call at 512 tokens ~1 us), packed 32 at a time.
+namespace {
+void round_words(KVType type, const float* x, int n, float scale, uint32_t* out, size_t stride) {
+  constexpr int kChunk = 256;
+  alignas(64) float y[kChunk];
+  alignas(64) uint32_t u[kChunk];
+  const bool f32 = type == KVType::F32;
+  for (int i0 = 0; i0 < n; i0 += kChunk) {
+    const int m = imin(kChunk, n - i0), words = f32 ? m : m / 2;
+    round_query(type, x + i0, m, scale, y);
+    if (f32) {
+      memcpy(u, y, sizeof(float) * m);
+    } else {  // rounded to bf16: the high halves, in order (past m: unused)
+      for (int j = 0; j < m; j += 32) {
+        const __m512i a = _mm512_castps_si512(_mm512_load_ps(y + j)), b = _mm512_castps_si512(_mm512_load_ps(y + j + 16));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(u + j / 2), _mm512_cvtepi32_epi16(_mm512_srli_epi32(a, 16)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(u + j / 2 + 8), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+      }
+    }
+    uint32_t* o = out + static_cast<size_t>(f32 ? i0 : i0 / 2) * stride;
+    if (stride == 1)
+      memcpy(o, u, sizeof(uint32_t) * words);
+    else
+      for (int i = 0; i < words; ++i) o[i * stride] = u[i];
+  }
+}
+}  // namespace
+
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs) {
   const size_t stride = avx512_query_floats(d, type);
-  if (type == KVType::F32) {
+  if (type == KVType::F32 || (type == KVType::BF16 && avx512_bf16_dot())) {  // F32Row; BF16Row: bf16 in natural order, head h's in the first half of its floats
     for (int h = 0; h < heads; ++h)
-      for (int i = 0; i < d; ++i) qs[h * stride + i] = q[static_cast<size_t>(h) * d + i] * scale;
+      round_words(type, q + static_cast<size_t>(h) * d, d, scale, reinterpret_cast<uint32_t*>(qs + h * stride), 1);
     return;
   }
-  if (type == KVType::BF16) {  // the scaled query rounded to bf16 (round_query), then laid out in place (stride == d)
+  if (type == KVType::BF16) {  // BF16FmaRow: the scaled query rounded to bf16 (round_query) as floats, (even | odd) per 32 values, in place
     round_query(type, q, heads * d, scale, qs);
-    const bool dot = avx512_bf16_dot();
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     for (int h = 0; h < heads; ++h)
       for (int i = 0; i < d; i += 32) {
         float* x = qs + static_cast<size_t>(h) * d + i;
         const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
-        if (dot) {  // BF16Row: bf16 in natural order, head h's in the first half of its floats
-          __m256i* y = reinterpret_cast<__m256i*>(qs + static_cast<size_t>(h) * d) + i / 16;
-          _mm256_storeu_si256(y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(a), 16)));
-          _mm256_storeu_si256(y + 1, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(b), 16)));
-        } else {  // BF16FmaRow: floats, (even | odd) per 32 values
-          _mm512_storeu_ps(x, _mm512_permutex2var_ps(a, even, b));
-          _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b));
-        }
+        _mm512_storeu_ps(x, _mm512_permutex2var_ps(a, even, b));
+        _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b));
       }
     return;
   }
@@ -1606,25 +1630,6 @@ size_t avx512_lrkv_query_floats(int heads, int d, int r, KVType type) {
   if (head_lanes(type, heads, r)) return static_cast<size_t>(type == KVType::F32 ? 16 : 8) * d;  // QT
   return heads * avx512_query_floats(d, type);
 }
-
-// Heads in lanes: n values of x scaled (round_query: f32 scaled, bf16 also rounded) as the rows
-// store them: f32 as floats, bf16 packed two to a 32-bit word (the first in the low half); word
-// i of the result to out[i * stride] (n even for bf16). 32 values at a time.
-namespace {
-void round_words(KVType type, const float* x, int n, float scale, uint32_t* out, size_t stride) {
-  float y[32];
-  for (int i0 = 0; i0 < n; i0 += 32) {
-    const int m = imin(32, n - i0);
-    round_query(type, x + i0, m, scale, y);
-    uint32_t u[32];
-    memcpy(u, y, sizeof(float) * m);
-    if (type == KVType::F32)
-      for (int i = 0; i < m; ++i) out[(i0 + i) * stride] = u[i];
-    else  // rounded to bf16: the high halves
-      for (int i = 0; i < m; i += 2) out[(i0 + i) / 2 * stride] = u[i] >> 16 | (u[i + 1] & 0xffff0000u);
-  }
-}
-}  // namespace
 
 // QT: word i of a K_s row's [16 lanes], lane h of head h's query, zeros past the heads.
 void avx512_prepare_lrkv_queries(const float* q, int heads, int d, int r, float scale, KVType type, float* qs) {
