@@ -1626,6 +1626,8 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
   prepare_int_queries(q, heads, d, scale, type, qs);  // integer queries (decode_attention_isa.h)
 }
 
+bool avx512_lrkv_head_lanes(KVType type, int heads, int r) { return head_lanes(type, heads, r); }
+
 size_t avx512_lrkv_query_floats(int heads, int d, int r, KVType type) {
   if (head_lanes(type, heads, r)) return static_cast<size_t>(type == KVType::F32 ? 16 : 8) * d;  // QT
   return heads * avx512_query_floats(d, type);

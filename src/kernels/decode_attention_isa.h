@@ -73,6 +73,7 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
 // LRKV's q: as avx512_prepare_queries, or with heads in lanes (f32, and bf16 with vdpbf16ps, at 8
 // to 16 heads and a rank that suits; see head_lanes() there) QT: per 32-bit word of a K_s row, 16
 // lanes of the heads' matching value (f32) or pair (bf16), zeros past the heads.
+bool avx512_lrkv_head_lanes(KVType type, int heads, int r);
 size_t avx512_lrkv_query_floats(int heads, int d, int r, KVType type);
 void avx512_prepare_lrkv_queries(const float* q, int heads, int d, int r, float scale, KVType type, float* qs);
 // LRKV's qb in the layout avx512_run_lrkv reads: with heads in lanes, the flat [heads][r] in the

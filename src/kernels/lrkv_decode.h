@@ -41,6 +41,10 @@ bool lrkv_decode_rounds_query(DecodeIsa isa, KVType type, int head_dim, int rank
 // multiply-adds on dequantised values: what bench decode's roofline charges them at. isa: a
 // resolved back end (lrkv_decode_isa).
 bool lrkv_latent_scores_in_int8(DecodeIsa isa, KVType type, int rank);
+// The same for bf16 dot products (bf16 caches where the back end has vdpbf16ps: decode_dots_bf16):
+// latents of whole 32-value groups per head, and on AVX-512 those it scores with heads in lanes
+// (8-16 heads, r = 2, 4, 8, 16); other bf16 latents are widened to f32.
+bool lrkv_latent_scores_in_bf16(DecodeIsa isa, KVType type, int heads, int rank);
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
                                      const KVStore* residual, float scale, float* out_s, float* out_r,
                                      bool rounded_query = false);

@@ -127,6 +127,13 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
 // below 16, r = 0, tiles of 8 (rows past 1 KB) and 32 rows, a tile's last 1-8 rows, pages and
 // eviction.
 TEST(LrkvDecode, HeadsInLanesMatchReference) {
+  // bench decode's roofline charges these latents at the bf16 dot-product peak
+  const bool dots = decode_dots_bf16(DecodeIsa::Avx512);
+  EXPECT_EQ(lrkv_latent_scores_in_bf16(DecodeIsa::Avx512, KVType::BF16, 16, 8), dots);
+  EXPECT_EQ(lrkv_latent_scores_in_bf16(DecodeIsa::Avx512, KVType::BF16, 16, 32), dots);
+  EXPECT_FALSE(lrkv_latent_scores_in_bf16(DecodeIsa::Avx512, KVType::BF16, 16, 24));  // widened
+  EXPECT_FALSE(lrkv_latent_scores_in_bf16(DecodeIsa::Avx2, KVType::BF16, 16, 8));
+  EXPECT_FALSE(lrkv_latent_scores_in_bf16(DecodeIsa::Avx512, KVType::F32, 16, 8));
   uint32_t seed = 700;
   for (KVType t : {KVType::F32, KVType::BF16})
     for (int H : {8, 11, 16})
