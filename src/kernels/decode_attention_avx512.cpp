@@ -10,7 +10,9 @@
 // then one transpose-add per 16 scores; bf16 rows are dotted as they are stored, by vdpbf16ps
 // with the query rounded to bf16 (AVX-512 BF16: half the instructions of widening the row to
 // fp32; Zen 5, G = 4, rows in L1: 11 cycles a row and KV head against 19), else widened.
-// LRKV f32/bf16 at 8-16 heads with small latents: heads in lanes instead (head_lane_scores).
+// LRKV f32/bf16 at 8-16 heads with small latents: heads in lanes instead (head_lane_scores);
+// bf16 then also weighs V_s and the latents two rows at a time by vdpbf16ps, with the softmax
+// numerators rounded to bf16 (pair_value_pass, pair_latent_values).
 // q8/q4 scores: tokens in lanes (token_scores): 16 rows transposed once for all G queries, then per query and block 8 integer dot-product
 // instructions (VNNI) and no horizontal sums.
 // Values: rows read 32 values at a time (a "group"; a q8/q4 block): f32 and q8 as two vectors
@@ -154,6 +156,18 @@ KVX_INLINE __m512 reduce16(const __m512* a) {
                                   _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// acc + a times the 32-bit word at w broadcast: a's bf16 pairs dotted with the word's pair
+// (vdpbf16ps), or a's floats times the float (vfmadd231ps); {1to16} from memory, which the
+// compiler does not fold on its own.
+KVX_INLINE __m512 dpbf16_broadcast(__m512 acc, __m512 a, const int32_t* w) {
+  __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
+  return acc;
+}
+KVX_INLINE __m512 fmadd_broadcast(__m512 acc, __m512 a, const int32_t* w) {
+  __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
+  return acc;
 }
 
 // e^x = 2^k e^r, k = round(x log2 e), r = x - k ln 2 (two-step), e^r by its degree-7 Taylor
@@ -790,6 +804,64 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
     for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(base + g * d + 16 * i, a[g][i]);
 }
 
+// bf16 V rows weighed two tokens at a time by vdpbf16ps (heads in lanes): the numerators rounded
+// to bf16 (to nearest even: a weight's error is up to 2^-8 of it, as in FlashAttention's P V with P
+// in bf16; the denominators sum them unrounded), as pair words: word 16 k + h = (p_h,2k, p_h,2k+1),
+// the first token in the low half. A token past n weighs 0.
+KVX_INLINE void pair_weights(const float* pt, int pt_stride, int n, uint32_t* pairs) {
+  alignas(64) static constexpr int16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  for (int k = 0; 2 * k < n; ++k) {
+    const __m512 a = _mm512_loadu_ps(pt + 2 * k * pt_stride);
+    const __m512 b = 2 * k + 1 < n ? _mm512_loadu_ps(pt + (2 * k + 1) * pt_stride) : _mm512_setzero_ps();
+    const __m512bh x = _mm512_cvtne2ps_pbh(b, a);  // [a's 16 | b's 16]
+    _mm512_storeu_si512(pairs + 16 * k, _mm512_permutexvar_epi16(interleave, (__m512i)x));
+  }
+}
+
+// acc[g] += sum_t p_g,t V_t for GB heads (word g of each pair of `pairs`) over groups j0 .. j0 + JB - 1,
+// the rows' pairs (2k, 2k + 1) read once for all GB heads: lanes (V_2k[c], V_2k+1[c]) built from
+// the two rows' words by a shift and a blend, for the even positions and the odd ones (the (even |
+// odd) order of BF16Row::val, which the piece's end un-permutes). A row past n is row n - 1 again
+// (its weight is 0). Weights broadcast to registers, each used twice (as memory operands: 6%
+// slower a call in cache). pf: as value_pass's.
+template <int GB, int JB>
+KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, int n, const uint32_t* pairs, float* acc, int d, int j0,
+                                const Prefetch* pf, size_t pf_lo, size_t pf_hi) {
+  static_assert(GB * 2 * JB <= 16, "pair_value_pass holds up to 16 accumulators");
+  __m512 a[GB][2 * JB];
+  float* base = acc + 32 * j0;
+#pragma GCC unroll 16
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(base + g * d + 16 * i);
+  const __mmask32 high = 0xaaaaaaaau;
+  const size_t chunk = n > 0 ? (pf_hi - pf_lo) * 8 / n : 0;  // the prefetch per 8 rows
+  for (int k = 0; 2 * k < n; ++k) {
+    if (pf && k % 4 == 0) pf->range(pf_lo + chunk * (k / 4), 2 * k + 8 >= n ? pf_hi : pf_lo + chunk * (k / 4 + 1));
+    const uint8_t* ra = v0 + 2 * k * rb;
+    const uint8_t* rb1 = 2 * k + 1 < n ? ra + rb : ra;
+    const uint32_t* wk = pairs + 16 * k;
+#pragma GCC unroll 8
+    for (int jj = 0; jj < JB; ++jj) {
+      const __m512i x = _mm512_loadu_si512(ra + 64 * (j0 + jj)), y = _mm512_loadu_si512(rb1 + 64 * (j0 + jj));
+      const __m512 even = _mm512_castsi512_ps(_mm512_mask_blend_epi16(high, x, _mm512_slli_epi32(y, 16)));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_mask_blend_epi16(high, _mm512_srli_epi32(x, 16), y));
+#pragma GCC unroll 16
+      for (int g = 0; g < GB; ++g) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(wk[g]));
+        a[g][2 * jj] = _mm512_dpbf16_ps(a[g][2 * jj], (__m512bh)even, w);
+        a[g][2 * jj + 1] = _mm512_dpbf16_ps(a[g][2 * jj + 1], (__m512bh)odd, w);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(base + g * d + 16 * i, a[g][i]);
+}
+
 // LRKV latents: acc_r[g] += sum_t w(g, t, j) R_{h0+g},t for GB heads, each reading its own
 // segment of the row (v0 + g * head_bytes), groups jr0 .. jr0 + JB - 1 of it; GB x 2 JB
 // accumulators held across the rows.
@@ -893,14 +965,16 @@ KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const flo
 // q4 MHA 12-14% and q8/q4 GQA slower, so they keep the share at the start).
 template <class R, int GB>
 KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, size_t ws, float* acc, int d,
-                           const Prefetch* pf) {
+                           const Prefetch* pf, const uint32_t* pairs = nullptr) {
   constexpr int JB = 8 / GB;
   const int nj = d / 32;
   const size_t bytes = static_cast<size_t>(n) * rb;
   int j = 0;
   auto pass = [&](auto jb) {
     constexpr int B = decltype(jb)::value;
-    if constexpr (R::kUnrolledValuePass || (GB == 1 && R::kMhaValuePrefetchSteps)) {
+    if (R::kDotBF16 && pairs) {  // the numerators as bf16 pairs (pair_weights), not w
+      pair_value_pass<GB, B>(v0, rb, n, pairs, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
+    } else if constexpr (R::kUnrolledValuePass || (GB == 1 && R::kMhaValuePrefetchSteps)) {
       value_pass<R, GB, B>(v0, rb, n, w, wg, ws, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else {
       if (pf) pf->range(bytes * j / nj, bytes * (j + B) / nj);
@@ -965,20 +1039,24 @@ struct Residual {
 struct Scratch {
   float *s, *l, *kT, *vT, *w, *wr;
   uint8_t* latent_codes;  // LatentQuery::codes, 1 KB
-  float *pt, *cols;
+  float* pt;
+  uint32_t* pairs;  // heads in lanes, bf16: the numerators as bf16 pairs (pair_weights), kPairWords
+  float* cols;
   int32_t *idx, *head0, *seg_bias;
   int pt_stride;
   Scratch(float* base, int G, int nb, int nbr, int lb, bool by_token)
       : s(base), l(s + G * kRow), kT(l + 16 * G), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)),
         wr(w + kMaxTile * G * nb), latent_codes(reinterpret_cast<uint8_t*>(wr + kMaxTile * nbr)),
-        pt(wr + kMaxTile * nbr + (nbr ? 256 : 0)), cols(pt + (by_token ? kMaxTile * pt_floats(G) : 0)),
+        pt(wr + kMaxTile * nbr + (nbr ? 256 : 0)), pairs(reinterpret_cast<uint32_t*>(pt + (by_token ? kMaxTile * pt_floats(G) : 0))),
+        cols(reinterpret_cast<float*>(pairs + (by_token ? kPairWords : 0))),
         idx(reinterpret_cast<int32_t*>(cols + (nbr ? 32 * 16 : 0))), head0(idx + 32 * lb), seg_bias(head0 + lb),
         pt_stride(pt_floats(G)) {}
   // a row of pt: room for a 32-float load from any head
   static int pt_floats(int G) { return (G + 15) / 16 * 16 + 32; }
+  static constexpr int kPairWords = kMaxTile / 2 * 16;
   static size_t floats(int G, int nb, int nbr, int lb, bool by_token) {
     return static_cast<size_t>(G) * (kRow + 16) + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) +
-           (nbr ? 256 + 32 * 16 + 10 * nbr : 0) + (by_token ? kMaxTile * pt_floats(G) : 0) + 33 * lb + 16;
+           (nbr ? 256 + 32 * 16 + 10 * nbr : 0) + (by_token ? kMaxTile * pt_floats(G) + kPairWords : 0) + 33 * lb + 16;
   }
 };
 
@@ -1032,14 +1110,21 @@ KVX_INLINE void scores_for(const float* q, int gb, int d, const uint8_t* kb, siz
   }
 }
 
-// (even | odd) per 32 values -> natural order, for n values (n % 32 == 0).
-KVX_INLINE void unpermute(float* acc, int n) {
+// The 32 values whose even positions are ev and odd ones od, in natural order: lo (0-15), hi (16-31).
+KVX_INLINE void natural_order(__m512 ev, __m512 od, __m512& lo, __m512& hi) {
   const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  lo = _mm512_permutex2var_ps(ev, lo_idx, od);
+  hi = _mm512_permutex2var_ps(ev, hi_idx, od);
+}
+
+// (even | odd) per 32 values -> natural order, for n values (n % 32 == 0).
+KVX_INLINE void unpermute(float* acc, int n) {
   for (int i = 0; i < n; i += 32) {
-    const __m512 ev = _mm512_loadu_ps(acc + i), od = _mm512_loadu_ps(acc + i + 16);
-    _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(ev, lo_idx, od));
-    _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(ev, hi_idx, od));
+    __m512 lo, hi;
+    natural_order(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(acc + i + 16), lo, hi);
+    _mm512_storeu_ps(acc + i, lo);
+    _mm512_storeu_ps(acc + i + 16, hi);
   }
 }
 
@@ -1075,18 +1160,6 @@ bool head_lanes(KVType type, int G, int r) {
   if (type == KVType::BF16 && r % 2) return false;
   const int L = type == KVType::F32 ? r : r / 2;
   return L <= 8 && (L & (L - 1)) == 0;
-}
-
-// acc + a times the 32-bit word at w broadcast: a's bf16 pairs dotted with the word's pair
-// (vdpbf16ps), or a's floats times the float (vfmadd231ps); {1to16} from memory, which the
-// compiler does not fold on its own.
-KVX_INLINE __m512 dpbf16_broadcast(__m512 acc, __m512 a, const int32_t* w) {
-  __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
-  return acc;
-}
-KVX_INLINE __m512 fmadd_broadcast(__m512 acc, __m512 a, const int32_t* w) {
-  __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
-  return acc;
 }
 
 // The residual's layout with heads in lanes.
@@ -1238,6 +1311,56 @@ KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float*
     lv = _mm512_add_ps(lv, p);
   }
   _mm512_storeu_ps(l, lv);
+}
+
+// LRKV bf16 latents with heads in lanes (r = 2..16: a row's G r values in 32-value blocks that
+// straddle heads), values: acc_r (flat [G][r]) += sum_t p_head(c),t R^V_t[c] over the tile, by
+// vdpbf16ps on token pairs as pair_value_pass (the weights' pair words, pair_weights): block i's
+// lane j takes head (32 i + 2 j) / r's word (r even: its two columns share a head), one permute of
+// the pair's 16 words a block. The tile's sums start from zero in registers and are added to acc_r
+// in natural order at the end. rvpf: the next tile's latent rows, a share every 8 rows (in one
+// burst before the pass: 5-8% slower a call, H = 16, r = 8, 16K, caches emptied).
+template <int NV>
+KVX_INLINE void pair_latent_values(const uint8_t* v0, size_t rb, int n, const uint32_t* pairs, int r, int width, float* acc_r,
+                                   const Prefetch& rvpf) {
+  __m512i head[NV];
+  __m512 a[2 * NV];
+  __mmask32 live[NV];  // the row's values in block i
+  const __m128i log2_r = _mm_cvtsi32_si128(__builtin_ctz(r));  // r a power of two (head_lanes)
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) {
+    head[i] = _mm512_min_epi32(_mm512_srl_epi32(_mm512_add_epi32(even, _mm512_set1_epi32(32 * i)), log2_r), _mm512_set1_epi32(15));
+    a[2 * i] = a[2 * i + 1] = _mm512_setzero_ps();
+    const int left = width - 32 * i;
+    live[i] = left >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << left) - 1);
+  }
+  const __mmask32 high = 0xaaaaaaaau;
+  const size_t bytes = static_cast<size_t>(n) * rb;
+  for (int k = 0; 2 * k < n; ++k) {
+    if (k % 4 == 0) rvpf.range(bytes * (2 * k) / n, bytes * imin(2 * k + 8, n) / n);
+    const uint8_t* ra = v0 + 2 * k * rb;
+    const uint8_t* rb1 = 2 * k + 1 < n ? ra + rb : ra;
+    const __m512i p = _mm512_loadu_si512(pairs + 16 * k);
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) {
+      const __m512i x = _mm512_maskz_loadu_epi16(live[i], ra + 64 * i), y = _mm512_maskz_loadu_epi16(live[i], rb1 + 64 * i);
+      const __m512bh w = (__m512bh)_mm512_permutexvar_epi32(head[i], p);
+      a[2 * i] = _mm512_dpbf16_ps(a[2 * i], (__m512bh)_mm512_mask_blend_epi16(high, x, _mm512_slli_epi32(y, 16)), w);
+      a[2 * i + 1] = _mm512_dpbf16_ps(a[2 * i + 1], (__m512bh)_mm512_mask_blend_epi16(high, _mm512_srli_epi32(x, 16), y), w);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) {
+    __m512 lo, hi;
+    natural_order(a[2 * i], a[2 * i + 1], lo, hi);
+    const int left = width - 32 * i;
+    const __mmask16 mlo = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 mhi = left >= 32 ? static_cast<__mmask16>(0xffff) : left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1) : 0;
+    float* o = acc_r + 32 * i;
+    _mm512_mask_storeu_ps(o, mlo, _mm512_add_ps(_mm512_maskz_loadu_ps(mlo, o), lo));
+    _mm512_mask_storeu_ps(o + 16, mhi, _mm512_add_ps(_mm512_maskz_loadu_ps(mhi, o + 16), hi));
+  }
 }
 
 // run_piece's online softmax for one query's tile of 33..64 rows (f32 MHA, tile_rows), with
@@ -1493,16 +1616,20 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     // Values; the first group's passes prefetch the next V tile (MHA: where R::kMhaValuePrefetch).
     const float* w = R::kQuant ? sc.w : hl ? sc.pt : sc.s;
     const size_t wg = R::kQuant ? static_cast<size_t>(nb) * kMaxTile : hl ? 1 : kRow, ws = hl ? sc.pt_stride : 1;
+    // bf16 with heads in lanes: V rows two tokens at a time against bf16 numerator pairs
+    const bool pairs = R::kDotBF16 && hl;
+    if (pairs) pair_weights(sc.pt, sc.pt_stride, n, sc.pairs);
     for (int g0 = 0, gb; g0 < G; g0 += gb) {
       gb = G - g0 >= 8 ? 8 : group_size(G - g0);
       const Prefetch* pf = g0 == 0 && (G > 1 || R::kMhaValuePrefetch) ? &vpf : nullptr;
       float* ag = acc + static_cast<size_t>(g0) * d;
       const float* wgp = w + g0 * wg;
+      const uint32_t* pw = pairs ? sc.pairs + g0 : nullptr;
       switch (gb) {
-        case 8: value_tile<R, 8>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf); break;
-        case 4: value_tile<R, 4>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf); break;
-        case 2: value_tile<R, 2>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf); break;
-        default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf); break;
+        case 8: value_tile<R, 8>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pw); break;
+        case 4: value_tile<R, 4>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pw); break;
+        case 2: value_tile<R, 2>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pw); break;
+        default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pw); break;
       }
     }
     if (latent_straddle) {  // + a_h R_h^V, whole rows; the numerators by token first
@@ -1513,8 +1640,22 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           transpose16x16(x);
           for (int t = 0; t < 16 && t0 + t < n; ++t) _mm512_storeu_ps(sc.pt + (t0 + t) * sc.pt_stride + h0, x[t]);
         }
-      rvpf.range(0, rtile);
-      latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, flat);
+      if (pairs) {  // bf16 with heads in lanes: G r <= 256
+        const uint8_t* v0 = rvb + rcodes;
+        switch ((G * r + 31) / 32) {
+          case 1: pair_latent_values<1>(v0, rrb, n, sc.pairs, r, G * r, acc_r, rvpf); break;
+          case 2: pair_latent_values<2>(v0, rrb, n, sc.pairs, r, G * r, acc_r, rvpf); break;
+          case 3: pair_latent_values<3>(v0, rrb, n, sc.pairs, r, G * r, acc_r, rvpf); break;
+          case 4: pair_latent_values<4>(v0, rrb, n, sc.pairs, r, G * r, acc_r, rvpf); break;
+          case 5: pair_latent_values<5>(v0, rrb, n, sc.pairs, r, G * r, acc_r, rvpf); break;
+          case 6: pair_latent_values<6>(v0, rrb, n, sc.pairs, r, G * r, acc_r, rvpf); break;
+          case 7: pair_latent_values<7>(v0, rrb, n, sc.pairs, r, G * r, acc_r, rvpf); break;
+          default: pair_latent_values<8>(v0, rrb, n, sc.pairs, r, G * r, acc_r, rvpf); break;
+        }
+      } else {
+        rvpf.range(0, rtile);
+        latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, flat);
+      }
     } else if (rst) {  // + a_h R_h^V, heads in groups of up to 4
       const float* wr = R::kQuant ? sc.wr : sc.s;  // (heads in lanes take latents of r <= 16 only: straddling)
       const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;

@@ -45,6 +45,13 @@ bool lrkv_latent_scores_in_int8(DecodeIsa isa, KVType type, int rank);
 // latents of whole 32-value groups per head, and on AVX-512 those it scores with heads in lanes
 // (8-16 heads, r = 2, 4, 8, 16); other bf16 latents are widened to f32.
 bool lrkv_latent_scores_in_bf16(DecodeIsa isa, KVType type, int heads, int rank);
+// Whether the fused kernel weighs the values with the softmax numerators rounded to bf16 (bf16
+// caches on AVX-512 with vdpbf16ps where it scores with heads in lanes: V_s and R^V rows dotted two
+// tokens at a time, as FlashAttention's P V with P in bf16). Each weight is then off by up to 2^-8
+// of itself, so out_s by up to 2^-8 sum_t a_h,t |V_s,t| and out_r by up to 2^-8 sum_t a_h,t
+// |R^V_h,t| (the tests' bound); the denominators sum the unrounded numerators. isa: a resolved
+// back end.
+bool lrkv_rounds_value_weights(DecodeIsa isa, KVType type, int heads, int rank);
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
                                      const KVStore* residual, float scale, float* out_s, float* out_r,
                                      bool rounded_query = false);
