@@ -804,10 +804,20 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
     for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(base + g * d + 16 * i, a[g][i]);
 }
 
-// bf16 V rows weighed two tokens at a time by vdpbf16ps (heads in lanes): the numerators rounded
-// to bf16 (to nearest even: a weight's error is up to 2^-8 of it, as in FlashAttention's P V with P
-// in bf16; the denominators sum them unrounded), as pair words: word 16 k + h = (p_h,2k, p_h,2k+1),
-// the first token in the low half. A token past n weighs 0.
+// LRKV bf16 values weighed two rows at a time by vdpbf16ps: the softmax numerators rounded to bf16
+// (to nearest even: a weight's error is up to 2^-8 of it, as in FlashAttention's P V with P in
+// bf16; the denominators sum them unrounded) as pair words, (p_g,2k, p_g,2k+1) with the first
+// token in the low half, at words[k * ks + g * gs] (heads in lanes: [pair][16 heads], else
+// [head][kMaxTile / 2 pairs]). A token past the tile weighs 0.
+struct PairWords {
+  const uint32_t* words;
+  int ks, gs;
+  KVX_INLINE __m512bh broadcast(int g, int k) const {
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(words[static_cast<size_t>(k) * ks + static_cast<size_t>(g) * gs]));
+  }
+};
+
+// The numerators of n tokens by token (pt, heads in lanes) as pair words [pair][16].
 KVX_INLINE void pair_weights(const float* pt, int pt_stride, int n, uint32_t* pairs) {
   alignas(64) static constexpr int16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -820,46 +830,65 @@ KVX_INLINE void pair_weights(const float* pt, int pt_stride, int n, uint32_t* pa
   }
 }
 
-// acc[g] += sum_t p_g,t V_t for GB heads (word g of each pair of `pairs`) over groups j0 .. j0 + JB - 1,
-// the rows' pairs (2k, 2k + 1) read once for all GB heads: lanes (V_2k[c], V_2k+1[c]) built from
-// the two rows' words by a shift and a blend, for the even positions and the odd ones (the (even |
-// odd) order of BF16Row::val, which the piece's end un-permutes). A row past n is row n - 1 again
-// (its weight is 0). Weights broadcast to registers, each used twice (as memory operands: 6%
-// slower a call in cache). pf: as value_pass's.
+// The numerators of G heads' n tokens (s[g * kRow + t]) as pair words [head][kMaxTile / 2]: 32
+// tokens in order are already 16 pairs.
+KVX_INLINE void pair_weights_by_head(const float* s, int G, int n, uint32_t* pairs) {
+  for (int g = 0; g < G; ++g)
+    for (int t0 = 0; t0 < n; t0 += 32) {
+      const int left = n - t0;
+      const __mmask16 m0 = left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+      const __mmask16 m1 = left >= 32 ? static_cast<__mmask16>(0xffff) : left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1) : 0;
+      const float* x = s + g * kRow + t0;
+      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, x + 16), _mm512_maskz_loadu_ps(m0, x));
+      _mm512_storeu_si512(pairs + g * (kMaxTile / 2) + t0 / 2, (__m512i)w);
+    }
+}
+
+// acc[g] += sum_t p_g,t V_t for GB heads over groups j0 .. j0 + JB - 1 of the rows (head g's at
+// v0 + g * head_bytes: LRKV latents; 0 for V_s, whose row pairs are then interleaved once for all
+// GB heads): lanes (V_2k[c], V_2k+1[c]) built from the two rows' words by a shift and a blend, for
+// the even positions and the odd ones (the (even | odd) order of BF16Row::val, which the piece's
+// end un-permutes). A row past n is row n - 1 again (its weight is 0). Weights broadcast to
+// registers, each used twice (as memory operands: 6% slower a call in cache). acc: head g's at
+// acc + g * as. pf: as value_pass's.
 template <int GB, int JB>
-KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, int n, const uint32_t* pairs, float* acc, int d, int j0,
-                                const Prefetch* pf, size_t pf_lo, size_t pf_hi) {
+KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const PairWords& pw, float* acc, int as,
+                                int j0, const Prefetch* pf, size_t pf_lo, size_t pf_hi) {
   static_assert(GB * 2 * JB <= 16, "pair_value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
   float* base = acc + 32 * j0;
 #pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 16
-    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(base + g * d + 16 * i);
+    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(base + g * as + 16 * i);
   const __mmask32 high = 0xaaaaaaaau;
+  auto pair_lanes = [&](const uint8_t* ra, const uint8_t* rb1, int j, __m512bh& even, __m512bh& odd) __attribute__((always_inline)) {
+    const __m512i x = _mm512_loadu_si512(ra + 64 * j), y = _mm512_loadu_si512(rb1 + 64 * j);
+    even = (__m512bh)_mm512_mask_blend_epi16(high, x, _mm512_slli_epi32(y, 16));
+    odd = (__m512bh)_mm512_mask_blend_epi16(high, _mm512_srli_epi32(x, 16), y);
+  };
   const size_t chunk = n > 0 ? (pf_hi - pf_lo) * 8 / n : 0;  // the prefetch per 8 rows
   for (int k = 0; 2 * k < n; ++k) {
     if (pf && k % 4 == 0) pf->range(pf_lo + chunk * (k / 4), 2 * k + 8 >= n ? pf_hi : pf_lo + chunk * (k / 4 + 1));
     const uint8_t* ra = v0 + 2 * k * rb;
     const uint8_t* rb1 = 2 * k + 1 < n ? ra + rb : ra;
-    const uint32_t* wk = pairs + 16 * k;
 #pragma GCC unroll 8
     for (int jj = 0; jj < JB; ++jj) {
-      const __m512i x = _mm512_loadu_si512(ra + 64 * (j0 + jj)), y = _mm512_loadu_si512(rb1 + 64 * (j0 + jj));
-      const __m512 even = _mm512_castsi512_ps(_mm512_mask_blend_epi16(high, x, _mm512_slli_epi32(y, 16)));
-      const __m512 odd = _mm512_castsi512_ps(_mm512_mask_blend_epi16(high, _mm512_srli_epi32(x, 16), y));
+      __m512bh even, odd;
+      if (head_bytes == 0) pair_lanes(ra, rb1, j0 + jj, even, odd);
 #pragma GCC unroll 16
       for (int g = 0; g < GB; ++g) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(wk[g]));
-        a[g][2 * jj] = _mm512_dpbf16_ps(a[g][2 * jj], (__m512bh)even, w);
-        a[g][2 * jj + 1] = _mm512_dpbf16_ps(a[g][2 * jj + 1], (__m512bh)odd, w);
+        if (head_bytes != 0) pair_lanes(ra + g * head_bytes, rb1 + g * head_bytes, j0 + jj, even, odd);
+        const __m512bh w = pw.broadcast(g, k);
+        a[g][2 * jj] = _mm512_dpbf16_ps(a[g][2 * jj], even, w);
+        a[g][2 * jj + 1] = _mm512_dpbf16_ps(a[g][2 * jj + 1], odd, w);
       }
     }
   }
 #pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 16
-    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(base + g * d + 16 * i, a[g][i]);
+    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(base + g * as + 16 * i, a[g][i]);
 }
 
 // LRKV latents: acc_r[g] += sum_t w(g, t, j) R_{h0+g},t for GB heads, each reading its own
@@ -885,11 +914,17 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
     for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * r + 32 * jr0 + 16 * i, a[g][i]);
 }
 
+// pw: bf16 with vdpbf16ps, the weights as pair words (pair_value_pass), not w.
 template <class R, int GB>
 KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg, int blocks,
-                                float* acc, int r) {
+                                float* acc, int r, const PairWords* pw) {
   constexpr int JB = GB >= 8 ? 1 : 2;
   int j = 0;
+  if (R::kDotBF16 && pw) {
+    for (; j + JB <= blocks; j += JB) pair_value_pass<GB, JB>(v0, rb, head_bytes, n, *pw, acc, r, j, nullptr, 0, 0);
+    for (; j < blocks; ++j) pair_value_pass<GB, 1>(v0, rb, head_bytes, n, *pw, acc, r, j, nullptr, 0, 0);
+    return;
+  }
   for (; j + JB <= blocks; j += JB) residual_value_pass<R, GB, JB>(v0, rb, head_bytes, n, w, wg, acc, r, j);
   for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, w, wg, acc, r, j);
 }
@@ -965,7 +1000,7 @@ KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const flo
 // q4 MHA 12-14% and q8/q4 GQA slower, so they keep the share at the start).
 template <class R, int GB>
 KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, size_t ws, float* acc, int d,
-                           const Prefetch* pf, const uint32_t* pairs = nullptr) {
+                           const Prefetch* pf, const PairWords* pairs = nullptr) {
   constexpr int JB = 8 / GB;
   const int nj = d / 32;
   const size_t bytes = static_cast<size_t>(n) * rb;
@@ -973,7 +1008,7 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
   auto pass = [&](auto jb) {
     constexpr int B = decltype(jb)::value;
     if (R::kDotBF16 && pairs) {  // the numerators as bf16 pairs (pair_weights), not w
-      pair_value_pass<GB, B>(v0, rb, n, pairs, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
+      pair_value_pass<GB, B>(v0, rb, 0, n, *pairs, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else if constexpr (R::kUnrolledValuePass || (GB == 1 && R::kMhaValuePrefetchSteps)) {
       value_pass<R, GB, B>(v0, rb, n, w, wg, ws, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else {
@@ -1040,23 +1075,25 @@ struct Scratch {
   float *s, *l, *kT, *vT, *w, *wr;
   uint8_t* latent_codes;  // LatentQuery::codes, 1 KB
   float* pt;
-  uint32_t* pairs;  // heads in lanes, bf16: the numerators as bf16 pairs (pair_weights), kPairWords
+  uint32_t* pairs;  // LRKV bf16 (vdpbf16ps): the numerators as bf16 pairs (pair_weights), pair_words(G)
   float* cols;
   int32_t *idx, *head0, *seg_bias;
   int pt_stride;
-  Scratch(float* base, int G, int nb, int nbr, int lb, bool by_token)
+  Scratch(float* base, int G, int nb, int nbr, int lb, bool by_token, bool with_pairs)
       : s(base), l(s + G * kRow), kT(l + 16 * G), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)),
         wr(w + kMaxTile * G * nb), latent_codes(reinterpret_cast<uint8_t*>(wr + kMaxTile * nbr)),
         pt(wr + kMaxTile * nbr + (nbr ? 256 : 0)), pairs(reinterpret_cast<uint32_t*>(pt + (by_token ? kMaxTile * pt_floats(G) : 0))),
-        cols(reinterpret_cast<float*>(pairs + (by_token ? kPairWords : 0))),
+        cols(reinterpret_cast<float*>(pairs + (with_pairs ? pair_words(G) : 0))),
         idx(reinterpret_cast<int32_t*>(cols + (nbr ? 32 * 16 : 0))), head0(idx + 32 * lb), seg_bias(head0 + lb),
         pt_stride(pt_floats(G)) {}
   // a row of pt: room for a 32-float load from any head
   static int pt_floats(int G) { return (G + 15) / 16 * 16 + 32; }
-  static constexpr int kPairWords = kMaxTile / 2 * 16;
-  static size_t floats(int G, int nb, int nbr, int lb, bool by_token) {
+  // a tile's pairs of every head (16 words a pair with heads in lanes)
+  static int pair_words(int G) { return kMaxTile / 2 * (G > 16 ? G : 16); }
+  static size_t floats(int G, int nb, int nbr, int lb, bool by_token, bool with_pairs) {
     return static_cast<size_t>(G) * (kRow + 16) + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) +
-           (nbr ? 256 + 32 * 16 + 10 * nbr : 0) + (by_token ? kMaxTile * pt_floats(G) + kPairWords : 0) + 33 * lb + 16;
+           (nbr ? 256 + 32 * 16 + 10 * nbr : 0) + (by_token ? kMaxTile * pt_floats(G) : 0) + (with_pairs ? pair_words(G) : 0) +
+           33 * lb + 16;
   }
 };
 
@@ -1425,7 +1462,9 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const int tile = rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant);
   // heads in lanes (head_lane_scores): q is QT, res.qb the flat qb
   const bool hl = R::kHeadLanes && kLrkv && res.head_lanes;
-  const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl);
+  // LRKV bf16 with vdpbf16ps: values two rows at a time against bf16 numerator pairs (pair_weights)
+  constexpr bool pairs = R::kDotBF16 && kLrkv;
+  const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
   // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, q8 LRKV, and f32 LRKV whose latent
   // rows are wider than the shared ones (H r > d). Zen 5, 16K, time without it / with, A/B over
@@ -1616,20 +1655,23 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     // Values; the first group's passes prefetch the next V tile (MHA: where R::kMhaValuePrefetch).
     const float* w = R::kQuant ? sc.w : hl ? sc.pt : sc.s;
     const size_t wg = R::kQuant ? static_cast<size_t>(nb) * kMaxTile : hl ? 1 : kRow, ws = hl ? sc.pt_stride : 1;
-    // bf16 with heads in lanes: V rows two tokens at a time against bf16 numerator pairs
-    const bool pairs = R::kDotBF16 && hl;
-    if (pairs) pair_weights(sc.pt, sc.pt_stride, n, sc.pairs);
+    if (pairs) {
+      if (hl)
+        pair_weights(sc.pt, sc.pt_stride, n, sc.pairs);
+      else
+        pair_weights_by_head(sc.s, G, n, sc.pairs);
+    }
     for (int g0 = 0, gb; g0 < G; g0 += gb) {
       gb = G - g0 >= 8 ? 8 : group_size(G - g0);
       const Prefetch* pf = g0 == 0 && (G > 1 || R::kMhaValuePrefetch) ? &vpf : nullptr;
       float* ag = acc + static_cast<size_t>(g0) * d;
       const float* wgp = w + g0 * wg;
-      const uint32_t* pw = pairs ? sc.pairs + g0 : nullptr;
+      const PairWords pw{sc.pairs + g0 * (hl ? 1 : kMaxTile / 2), hl ? 16 : 1, hl ? 1 : kMaxTile / 2};
       switch (gb) {
-        case 8: value_tile<R, 8>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pw); break;
-        case 4: value_tile<R, 4>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pw); break;
-        case 2: value_tile<R, 2>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pw); break;
-        default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pw); break;
+        case 8: value_tile<R, 8>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pairs ? &pw : nullptr); break;
+        case 4: value_tile<R, 4>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pairs ? &pw : nullptr); break;
+        case 2: value_tile<R, 2>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pairs ? &pw : nullptr); break;
+        default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pairs ? &pw : nullptr); break;
       }
     }
     if (latent_straddle) {  // + a_h R_h^V, whole rows; the numerators by token first
@@ -1640,7 +1682,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           transpose16x16(x);
           for (int t = 0; t < 16 && t0 + t < n; ++t) _mm512_storeu_ps(sc.pt + (t0 + t) * sc.pt_stride + h0, x[t]);
         }
-      if (pairs) {  // bf16 with heads in lanes: G r <= 256
+      if (pairs && hl) {  // G r <= 256
         const uint8_t* v0 = rvb + rcodes;
         switch ((G * r + 31) / 32) {
           case 1: pair_latent_values<1>(v0, rrb, n, sc.pairs, r, G * r, acc_r, rvpf); break;
@@ -1666,11 +1708,13 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         const uint8_t* v0 = rvb + rcodes + h0 * latent_bytes;
         const float* wh = wr + h0 * wrg;
         float* ar = acc_r + static_cast<size_t>(h0) * r;
+        const PairWords pwh{sc.pairs + h0 * (kMaxTile / 2), 1, kMaxTile / 2};  // (heads in lanes straddle: above)
+        const PairWords* pw = pairs ? &pwh : nullptr;
         switch (gb) {
-          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
-          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
-          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
-          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r); break;
+          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
+          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
+          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
+          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
         }
       }
     }
@@ -1818,7 +1862,8 @@ size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width, bool
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
   const int latent_blocks = (residual_width + 31) / 32;  // the most a straddling row has
   const bool by_token = latent_blocks > 0 || (lrkv && head_lanes(type, G, residual_width / G));
-  return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks, by_token);
+  const bool pairs = lrkv && type == KVType::BF16 && avx512_bf16_dot();  // run_piece's pair_weights
+  return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks, by_token, pairs);
 }
 
 void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,

@@ -46,12 +46,12 @@ bool lrkv_latent_scores_in_int8(DecodeIsa isa, KVType type, int rank);
 // (8-16 heads, r = 2, 4, 8, 16); other bf16 latents are widened to f32.
 bool lrkv_latent_scores_in_bf16(DecodeIsa isa, KVType type, int heads, int rank);
 // Whether the fused kernel weighs the values with the softmax numerators rounded to bf16 (bf16
-// caches on AVX-512 with vdpbf16ps where it scores with heads in lanes: V_s and R^V rows dotted two
-// tokens at a time, as FlashAttention's P V with P in bf16). Each weight is then off by up to 2^-8
-// of itself, so out_s by up to 2^-8 sum_t a_h,t |V_s,t| and out_r by up to 2^-8 sum_t a_h,t
-// |R^V_h,t| (the tests' bound); the denominators sum the unrounded numerators. isa: a resolved
-// back end.
-bool lrkv_rounds_value_weights(DecodeIsa isa, KVType type, int heads, int rank);
+// caches on AVX-512 with vdpbf16ps: V_s rows, and the latents' where each head's are whole 32-value
+// groups or the scores take heads in lanes, dotted two tokens at a time, as FlashAttention's P V
+// with P in bf16). Each weight is then off by up to 2^-8 of itself, so out_s by up to
+// 2^-8 sum_t a_h,t |V_s,t| and out_r by up to 2^-8 sum_t a_h,t |R^V_h,t| (the tests' bound); the
+// denominators sum the unrounded numerators. isa: a resolved back end.
+bool lrkv_rounds_value_weights(DecodeIsa isa, KVType type);
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
                                      const KVStore* residual, float scale, float* out_s, float* out_r,
                                      bool rounded_query = false);
