@@ -807,15 +807,16 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
 // LRKV bf16 values weighed two rows at a time by vdpbf16ps: the softmax numerators rounded to bf16
 // (to nearest even: a weight's error is up to 2^-8 of it, as in FlashAttention's P V with P in
 // bf16; the denominators sum them unrounded) as pair words, (p_g,2k, p_g,2k+1) with the first
-// token in the low half, at words[k * ks + g * gs] (heads in lanes: [pair][16 heads], else
-// [head][kMaxTile / 2 pairs]). A token past the tile weighs 0.
+// token in the low half, by token (heads in lanes: [pair][16 heads]) or by head ([head][kMaxTile /
+// 2 pairs]). A token past the tile weighs 0.
 struct PairWords {
-  const uint32_t* words;
-  int ks, gs;
-  KVX_INLINE __m512bh broadcast(int g, int k) const {
-    return (__m512bh)_mm512_set1_epi32(static_cast<int>(words[static_cast<size_t>(k) * ks + static_cast<size_t>(g) * gs]));
-  }
+  const uint32_t* words;  // head 0's first
+  bool by_token;
 };
+template <bool kByToken>
+KVX_INLINE __m512bh pair_word(const uint32_t* words, int g, int k) {
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(words[kByToken ? 16 * k + g : g * (kMaxTile / 2) + k]));
+}
 
 // The numerators of n tokens by token (pt, heads in lanes) as pair words [pair][16].
 KVX_INLINE void pair_weights(const float* pt, int pt_stride, int n, uint32_t* pairs) {
@@ -851,9 +852,9 @@ KVX_INLINE void pair_weights_by_head(const float* s, int G, int n, uint32_t* pai
 // end un-permutes). A row past n is row n - 1 again (its weight is 0). Weights broadcast to
 // registers, each used twice (as memory operands: 6% slower a call in cache). acc: head g's at
 // acc + g * as. pf: as value_pass's.
-template <int GB, int JB>
-KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const PairWords& pw, float* acc, int as,
-                                int j0, const Prefetch* pf, size_t pf_lo, size_t pf_hi) {
+template <int GB, int JB, bool kByToken, bool kPerHead>
+KVX_INLINE void pair_value_pass_of(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const uint32_t* words, float* acc,
+                                   int as, int j0, const Prefetch* pf, size_t pf_lo, size_t pf_hi) {
   static_assert(GB * 2 * JB <= 16, "pair_value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
   float* base = acc + 32 * j0;
@@ -875,11 +876,11 @@ KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes,
 #pragma GCC unroll 8
     for (int jj = 0; jj < JB; ++jj) {
       __m512bh even, odd;
-      if (head_bytes == 0) pair_lanes(ra, rb1, j0 + jj, even, odd);
+      if constexpr (!kPerHead) pair_lanes(ra, rb1, j0 + jj, even, odd);
 #pragma GCC unroll 16
       for (int g = 0; g < GB; ++g) {
-        if (head_bytes != 0) pair_lanes(ra + g * head_bytes, rb1 + g * head_bytes, j0 + jj, even, odd);
-        const __m512bh w = pw.broadcast(g, k);
+        if constexpr (kPerHead) pair_lanes(ra + g * head_bytes, rb1 + g * head_bytes, j0 + jj, even, odd);
+        const __m512bh w = pair_word<kByToken>(words, g, k);
         a[g][2 * jj] = _mm512_dpbf16_ps(a[g][2 * jj], even, w);
         a[g][2 * jj + 1] = _mm512_dpbf16_ps(a[g][2 * jj + 1], odd, w);
       }
@@ -889,6 +890,17 @@ KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes,
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 16
     for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(base + g * as + 16 * i, a[g][i]);
+}
+
+template <int GB, int JB>
+KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const PairWords& pw, float* acc, int as,
+                                int j0, const Prefetch* pf, size_t pf_lo, size_t pf_hi) {
+  if (head_bytes)  // LRKV latents (by head)
+    pair_value_pass_of<GB, JB, false, true>(v0, rb, head_bytes, n, pw.words, acc, as, j0, pf, pf_lo, pf_hi);
+  else if (pw.by_token)
+    pair_value_pass_of<GB, JB, true, false>(v0, rb, 0, n, pw.words, acc, as, j0, pf, pf_lo, pf_hi);
+  else
+    pair_value_pass_of<GB, JB, false, false>(v0, rb, 0, n, pw.words, acc, as, j0, pf, pf_lo, pf_hi);
 }
 
 // LRKV latents: acc_r[g] += sum_t w(g, t, j) R_{h0+g},t for GB heads, each reading its own
@@ -1666,7 +1678,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       const Prefetch* pf = g0 == 0 && (G > 1 || R::kMhaValuePrefetch) ? &vpf : nullptr;
       float* ag = acc + static_cast<size_t>(g0) * d;
       const float* wgp = w + g0 * wg;
-      const PairWords pw{sc.pairs + g0 * (hl ? 1 : kMaxTile / 2), hl ? 16 : 1, hl ? 1 : kMaxTile / 2};
+      const PairWords pw{sc.pairs + g0 * (hl ? 1 : kMaxTile / 2), hl};
       switch (gb) {
         case 8: value_tile<R, 8>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pairs ? &pw : nullptr); break;
         case 4: value_tile<R, 4>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pairs ? &pw : nullptr); break;
@@ -1708,7 +1720,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         const uint8_t* v0 = rvb + rcodes + h0 * latent_bytes;
         const float* wh = wr + h0 * wrg;
         float* ar = acc_r + static_cast<size_t>(h0) * r;
-        const PairWords pwh{sc.pairs + h0 * (kMaxTile / 2), 1, kMaxTile / 2};  // (heads in lanes straddle: above)
+        const PairWords pwh{sc.pairs + h0 * (kMaxTile / 2), false};  // (heads in lanes straddle: above)
         const PairWords* pw = pairs ? &pwh : nullptr;
         switch (gb) {
           case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
