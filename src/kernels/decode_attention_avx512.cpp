@@ -1469,11 +1469,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     for (int h = 0; h < G; ++h) flat.max_count = flat.count(h) > flat.max_count ? flat.count(h) : flat.max_count;
   }
   const size_t rrb = rst ? rst->row_bytes() : 0;
-  // LRKV: K and V tiles of both stores within ~40 KB; from 1 KB a row, 8 rows (f32 r = 8: 6-9% faster than 16 when
-  // memory is slow, 3% when fast; r = 16, 32 no different)
-  const int tile = rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant);
   // heads in lanes (head_lane_scores): q is QT, res.qb the flat qb
   const bool hl = R::kHeadLanes && kLrkv && res.head_lanes;
+  // LRKV: K and V tiles of both stores within ~40 KB; from 1 KB a row, 8 rows (f32 r = 8 with score blocks: 6-9% faster
+  // than 16 when memory is slow, 3% when fast; r = 16, 32 no different). bf16 with heads in lanes: 64 rows (H = 16,
+  // r = 8, caches emptied, A/B in one process against 32: 16K 5-10% faster in either bandwidth phase, 64K 11%, in cache
+  // 4%; 16 rows were 5-9% faster too). f32 with heads in lanes ran 10% faster on 64 rows than on 8 when memory was
+  // slow but 5-12% slower when fast, so keeps 8.
+  const int tile = hl && R::kDotBF16 ? kMaxTile : rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant);
   // LRKV bf16 with vdpbf16ps: values two rows at a time against bf16 numerator pairs (pair_weights)
   constexpr bool pairs = R::kDotBF16 && kLrkv;
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl, pairs);
@@ -1622,7 +1625,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
     if (hl) head_lane_softmax(sc.pt, sc.pt_stride, n, G, m, sc.l, acc, d, acc_r, r);
-    if (n > 32)  // f32 MHA only (tile_rows): no residual, float weights
+    if (n > 32 && !hl)  // f32 MHA only (tile_rows): no residual, float weights
       for (int g = 0; g < G; ++g) wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d, n);
     const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? 0xffff : static_cast<__mmask16>((1u << (n - 16)) - 1);
