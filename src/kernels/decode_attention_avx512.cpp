@@ -740,6 +740,23 @@ KVX_INLINE float weight(const float* w, size_t wg, size_t ws, int g, int j, int 
     return w[g * wg + t * ws];
 }
 
+// A value pass's GB x V accumulator vectors, head g's at base + g * stride, unrolled (kept in
+// registers across the pass).
+template <int GB, int V>
+KVX_INLINE void load_accumulators(__m512 (&a)[GB][V], const float* base, int stride) {
+#pragma GCC unroll 16
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 16
+    for (int i = 0; i < V; ++i) a[g][i] = _mm512_loadu_ps(base + g * stride + 16 * i);
+}
+template <int GB, int V>
+KVX_INLINE void store_accumulators(const __m512 (&a)[GB][V], float* base, int stride) {
+#pragma GCC unroll 16
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 16
+    for (int i = 0; i < V; ++i) _mm512_storeu_ps(base + g * stride + 16 * i, a[g][i]);
+}
+
 // R::kUnrolledValuePass: the loops over the accumulators unrolled by pragma. Left to GCC 12, they
 // were not, and the accumulators went through a stack array at each pass's ends (bf16, 4 queries,
 // 16 L1-resident rows: 23 cycles a row, 17 unrolled and stepped). pf: the pass prefetches
@@ -750,10 +767,7 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
   static_assert(GB * 2 * JB <= 16, "value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
   float* base = acc + 32 * j0;
-#pragma GCC unroll 16
-  for (int g = 0; g < GB; ++g)
-#pragma GCC unroll 16
-    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(base + g * d + 16 * i);
+  load_accumulators(a, base, d);
   const float* w0 = R::kQuant ? w + static_cast<size_t>(j0) * kMaxTile : w;  // row 0's weights
   auto add_row = [&](const uint8_t* row, const float* wt) __attribute__((always_inline)) {
     __m512 wf[GB];  // f32/bf16: one weight per query and row, for all groups
@@ -798,10 +812,7 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
       }
     }
   }
-#pragma GCC unroll 16
-  for (int g = 0; g < GB; ++g)
-#pragma GCC unroll 16
-    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(base + g * d + 16 * i, a[g][i]);
+  store_accumulators(a, base, d);
 }
 
 // LRKV bf16 values weighed two rows at a time by vdpbf16ps: the softmax numerators rounded to bf16
@@ -858,10 +869,7 @@ KVX_INLINE void pair_value_pass_of(const uint8_t* v0, size_t rb, size_t head_byt
   static_assert(GB * 2 * JB <= 16, "pair_value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
   float* base = acc + 32 * j0;
-#pragma GCC unroll 16
-  for (int g = 0; g < GB; ++g)
-#pragma GCC unroll 16
-    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(base + g * as + 16 * i);
+  load_accumulators(a, base, as);
   const __mmask32 high = 0xaaaaaaaau;
   auto pair_lanes = [&](const uint8_t* ra, const uint8_t* rb1, int j, __m512bh& even, __m512bh& odd) __attribute__((always_inline)) {
     const __m512i x = _mm512_loadu_si512(ra + 64 * j), y = _mm512_loadu_si512(rb1 + 64 * j);
@@ -886,10 +894,7 @@ KVX_INLINE void pair_value_pass_of(const uint8_t* v0, size_t rb, size_t head_byt
       }
     }
   }
-#pragma GCC unroll 16
-  for (int g = 0; g < GB; ++g)
-#pragma GCC unroll 16
-    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(base + g * as + 16 * i, a[g][i]);
+  store_accumulators(a, base, as);
 }
 
 template <int GB, int JB>
@@ -911,8 +916,7 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
                                     float* acc, int r, int jr0) {
   static_assert(GB * 2 * JB <= 16, "residual_value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
-  for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_loadu_ps(acc + g * r + 32 * jr0 + 16 * i);
+  load_accumulators(a, acc + 32 * jr0, r);
   for (int t = 0; t < n; ++t)
     for (int g = 0; g < GB; ++g)
       for (int jj = 0; jj < JB; ++jj) {
@@ -922,8 +926,7 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
-  for (int g = 0; g < GB; ++g)
-    for (int i = 0; i < 2 * JB; ++i) _mm512_storeu_ps(acc + g * r + 32 * jr0 + 16 * i, a[g][i]);
+  store_accumulators(a, acc + 32 * jr0, r);
 }
 
 // pw: bf16 with vdpbf16ps, the weights as pair words (pair_value_pass), not w.
