@@ -353,23 +353,31 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   // bandwidth drifts between phases minutes long).
   // q8/q4 scores are int8 dot products (the query quantised too), and bf16 scores bf16 dot
   // products where the back end has them (decode_dots_bf16), so their multiply-adds count against
-  // that instruction's own peak.
-  std::map<kernels::DecodeIsa, double> peak_gmacs, int8_peak_gmacs, bf16_peak_gmacs;
+  // that instruction's own peak; so do q8 values where the back end weighs them in int16
+  // (decode_weighs_values_in_int16).
+  std::map<kernels::DecodeIsa, double> peak_gmacs, int8_peak_gmacs, bf16_peak_gmacs, int16_peak_gmacs;
   auto measure_peak = [&](kernels::DecodeIsa isa) {
     if (peak_gmacs.count(isa)) return;
     const int lanes = isa == kernels::DecodeIsa::Avx512 ? 16 : 8;
     peak_gmacs[isa] = kernels::measure_fma_peak_gmacs(lanes, threads, 0.5);
     int8_peak_gmacs[isa] = kernels::measure_int8_dot_peak_gmacs(lanes, threads, 0.5);
     bf16_peak_gmacs[isa] = kernels::decode_dots_bf16(isa) ? kernels::measure_bf16_dot_peak_gmacs(threads, 0.5) : peak_gmacs[isa];
+    int16_peak_gmacs[isa] = kernels::decode_weighs_values_in_int16(isa, kernels::KVType::Q8)
+                                ? kernels::measure_int16_dot_peak_gmacs(threads, 0.5)
+                                : peak_gmacs[isa];
     rows.push_back({{"fma_peak_gmacs", peak_gmacs[isa]},
                     {"int8_dot_peak_gmacs", int8_peak_gmacs[isa]},
                     {"bf16_dot_peak_gmacs", bf16_peak_gmacs[isa]},
+                    {"int16_dot_peak_gmacs", int16_peak_gmacs[isa]},
                     {"isa", kernels::decode_isa_name(isa)},
                     {"lanes", lanes},
                     {"threads", threads}});
     if (verbose)
-      std::fprintf(stderr, "bench decode: %s multiply-add peak %.1f G MAC/s (f32), %.1f (int8 dot products), %.1f (bf16 scores)\n",
-                   kernels::decode_isa_name(isa).c_str(), peak_gmacs[isa], int8_peak_gmacs[isa], bf16_peak_gmacs[isa]);
+      std::fprintf(stderr,
+                   "bench decode: %s multiply-add peak %.1f G MAC/s (f32), %.1f (int8 dot products), %.1f (bf16 scores), "
+                   "%.1f (int16 dot products: q8 values)\n",
+                   kernels::decode_isa_name(isa).c_str(), peak_gmacs[isa], int8_peak_gmacs[isa], bf16_peak_gmacs[isa],
+                   int16_peak_gmacs[isa]);
   };
   // The back ends asked for, as requested (auto) and as the dense kernel resolves them.
   std::vector<kernels::DecodeIsa> requested, isas;
@@ -637,8 +645,9 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     // shared width plus the latent's); q8/q4 scores at the int8 dot-product peak, bf16 scores at
     // the bf16 one (the f32 peak where the back end widens them, and for the LRKV latents it
     // widens: lrkv_latent_scores_in_bf16), and LRKV's values there too where the kernel rounds
-    // their weights to bf16 (lrkv_rounds_value_weights: V_s, and the latents it dots in bf16), the
-    // rest at the f32 multiply-add peak.
+    // their weights to bf16 (lrkv_rounds_value_weights: V_s, and the latents it dots in bf16), q8
+    // values (dense, and LRKV's V_s) at the int16 one where the back end weighs them in int16
+    // (decode_weighs_values_in_int16), the rest at the f32 multiply-add peak.
     const int width = o.head_dim + std::max(t.rank, 0);
     const double macs = 2.0 * o.heads * static_cast<double>(t.ctx) * width;
     // (LRKV latents of q8/q4 that the kernel dequantises count as f32)
@@ -651,8 +660,10 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                             : o.head_dim + (t.rank > 0 && kernels::lrkv_latent_scores_in_bf16(t.isa, type, o.heads, t.rank) ? t.rank : 0);
     const bool bf16_values = t.rank >= 0 && kernels::lrkv_rounds_value_weights(t.isa, type);
     const double bf16_macs = scored_rows * bf16_row * (bf16_values ? 2 : 1);
+    const double int16_macs = kernels::decode_weighs_values_in_int16(t.isa, type) ? scored_rows * o.head_dim : 0.0;
     const double fma_floor = int8_macs / (int8_peak_gmacs[t.isa] * 1e9) + bf16_macs / (bf16_peak_gmacs[t.isa] * 1e9) +
-                             (macs - int8_macs - bf16_macs) / (peak_gmacs[t.isa] * 1e9);
+                             int16_macs / (int16_peak_gmacs[t.isa] * 1e9) +
+                             (macs - int8_macs - bf16_macs - int16_macs) / (peak_gmacs[t.isa] * 1e9);
     const double bw_floor = t.bytes / (t.stream * 1e9);
     const double floor = std::max(bw_floor, fma_floor), s = t.seconds;
     nlohmann::json row = {{"cache", o.types[t.type]},

@@ -85,6 +85,19 @@ __attribute__((target("avx512f,avx512bf16"))) float bf16_chains_avx512() {
   return sum_chains512(a);
 }
 
+// int16 dot-product chains: vpdpwssd (AVX-512 VNNI: 32 multiply-adds per instruction, pairs of
+// 16-bit products into 32-bit lanes), what the AVX-512 decode kernel weighs q8 values with.
+__attribute__((target("avx512f,avx512vnni"))) float int16_chains_avx512() {
+  __m512i a[kChainsAvx512];
+  for (int i = 0; i < kChainsAvx512; ++i) a[i] = _mm512_set1_epi32(i);
+  const __m512i x = _mm512_set1_epi16(1), w = _mm512_set1_epi16(-1);
+  for (long it = 0; it < kIters; ++it)
+    for (int i = 0; i < kChainsAvx512; ++i) a[i] = _mm512_dpwssd_epi32(a[i], x, w);
+  __m512i t = a[0];
+  for (int i = 1; i < kChainsAvx512; ++i) t = _mm512_xor_si512(t, a[i]);
+  return static_cast<float>(_mm512_reduce_add_epi32(t));
+}
+
 // Best multiply-adds per second (1e9) of `chains` run by T threads, each pass `macs_per_thread`.
 template <class Chains>
 double best_rate(Chains chains, double macs_per_thread, int T, double seconds) {
@@ -134,6 +147,14 @@ double measure_bf16_dot_peak_gmacs(int threads, double seconds) {
   const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
   const double macs = static_cast<double>(kIters) * kChainsAvx512 * 32;  // 2 products per fp32 lane
   return best_rate(bf16_chains_avx512, macs, T, seconds);
+}
+
+double measure_int16_dot_peak_gmacs(int threads, double seconds) {
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512vnni"))
+    throw Error("measure_int16_dot_peak_gmacs: this CPU has no AVX-512 VNNI");
+  const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
+  const double macs = static_cast<double>(kIters) * kChainsAvx512 * 32;  // 2 products per 32-bit lane
+  return best_rate(int16_chains_avx512, macs, T, seconds);
 }
 
 }  // namespace kvx::kernels

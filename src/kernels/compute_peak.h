@@ -18,4 +18,8 @@ double measure_int8_dot_peak_gmacs(int lanes, int threads = 0, double seconds = 
 // AVX-512 decode kernel scores bf16 keys with where the CPU has them (decode_dots_bf16).
 double measure_bf16_dot_peak_gmacs(int threads = 0, double seconds = 0.5);
 
+// The same for int16 dot products (AVX-512 VNNI's vpdpwssd, 32 multiply-adds each), what the
+// AVX-512 decode kernel weighs q8 values with (decode_weighs_values_in_int16).
+double measure_int16_dot_peak_gmacs(int threads = 0, double seconds = 0.5);
+
 }  // namespace kvx::kernels

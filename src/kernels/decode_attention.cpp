@@ -1316,8 +1316,10 @@ bool decode_rounds_query(DecodeIsa isa, KVType type, int head_dim) {
 
 bool decode_dots_bf16(DecodeIsa isa) { return isa == DecodeIsa::Avx512 && detail::avx512_bf16_dot(); }
 
+bool decode_weighs_values_in_int16(DecodeIsa isa, KVType type) { return isa == DecodeIsa::Avx512 && type == KVType::Q8; }
+
 void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out,
-                                bool rounded_query, const VirtualPair* extra) {
+                                bool rounded_query, const VirtualPair* extra, float* largest_weight) {
   check_args(q, heads, kv, out, extra, "decode_attention_reference");
   const int hkv = kv.kv_heads(), G = heads / hkv, d = kv.head_dim();
   const int64_t L = kv.stored();
@@ -1359,6 +1361,7 @@ void decode_attention_reference(const float* q, int heads, const KVStore& kv, fl
       }
       float* oh = out + (static_cast<size_t>(h) * G + g) * d;
       for (int i = 0; i < d; ++i) oh[i] = static_cast<float>(o[i] / sum);
+      if (largest_weight) largest_weight[head] = static_cast<float>(1.0 / sum);  // the max's p is 1
     }
   }
 }

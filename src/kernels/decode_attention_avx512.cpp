@@ -18,7 +18,8 @@
 // Values: rows read 32 values at a time (a "group"; a q8/q4 block): f32 and q8 as two vectors
 // in natural order, bf16 and q4 as (even | odd) positions (one load, shift/mask, no shuffles);
 // the query is permuted to match and the V accumulator un-permuted at the end of a piece. q8/q4
-// codes are read unscaled, the V block scales folded into the weights (p_t d_b).
+// codes are read unscaled, the V block scales folded into the weights (p_t d_b); q8 weights become
+// 15-bit codes per tile, dotted with pairs of rows in int16 by vpdpwssd (int_value_pass).
 // Zen 5, measured with loops of independent instructions of one or two kinds: FMAs and vpdpbusd
 // share two pipes; vpermps and vpmovsx/zx share two shuffle pipes (vshufi32x4, vpermt2q: also two
 // a cycle); shifts and vcvtdq2ps share the two add pipes; unpacks and logic ops run on all four.
@@ -73,10 +74,11 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece with
 // 8 or more queries per row; f32 takes it only for LRKV latents wider than the shared rows.
 // kHeadLanes: LRKV scores may run with heads in lanes (head_lane_scores: f32, and bf16 by vdpbf16ps).
+// kIntValues: values weighed in integers (int_value_pass; q8).
 struct F32Row {
   static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = false, kHeadLanes = true;
+                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = false, kHeadLanes = true, kIntValues = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const float* p = reinterpret_cast<const float*>(row) + 32 * j;
     a = _mm512_loadu_ps(p);
@@ -92,7 +94,7 @@ struct F32Row {
 struct BF16Row {
   static constexpr bool kQuant = false, kPerm = true, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = true,
-                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = true, kHeadLanes = true;
+                        kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = true, kHeadLanes = true, kIntValues = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_loadu_si512(row + 64 * j);
     a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -110,12 +112,13 @@ struct BF16FmaRow : BF16Row {
   static constexpr bool kDotBF16 = false, kHeadLanes = false;
 };
 
-// q8/q4 values: codes as floats, without the block scale (folded into the attention weights).
-// q8/q4 keys are read by token_scores below, in integers.
+// q8/q4 values: codes as floats, without the block scale (folded into the attention weights);
+// q8 (kIntValues) in int16 instead, against 15-bit weight codes (int_value_pass). q8/q4 keys are
+// read by token_scores below, in integers.
 struct Q8Row {
   static constexpr bool kQuant = true, kPerm = false, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = true, kDotBF16 = false, kHeadLanes = false;
+                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = true, kDotBF16 = false, kHeadLanes = false, kIntValues = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const uint8_t* p = row + 32 * j;
     a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -129,7 +132,7 @@ KVX_INLINE __m512 q4_values() { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2
 struct Q4Row {
   static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kGroupFarPrefetch = false,
-                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = false, kDotBF16 = false, kHeadLanes = false;
+                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = false, kDotBF16 = false, kHeadLanes = false, kIntValues = false;
   // even positions, odd positions
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
@@ -908,6 +911,74 @@ KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes,
     pair_value_pass_of<GB, JB, false, false>(v0, rb, 0, n, pw.words, acc, as, j0, pf, pf_lo, pf_hi);
 }
 
+// q8 values in integers: per tile, query g and block j, the weights w_t = p_t d_t,j (numerator
+// times the row's block scale) as 15-bit codes c_t = round(w_t / sig), sig = max_t p_t max_t d_t,j
+// / 32767 (IntWeights, written by the softmax), so acc[g][j] += sig sum_t c_t v_t with the int8
+// codes v_t summed exactly in int32 by vpdpwssd, two rows per lane (half the multiply
+// instructions of f32 FMAs, and no int -> float conversion per value). Each weight is off by up to
+// sig / 2 = max_t a_t max_t d_t,j / 65534 in units of the normalised weights a_t: out is off by up
+// to that times sum_t |v_t| (the tests' bound; decode_quantizes_value_weights).
+struct IntWeights {
+  const int32_t* words;  // [g][j][kMaxTile / 2]: codes of rows (2k, 2k + 1), the first in the low half
+  const float* sig;      // [g][j]
+  int nb;
+};
+
+// acc + the dot products of x's and w's signed 16-bit pairs in each lane (vpdpwssd; as an
+// intrinsic GCC 12 copied each accumulator before and after it).
+KVX_INLINE __m512i dpwssd(__m512i acc, __m512i x, __m512i w) {
+  __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+
+// acc (natural order) += sig * the int32 sums (lanes of unpacklo / unpackhi of the row pair: value
+// 8c + i in lo's lane 4c + i, 8c + 4 + i in hi's).
+KVX_INLINE void add_int_sums(__m512i lo, __m512i hi, float sig, float* acc) {
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  const __m512 x = _mm512_cvtepi32_ps(lo), y = _mm512_cvtepi32_ps(hi), sv = _mm512_set1_ps(sig);
+  const __m512 a = _mm512_castsi512_ps(_mm512_permutex2var_epi64(_mm512_castps_si512(x), first, _mm512_castps_si512(y)));
+  const __m512 b = _mm512_castsi512_ps(_mm512_permutex2var_epi64(_mm512_castps_si512(x), second, _mm512_castps_si512(y)));
+  _mm512_storeu_ps(acc, _mm512_fmadd_ps(sv, a, _mm512_loadu_ps(acc)));
+  _mm512_storeu_ps(acc + 16, _mm512_fmadd_ps(sv, b, _mm512_loadu_ps(acc + 16)));
+}
+
+// acc[g][group j] += sig_g,j sum_t c_g,j,t v_t[group j] for groups j0 .. j0 + JB - 1 (q8 codes at
+// v0, rb bytes a row; past n the last row again, its code 0). pf: as value_pass's.
+template <int GB, int JB>
+KVX_INLINE void int_value_pass(const uint8_t* v0, size_t rb, int n, const IntWeights& iw, float* acc, int d, int j0,
+                               const Prefetch* pf, size_t pf_lo, size_t pf_hi) {
+  static_assert(GB * 2 * JB <= 16, "int_value_pass holds up to 16 accumulators");
+  __m512i a[GB][2 * JB];
+#pragma GCC unroll 16
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_setzero_si512();
+  const size_t chunk = n > 0 ? (pf_hi - pf_lo) * 8 / n : 0;  // the prefetch per 8 rows
+  for (int k = 0; 2 * k < n; ++k) {
+    if (pf && k % 4 == 0) pf->range(pf_lo + chunk * (k / 4), 2 * k + 8 >= n ? pf_hi : pf_lo + chunk * (k / 4 + 1));
+    const uint8_t* ra = v0 + 2 * k * rb;
+    const uint8_t* rb1 = 2 * k + 1 < n ? ra + rb : ra;
+#pragma GCC unroll 8
+    for (int jj = 0; jj < JB; ++jj) {
+      const int j = j0 + jj;
+      const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + 32 * j)));
+      const __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb1 + 32 * j)));
+      const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+#pragma GCC unroll 16
+      for (int g = 0; g < GB; ++g) {
+        const __m512i w = _mm512_set1_epi32(iw.words[(static_cast<size_t>(g) * iw.nb + j) * (kMaxTile / 2) + k]);
+        a[g][2 * jj] = dpwssd(a[g][2 * jj], lo, w);
+        a[g][2 * jj + 1] = dpwssd(a[g][2 * jj + 1], hi, w);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 8
+    for (int jj = 0; jj < JB; ++jj)
+      add_int_sums(a[g][2 * jj], a[g][2 * jj + 1], iw.sig[g * iw.nb + j0 + jj], acc + static_cast<size_t>(g) * d + 32 * (j0 + jj));
+}
+
 // LRKV latents: acc_r[g] += sum_t w(g, t, j) R_{h0+g},t for GB heads, each reading its own
 // segment of the row (v0 + g * head_bytes), groups jr0 .. jr0 + JB - 1 of it; GB x 2 JB
 // accumulators held across the rows.
@@ -1015,7 +1086,7 @@ KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const flo
 // q4 MHA 12-14% and q8/q4 GQA slower, so they keep the share at the start).
 template <class R, int GB>
 KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, size_t ws, float* acc, int d,
-                           const Prefetch* pf, const PairWords* pairs = nullptr) {
+                           const Prefetch* pf, const PairWords* pairs = nullptr, const IntWeights* iw = nullptr) {
   constexpr int JB = 8 / GB;
   const int nj = d / 32;
   const size_t bytes = static_cast<size_t>(n) * rb;
@@ -1024,6 +1095,13 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
     constexpr int B = decltype(jb)::value;
     if (R::kDotBF16 && pairs) {  // the numerators as bf16 pairs (pair_weights), not w
       pair_value_pass<GB, B>(v0, rb, 0, n, *pairs, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
+    } else if (R::kIntValues && iw) {  // 15-bit weight codes (IntWeights), not w
+      if (GB == 1) {
+        int_value_pass<GB, B>(v0, rb, n, *iw, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
+      } else {
+        if (pf) pf->range(bytes * j / nj, bytes * (j + B) / nj);
+        int_value_pass<GB, B>(v0, rb, n, *iw, acc, d, j, nullptr, 0, 0);
+      }
     } else if constexpr (R::kUnrolledValuePass || (GB == 1 && R::kMhaValuePrefetchSteps)) {
       value_pass<R, GB, B>(v0, rb, n, w, wg, ws, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else {
@@ -1079,7 +1157,9 @@ struct Residual {
 
 // Scratch (floats): scores G * kRow; the softmax denominators per lane, G * 16; q8/q4 also, per block of the rows (nb of K/V, nbr of the
 // residual's), the tile's K and V scales [block][kMaxTile] and the weights of the values
-// ([g][block][kMaxTile], then the residual's [block][kMaxTile]).
+// ([g][block][kMaxTile], then the residual's [block][kMaxTile]; q8 keeps in the first's space the
+// IntWeights codes as int16 [g][block][kMaxTile], their scales [g][block] and the tile's largest V
+// scale per block).
 // LRKV with heads in lanes (by_token) gets the tile's scores, then numerators, by token,
 // pt[t * pt_stride + h]; latents whose blocks straddle heads (r % 32 != 0; lb blocks of 32 a row)
 // get them too (by_token), and per latent block, the lanes' head offsets from its
@@ -1632,6 +1712,19 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       for (int g = 0; g < G; ++g) wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d, n);
     const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? 0xffff : static_cast<__mmask16>((1u << (n - 16)) - 1);
+    // q8 integer values (IntWeights): each block's largest V scale in the tile; vT becomes d_t,j 32767 / that
+    int16_t* const wcodes = reinterpret_cast<int16_t*>(sc.w);
+    float* const wsig = sc.w + static_cast<size_t>(G) * nb * kMaxTile / 2;
+    float* const vmax = wsig + static_cast<size_t>(G) * nb;
+    if constexpr (R::kIntValues)
+      for (int b = 0; b < nb; ++b) {
+        float* x = sc.vT + static_cast<size_t>(b) * kMaxTile;
+        const __m512 x0 = _mm512_maskz_loadu_ps(lo, x), x1 = _mm512_maskz_loadu_ps(hi, x + 16);
+        vmax[b] = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+        const __m512 k = _mm512_set1_ps(vmax[b] > 0.0f ? 32767.0f / vmax[b] : 0.0f);
+        _mm512_storeu_ps(x, _mm512_mul_ps(x0, k));
+        _mm512_storeu_ps(x + 16, _mm512_mul_ps(x1, k));
+      }
     for (int g = 0; g < G && n <= 32 && !hl; ++g) {  // up to 32 rows (wider tiles: above)
       float* sg = sc.s + g * kRow;
       const __m512 ninf = _mm512_set1_ps(kNegInf);
@@ -1656,10 +1749,24 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         if (n > 16) _mm512_storeu_ps(sg + 16, p1);
       }
       _mm512_storeu_ps(lg, _mm512_add_ps(_mm512_loadu_ps(lg), n > 16 ? _mm512_add_ps(p0, p1) : p0));
+      if constexpr (R::kIntValues) {  // the V weights as codes of the numerators times the scales (IntWeights)
+        const float pm = _mm512_reduce_max_ps(_mm512_max_ps(p0, p1));
+        const __m512 pinv = _mm512_set1_ps(pm > 0.0f ? 1.0f / pm : 0.0f);
+        const __m512 q0 = _mm512_mul_ps(p0, pinv), q1 = _mm512_mul_ps(p1, pinv);
+        for (int b = 0; b < nb; ++b) {
+          int16_t* c = wcodes + (static_cast<size_t>(g) * nb + b) * kMaxTile;
+          const float* x = sc.vT + static_cast<size_t>(b) * kMaxTile;
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(q0, _mm512_loadu_ps(x)))));
+          if (n > 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 16),
+                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(q1, _mm512_loadu_ps(x + 16)))));
+          wsig[g * nb + b] = pm * vmax[b] * (1.0f / 32767.0f);
+        }
+      }
       if constexpr (R::kQuant)  // value weights: the numerators times the V rows' block scales
         for (int t0 = 0; t0 < n; t0 += 16) {
           const __m512 p = t0 == 0 ? p0 : p1;
-          for (int b = 0; b < nb; ++b) {
+          for (int b = 0; b < nb && !R::kIntValues; ++b) {
             const size_t o = static_cast<size_t>(b) * kMaxTile + t0;
             _mm512_storeu_ps(sc.w + static_cast<size_t>(g) * nb * kMaxTile + o, _mm512_mul_ps(p, _mm512_loadu_ps(sc.vT + o)));
           }
@@ -1685,11 +1792,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       float* ag = acc + static_cast<size_t>(g0) * d;
       const float* wgp = w + g0 * wg;
       const PairWords pw{sc.pairs + g0 * (hl ? 1 : kMaxTile / 2), hl};
+      const PairWords* pwp = pairs ? &pw : nullptr;
+      const IntWeights iw{reinterpret_cast<const int32_t*>(wcodes + static_cast<size_t>(g0) * nb * kMaxTile), wsig + g0 * nb, nb};
+      const IntWeights* iwp = R::kIntValues ? &iw : nullptr;
       switch (gb) {
-        case 8: value_tile<R, 8>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pairs ? &pw : nullptr); break;
-        case 4: value_tile<R, 4>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pairs ? &pw : nullptr); break;
-        case 2: value_tile<R, 2>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pairs ? &pw : nullptr); break;
-        default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pairs ? &pw : nullptr); break;
+        case 8: value_tile<R, 8>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pwp, iwp); break;
+        case 4: value_tile<R, 4>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pwp, iwp); break;
+        case 2: value_tile<R, 2>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pwp, iwp); break;
+        default: value_tile<R, 1>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pwp, iwp); break;
       }
     }
     if (latent_straddle) {  // + a_h R_h^V, whole rows; the numerators by token first

@@ -149,7 +149,7 @@ void lrkv_decode_attention(const float* q, const float* qb, int heads, const KVS
 
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
                                      const KVStore* residual, float scale, float* out_s, float* out_r,
-                                     bool rounded_query) {
+                                     bool rounded_query, float* largest_weight) {
   check(q, qb, heads, shared, residual, out_s, out_r, "lrkv_decode_attention_reference");
   const int d = shared.head_dim(), r = residual ? residual->head_dim() / heads : 0;
   std::vector<float> qq, qbq;
@@ -194,6 +194,7 @@ void lrkv_decode_attention_reference(const float* q, const float* qb, int heads,
     }
     for (int i = 0; i < d; ++i) out_s[h * d + i] = static_cast<float>(os[i] / sum);
     for (int i = 0; i < r; ++i) out_r[h * r + i] = static_cast<float>(orr[i] / sum);
+    if (largest_weight) largest_weight[h] = static_cast<float>(1.0 / sum);  // the max's p is 1
   }
 }
 

@@ -52,8 +52,9 @@ bool lrkv_latent_scores_in_bf16(DecodeIsa isa, KVType type, int heads, int rank)
 // 2^-8 sum_t a_h,t |V_s,t| and out_r by up to 2^-8 sum_t a_h,t |R^V_h,t| (the tests' bound); the
 // denominators sum the unrounded numerators. isa: a resolved back end.
 bool lrkv_rounds_value_weights(DecodeIsa isa, KVType type);
+// largest_weight [heads], if given: as decode_attention_reference's.
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
                                      const KVStore* residual, float scale, float* out_s, float* out_r,
-                                     bool rounded_query = false);
+                                     bool rounded_query = false, float* largest_weight = nullptr);
 
 }  // namespace kvx::kernels

@@ -114,31 +114,44 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
     return false;
   };
   // Roofline: q8 scores count against the int8 dot-product peak, bf16 scores against the bf16
-  // one (the f32 peak where the back end widens bf16), the rest against the f32 one.
-  std::map<std::string, std::pair<double, double>> peaks;  // isa -> f32, int8 G MAC/s
+  // one (the f32 peak where the back end widens bf16), q8 values against the int16 one where the
+  // back end weighs them in int16, the rest against the f32 one.
+  struct Peaks {
+    double f32, int8, int16;
+  };
+  std::map<std::string, Peaks> peaks;  // isa -> G MAC/s
   for (const auto& r : rows)
     if (r.contains("fma_peak_gmacs")) {
-      peaks[r["isa"].get<std::string>()] = {r["fma_peak_gmacs"].get<double>(), r["int8_dot_peak_gmacs"].get<double>()};
+      peaks[r["isa"].get<std::string>()] = {r["fma_peak_gmacs"].get<double>(), r["int8_dot_peak_gmacs"].get<double>(),
+                                            r["int16_dot_peak_gmacs"].get<double>()};
       EXPECT_GT(r["int8_dot_peak_gmacs"].get<double>(), 0);
       const auto isa = kernels::parse_decode_isa(r["isa"].get<std::string>());
       if (kernels::decode_dots_bf16(isa))
         EXPECT_GT(r["bf16_dot_peak_gmacs"].get<double>(), 0);
       else
         EXPECT_EQ(r["bf16_dot_peak_gmacs"].get<double>(), r["fma_peak_gmacs"].get<double>());
+      if (kernels::decode_weighs_values_in_int16(isa, kernels::KVType::Q8))
+        EXPECT_GT(r["int16_dot_peak_gmacs"].get<double>(), 0);
+      else
+        EXPECT_EQ(r["int16_dot_peak_gmacs"].get<double>(), r["fma_peak_gmacs"].get<double>());
     }
   auto roof_us = [](const nlohmann::json& r) { return std::max(r["bw_floor_us"].get<double>(), r["fma_floor_us"].get<double>()); };
   int lrkv = 0, dense = 0;
   for (const auto& r : rows) {
     if (!r.contains("us_per_step") || (r.contains("family") && r["family"] != "lrkv")) continue;
-    const auto [f32_peak, int8_peak] = peaks.at(r["isa"].get<std::string>());
+    const Peaks peak = peaks.at(r["isa"].get<std::string>());
     const double macs = r["macs"].get<double>(), rows_scored = 4.0 * r["context"].get<int64_t>();  // heads x rows
     // q8: K_s (d_h 32) in int8, the latents too where the kernel scores them so (else f32)
     const int rank = r.value("rank", 0);
     const bool int8_latents = rank > 0 && kernels::lrkv_latent_scores_in_int8(kernels::parse_decode_isa(r["isa"].get<std::string>()),
                                                                               kernels::KVType::Q8, rank);
     const double int8_macs = r["cache"] == "q8" ? rows_scored * (32 + (int8_latents ? rank : 0)) : 0.0;
+    // q8 values (V_s for LRKV) in int16 where the back end weighs them so
+    const bool int16_values = r["cache"] == "q8" && kernels::decode_weighs_values_in_int16(
+                                                       kernels::parse_decode_isa(r["isa"].get<std::string>()), kernels::KVType::Q8);
+    const double int16_macs = int16_values ? rows_scored * 32 : 0.0;
     EXPECT_EQ(macs, 2 * rows_scored * (32 + rank));
-    const double fma_us = (int8_macs / int8_peak + (macs - int8_macs) / f32_peak) / 1e3;
+    const double fma_us = (int8_macs / peak.int8 + int16_macs / peak.int16 + (macs - int8_macs - int16_macs) / peak.f32) / 1e3;
     EXPECT_NEAR(r["fma_floor_us"].get<double>(), fma_us, 1e-9 * fma_us) << r.dump();
     EXPECT_NEAR(r["of_roofline"].get<double>(), roof_us(r) / r["us_per_step"].get<double>(), 1e-9) << r.dump();
     const double probe = r["probe_gbps"].get<double>();

@@ -23,6 +23,12 @@ TEST(ComputePeak, RatesArePositiveAndBadWidthsNamed) {
   } else {
     EXPECT_THROW(kernels::measure_bf16_dot_peak_gmacs(1, 0.0), Error);
   }
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni")) {
+    const double int16 = kernels::measure_int16_dot_peak_gmacs(1, 0.0);
+    EXPECT_TRUE(std::isfinite(int16) && int16 > 0);
+  } else {
+    EXPECT_THROW(kernels::measure_int16_dot_peak_gmacs(1, 0.0), Error);
+  }
   try {
     kernels::measure_int8_dot_peak_gmacs(4);
     FAIL() << "4 lanes accepted";

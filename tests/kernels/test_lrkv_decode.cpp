@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/lrkv_decode.h"
+#include "support/value_weights.h"
 #include "util/error.h"
 
 using namespace kvx;
@@ -77,7 +78,15 @@ void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict
   std::vector<float> ref_s(H * d), ref_r(H * std::max(r, 1)), out_s(ref_s.size()), out_r(ref_r.size()), abs_s(ref_s.size()),
       abs_r(ref_r.size());
   // out_s and out_r against the reference: to 1e-5, or within the bf16 rounding of the weights where the kernel rounds them
+  std::vector<float> largest(H);
   auto check_outputs = [&](DecodeIsa isa, const std::string& where) {
+    if (decode_weighs_values_in_int16(isa, type)) {  // V_s weighed in integers; the latents in f32
+      lrkv_decode_attention_reference(q.data(), qb.data(), H, shared, residual.get(), scale, ref_s.data(), ref_r.data(),
+                                      lrkv_decode_rounds_query(isa, type, d, r), largest.data());
+      EXPECT_LE(kvx::testing::worst_over_int16_weights(out_s, ref_s, largest, shared, H), 1.0) << where << " (15-bit V_s weights)";
+      if (r > 0) EXPECT_LE(worst_rel(out_r, ref_r, H, r), 1e-5) << where;
+      return;
+    }
     if (!lrkv_rounds_value_weights(isa, type)) {
       EXPECT_LE(worst_rel(out_s, ref_s, H, d), 1e-5) << where;
       if (r > 0) EXPECT_LE(worst_rel(out_r, ref_r, H, r), 1e-5) << where;

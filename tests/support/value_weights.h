@@ -1,0 +1,47 @@
+// Test allowances for kernels that weigh values with rounded softmax weights.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels/kv_format.h"
+#include "kernels/kv_store.h"
+
+namespace kvx::testing {
+
+// q8 values weighed with 15-bit codes (decode_weighs_values_in_int16): out (heads rows of width
+// kv.head_dim(), head h reading KV head h / (heads / kv_heads)) within largest[h] * max_t d_t,b(i) *
+// sum_t |code_t,i| / 65534 of ref, plus 1e-5 of the head's largest |ref|. largest: each head's
+// largest softmax weight (the references' largest_weight). Returns the worst error over its
+// allowance (<= 1 passes).
+inline double worst_over_int16_weights(const std::vector<float>& out, const std::vector<float>& ref, const std::vector<float>& largest,
+                                       const kernels::KVStore& kv, int heads) {
+  const int d = kv.head_dim(), nb = d / kernels::kQBlock, G = heads / kv.kv_heads();
+  double worst = 0;
+  for (int kh = 0; kh < kv.kv_heads(); ++kh) {
+    std::vector<double> scale_max(nb, 0.0), code_sum(d, 0.0);  // per block: max_t d_t; per value: sum_t |code_t,i|
+    for (int64_t t = 0; t < kv.stored(); ++t) {
+      const uint8_t* row = kv.v_row(t, kh);
+      for (int b = 0; b < nb; ++b) {
+        uint16_t h;
+        std::memcpy(&h, row + 2 * b, 2);
+        scale_max[b] = std::max(scale_max[b], std::fabs(static_cast<double>(kernels::fp16_to_float(h))));
+      }
+      const int8_t* codes = reinterpret_cast<const int8_t*>(row + 2 * nb);
+      for (int i = 0; i < d; ++i) code_sum[i] += std::abs(static_cast<int>(codes[i]));
+    }
+    for (int h = kh * G; h < (kh + 1) * G; ++h) {
+      double mag = 1e-30;
+      for (int i = 0; i < d; ++i) mag = std::max(mag, std::fabs(static_cast<double>(ref[h * d + i])));
+      for (int i = 0; i < d; ++i) {
+        const double allowed = largest[h] * scale_max[i / kernels::kQBlock] * code_sum[i] / 65534 * (1 + 1e-5) + 1e-5 * mag;
+        worst = std::max(worst, std::fabs(static_cast<double>(out[h * d + i]) - ref[h * d + i]) / allowed);
+      }
+    }
+  }
+  return worst;
+}
+
+}  // namespace kvx::testing
