@@ -818,6 +818,18 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
   store_accumulators(a, base, d);
 }
 
+// A tile's rows two at a time: body(k, row 2k, row 2k + 1, or past n row 2k again), with the
+// prefetch of [pf_lo, pf_hi) in steps of 8 rows (value_tile).
+template <class Body>
+KVX_INLINE void for_row_pairs(const uint8_t* v0, size_t rb, int n, const Prefetch* pf, size_t pf_lo, size_t pf_hi, Body&& body) {
+  const size_t chunk = n > 0 ? (pf_hi - pf_lo) * 8 / n : 0;  // the prefetch per 8 rows
+  for (int k = 0; 2 * k < n; ++k) {
+    if (pf && k % 4 == 0) pf->range(pf_lo + chunk * (k / 4), 2 * k + 8 >= n ? pf_hi : pf_lo + chunk * (k / 4 + 1));
+    const uint8_t* ra = v0 + 2 * k * rb;
+    body(k, ra, 2 * k + 1 < n ? ra + rb : ra);
+  }
+}
+
 // LRKV bf16 values weighed two rows at a time by vdpbf16ps: the softmax numerators rounded to bf16
 // (to nearest even: a weight's error is up to 2^-8 of it, as in FlashAttention's P V with P in
 // bf16; the denominators sum them unrounded) as pair words, (p_g,2k, p_g,2k+1) with the first
@@ -879,11 +891,7 @@ KVX_INLINE void pair_value_pass_of(const uint8_t* v0, size_t rb, size_t head_byt
     even = (__m512bh)_mm512_mask_blend_epi16(high, x, _mm512_slli_epi32(y, 16));
     odd = (__m512bh)_mm512_mask_blend_epi16(high, _mm512_srli_epi32(x, 16), y);
   };
-  const size_t chunk = n > 0 ? (pf_hi - pf_lo) * 8 / n : 0;  // the prefetch per 8 rows
-  for (int k = 0; 2 * k < n; ++k) {
-    if (pf && k % 4 == 0) pf->range(pf_lo + chunk * (k / 4), 2 * k + 8 >= n ? pf_hi : pf_lo + chunk * (k / 4 + 1));
-    const uint8_t* ra = v0 + 2 * k * rb;
-    const uint8_t* rb1 = 2 * k + 1 < n ? ra + rb : ra;
+  for_row_pairs(v0, rb, n, pf, pf_lo, pf_hi, [&](int k, const uint8_t* ra, const uint8_t* rb1) __attribute__((always_inline)) {
 #pragma GCC unroll 8
     for (int jj = 0; jj < JB; ++jj) {
       __m512bh even, odd;
@@ -896,7 +904,7 @@ KVX_INLINE void pair_value_pass_of(const uint8_t* v0, size_t rb, size_t head_byt
         a[g][2 * jj + 1] = _mm512_dpbf16_ps(a[g][2 * jj + 1], odd, w);
       }
     }
-  }
+  });
   store_accumulators(a, base, as);
 }
 
@@ -953,11 +961,7 @@ KVX_INLINE void int_value_pass(const uint8_t* v0, size_t rb, int n, const IntWei
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 16
     for (int i = 0; i < 2 * JB; ++i) a[g][i] = _mm512_setzero_si512();
-  const size_t chunk = n > 0 ? (pf_hi - pf_lo) * 8 / n : 0;  // the prefetch per 8 rows
-  for (int k = 0; 2 * k < n; ++k) {
-    if (pf && k % 4 == 0) pf->range(pf_lo + chunk * (k / 4), 2 * k + 8 >= n ? pf_hi : pf_lo + chunk * (k / 4 + 1));
-    const uint8_t* ra = v0 + 2 * k * rb;
-    const uint8_t* rb1 = 2 * k + 1 < n ? ra + rb : ra;
+  for_row_pairs(v0, rb, n, pf, pf_lo, pf_hi, [&](int k, const uint8_t* ra, const uint8_t* rb1) __attribute__((always_inline)) {
 #pragma GCC unroll 8
     for (int jj = 0; jj < JB; ++jj) {
       const int j = j0 + jj;
@@ -971,7 +975,7 @@ KVX_INLINE void int_value_pass(const uint8_t* v0, size_t rb, int n, const IntWei
         a[g][2 * jj + 1] = dpwssd(a[g][2 * jj + 1], hi, w);
       }
     }
-  }
+  });
 #pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 8
