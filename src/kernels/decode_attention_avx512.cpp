@@ -925,7 +925,7 @@ KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes,
 // codes v_t summed exactly in int32 by vpdpwssd, two rows per lane (half the multiply
 // instructions of f32 FMAs, and no int -> float conversion per value). Each weight is off by up to
 // sig / 2 = max_t a_t max_t d_t,j / 65534 in units of the normalised weights a_t: out is off by up
-// to that times sum_t |v_t| (the tests' bound; decode_quantizes_value_weights).
+// to that times sum_t |v_t| (the tests' bound; decode_weighs_values_in_int16).
 struct IntWeights {
   const int32_t* words;  // [g][j][kMaxTile / 2]: codes of rows (2k, 2k + 1), the first in the low half
   const float* sig;      // [g][j]
