@@ -64,6 +64,10 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // faster without it in one process, 5-10% in whole bench runs alternating the two binaries; as
 // fast without the K prefetch too); bf16 is no different either way, q8/q4 are 20-150% slower
 // without it.
+// kMhaKeyPrefetch: the same for the next K tile, float rows (q8/q4 MHA prefetch theirs in their
+// 16-row transposes). f32 MHA runs 6-8% faster without it when memory is fast (16K and 64K,
+// caches emptied, A/B in one process; a harness reading the same store then had the kernel at
+// 67-77% of the probe against 64-67%); bf16 MHA 9-12% slower.
 // kUnrolledValuePass: value_pass unrolls its loops over the accumulators by pragma and steps its
 // row and weight pointers (f32/bf16), or keeps plain indexed loops (q8/q4). Zen 5, 16K, caches
 // emptied, A/B in one process against the plain loops: f32 GQA 3-14% and bf16 GQA up to 9% faster
@@ -77,7 +81,7 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // kIntValues: values weighed in integers (int_value_pass; q8).
 struct F32Row {
   static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false,
-                        kGroupFarPrefetch = false,
+                        kMhaKeyPrefetch = false, kGroupFarPrefetch = false,
                         kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = false, kHeadLanes = true, kIntValues = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const float* p = reinterpret_cast<const float*>(row) + 32 * j;
@@ -93,7 +97,7 @@ struct F32Row {
 
 struct BF16Row {
   static constexpr bool kQuant = false, kPerm = true, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
-                        kGroupFarPrefetch = true,
+                        kMhaKeyPrefetch = true, kGroupFarPrefetch = true,
                         kUnrolledValuePass = true, kMhaValuePrefetchSteps = true, kDotBF16 = true, kHeadLanes = true, kIntValues = false;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_loadu_si512(row + 64 * j);
@@ -117,7 +121,7 @@ struct BF16FmaRow : BF16Row {
 // read by token_scores below, in integers.
 struct Q8Row {
   static constexpr bool kQuant = true, kPerm = false, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
-                        kGroupFarPrefetch = false,
+                        kMhaKeyPrefetch = true, kGroupFarPrefetch = false,
                         kUnrolledValuePass = false, kMhaValuePrefetchSteps = true, kDotBF16 = false, kHeadLanes = false, kIntValues = true;
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const uint8_t* p = row + 32 * j;
@@ -131,7 +135,7 @@ KVX_INLINE __m512 q4_values() { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2
 
 struct Q4Row {
   static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false, kMhaValuePrefetch = true,
-                        kGroupFarPrefetch = false,
+                        kMhaKeyPrefetch = true, kGroupFarPrefetch = false,
                         kUnrolledValuePass = false, kMhaValuePrefetchSteps = false, kDotBF16 = false, kHeadLanes = false, kIntValues = false;
   // even positions, odd positions
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
@@ -1708,7 +1712,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         // first group fetching all of it)
         const size_t kbytes = static_cast<size_t>(n) * rb;
         const Prefetch kshare = kpf.share(kbytes * g0 / G, kbytes * (g0 + gb) / G, kbytes);
-        scores_for<R>(q + g0 * d, gb, d, kb, rb, n, sc.s + g0 * kRow, &kshare, rst ? &rt : nullptr);
+        scores_for<R>(q + g0 * d, gb, d, kb, rb, n, sc.s + g0 * kRow, G > 1 || R::kMhaKeyPrefetch ? &kshare : nullptr,
+                      rst ? &rt : nullptr);
       }
     }
 
