@@ -65,9 +65,9 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // fast without the K prefetch too); bf16 is no different either way, q8/q4 are 20-150% slower
 // without it.
 // kMhaKeyPrefetch: the same for the next K tile, float rows (q8/q4 MHA prefetch theirs in their
-// 16-row transposes). f32 MHA runs 6-8% faster without it when memory is fast (16K and 64K,
-// caches emptied, A/B in one process; a harness reading the same store then had the kernel at
-// 67-77% of the probe against 64-67%); bf16 MHA 9-12% slower.
+// 16-row transposes). f32 MHA runs 6-8% faster without it when memory is fast and 17-20% in
+// the slower phase (16K and 64K, caches emptied, A/B in one process; a harness reading the same
+// store had the kernel at 67-77% of the probe against 64-67%); bf16 MHA 9-12% slower.
 // kUnrolledValuePass: value_pass unrolls its loops over the accumulators by pragma and steps its
 // row and weight pointers (f32/bf16), or keeps plain indexed loops (q8/q4). Zen 5, 16K, caches
 // emptied, A/B in one process against the plain loops: f32 GQA 3-14% and bf16 GQA up to 9% faster
@@ -1463,8 +1463,8 @@ KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float*
 // call a tile): its eight widths inlined made clang's ASan + UBSan build of this file take 15.5
 // minutes of a core, 5.5 without; GCC's release code runs as fast (1.02-1.03x, bf16 r = 8, A/B).
 template <int NV>
-__attribute__((noinline)) void pair_latent_values(const uint8_t* v0, size_t rb, int n, const uint32_t* pairs, int r, int width, float* acc_r,
-                                   const Prefetch& rvpf) {
+__attribute__((noinline)) void pair_latent_values(const uint8_t* v0, size_t rb, int n, const uint32_t* pairs, int r, int width,
+                                                  float* acc_r, const Prefetch& rvpf) {
   __m512i head[NV];
   __m512 a[2 * NV];
   __mmask32 live[NV];  // the row's values in block i
