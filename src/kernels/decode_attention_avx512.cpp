@@ -61,8 +61,8 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // kMhaValuePrefetch: software prefetch of the next V tile with one query per KV head (MHA). f32 MHA
 // runs faster on the hardware prefetcher alone (Zen 5, 16K and 64K, slow bandwidth phase: 5-8%
-// faster without it in one process, 5-10% in whole bench runs alternating the two binaries; as
-// fast without the K prefetch too); bf16 is no different either way, q8/q4 are 20-150% slower
+// faster without it in one process, 5-10% in whole bench runs alternating the two binaries; the
+// K prefetch: kMhaKeyPrefetch); bf16 is no different either way, q8/q4 are 20-150% slower
 // without it.
 // kMhaKeyPrefetch: the same for the next K tile, float rows (q8/q4 MHA prefetch theirs in their
 // 16-row transposes). f32 MHA runs 6-8% faster without it when memory is fast and 17-20% in
