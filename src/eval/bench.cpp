@@ -644,8 +644,9 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     // Multiply-adds per step: scores and values, every query head, every cached row (LRKV: the
     // shared width plus the latent's); q8/q4 scores at the int8 dot-product peak, bf16 scores at
     // the bf16 one (the f32 peak where the back end widens them, and for the LRKV latents it
-    // widens: lrkv_latent_scores_in_bf16), and LRKV's values there too where the kernel rounds
-    // their weights to bf16 (lrkv_rounds_value_weights: V_s, and the latents it dots in bf16), q8
+    // widens: lrkv_latent_scores_in_bf16), and the values there too where the kernel rounds their
+    // weights to bf16 (LRKV's V_s and the latents it dots in bf16: lrkv_rounds_value_weights; dense
+    // from 8 queries a KV head: decode_rounds_value_weights), q8
     // values (dense, and LRKV's V_s) at the int16 one where the back end weighs them in int16
     // (decode_weighs_values_in_int16), the rest at the f32 multiply-add peak.
     const int width = o.head_dim + std::max(t.rank, 0);
@@ -658,7 +659,8 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                              : scored_rows * (o.head_dim + (t.rank > 0 && kernels::lrkv_latent_scores_in_int8(t.isa, type, t.rank) ? t.rank : 0));
     const double bf16_row = type != kernels::KVType::BF16 ? 0.0
                             : o.head_dim + (t.rank > 0 && kernels::lrkv_latent_scores_in_bf16(t.isa, type, o.heads, t.rank) ? t.rank : 0);
-    const bool bf16_values = t.rank >= 0 && kernels::lrkv_rounds_value_weights(t.isa, type);
+    const bool bf16_values = t.rank >= 0 ? kernels::lrkv_rounds_value_weights(t.isa, type)
+                                         : kernels::decode_rounds_value_weights(t.isa, type, o.heads / t.hkv);
     const double bf16_macs = scored_rows * bf16_row * (bf16_values ? 2 : 1);
     const double int16_macs = kernels::decode_weighs_values_in_int16(t.isa, type) ? scored_rows * o.head_dim : 0.0;
     const double fma_floor = int8_macs / (int8_peak_gmacs[t.isa] * 1e9) + bf16_macs / (bf16_peak_gmacs[t.isa] * 1e9) +

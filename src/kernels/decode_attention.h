@@ -8,9 +8,10 @@
 // registers: q8/q4 dot each 32-block in code space and scale the block sum, q . k =
 // sum_b d_b (q_b . code_b) (with 4 queries, codes * d_b once per vector instead), and fold the
 // V block scales into the softmax weights (bf16 and q4 unpack into permuted lanes; the query is
-// permuted to match; the AVX-512 back end rounds q8's to 15-bit codes: decode_weighs_values_in_int16). It is one pass with an online softmax over tiles of 24-64 rows (running
-// max m, running sum l, accumulator rescaled by e^(m_old - m_new)); only a tile's scores are
-// held. The (KV head, token range) work is cut into `splits` chunks shared by the threads, and
+// permuted to match; the AVX-512 back end rounds q8's to 15-bit codes, decode_weighs_values_in_int16,
+// and from 8 queries a KV head bf16's numerators to bf16, decode_rounds_value_weights). It is one
+// pass with an online softmax over tiles of 24-64 rows (running max m, running sum l, accumulator
+// rescaled by e^(m_old - m_new)); only a tile's scores are held. The (KV head, token range) work is cut into `splits` chunks shared by the threads, and
 // the partial (m, l, acc) of each chunk are merged by log-sum-exp:
 //   M = max_i m_i,  out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
 // Software prefetch runs one tile (at least 4 KB) ahead on the K and V streams (the AVX-512 back
@@ -77,6 +78,15 @@ bool decode_dots_bf16(DecodeIsa isa);
 // normalised weights), so out_i by up to that times sum_t |code_t,i| (the tests' bound); the
 // denominators sum the unrounded numerators.
 bool decode_weighs_values_in_int16(DecodeIsa isa, KVType type);
+
+// Whether a resolved back end weighs bf16 values with the softmax numerators rounded to bf16, at
+// `group` query heads per KV head: AVX-512 with BF16, from 8 queries a KV head (MQA, GQA of 8+,
+// MLA's absorbed decode), two rows at a time by vdpbf16ps (as FlashAttention's P V with P in
+// bf16; the denominators sum the unrounded numerators). A weight is then off by up to 2^-8 of
+// itself, so out_i by up to 2^-8 sum_t a_t |v_t,i| (the tests' bound). At 4 queries or fewer
+// the f32 multiply-adds were as fast (Zen 5, A/B in one process: 8 queries 1.07-1.17x, 16
+// 1.13-1.16x, 4 0.94-1.06x, 2 0.98x).
+bool decode_rounds_value_weights(DecodeIsa isa, KVType type, int group);
 
 // Plain reference: dequantise every stored row, two-pass softmax in double. rounded_query:
 // the scaled query goes through round_query for the cache's type first (what the kernels compute).

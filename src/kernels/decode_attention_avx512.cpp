@@ -834,7 +834,8 @@ KVX_INLINE void for_row_pairs(const uint8_t* v0, size_t rb, int n, const Prefetc
   }
 }
 
-// LRKV bf16 values weighed two rows at a time by vdpbf16ps: the softmax numerators rounded to bf16
+// bf16 values weighed two rows at a time by vdpbf16ps (LRKV; dense from kPairValueQueries queries a
+// KV head: decode_rounds_value_weights): the softmax numerators rounded to bf16
 // (to nearest even: a weight's error is up to 2^-8 of it, as in FlashAttention's P V with P in
 // bf16; the denominators sum them unrounded) as pair words, (p_g,2k, p_g,2k+1) with the first
 // token in the low half, by token (heads in lanes: [pair][16 heads]) or by head ([head][kMaxTile /
@@ -1570,8 +1571,9 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // 4%; 16 rows were 5-9% faster too). f32 with heads in lanes ran 10% faster on 64 rows than on 8 when memory was
   // slow but 5-12% slower when fast, so keeps 8.
   const int tile = hl && R::kDotBF16 ? kMaxTile : rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant);
-  // LRKV bf16 with vdpbf16ps: values two rows at a time against bf16 numerator pairs (pair_weights)
-  constexpr bool pairs = R::kDotBF16 && kLrkv;
+  // bf16 with vdpbf16ps, LRKV and dense of 8+ queries a KV head: values two rows at a time against bf16
+  // numerator pairs (pair_weights; pair_values)
+  const bool pairs = R::kDotBF16 && (kLrkv || G >= kPairValueQueries);
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
   // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, q8 LRKV, and f32 LRKV whose latent
@@ -2001,7 +2003,7 @@ size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width, bool
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
   const int latent_blocks = (residual_width + 31) / 32;  // the most a straddling row has
   const bool by_token = latent_blocks > 0 || (lrkv && head_lanes(type, G, residual_width / G));
-  const bool pairs = lrkv && type == KVType::BF16 && avx512_bf16_dot();  // run_piece's pair_weights
+  const bool pairs = type == KVType::BF16 && avx512_bf16_dot() && (lrkv || G >= kPairValueQueries);  // run_piece's pair_weights
   return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks, by_token, pairs);
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/decode_attention.h"
@@ -55,22 +56,35 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b, int hea
 
 // A kernel's output against the reference on the same rows (kv): to 1e-5 of each head's largest
 // value, or, where the back end `isa` weighs q8 values in integers, within the rounding of the
-// weights (largest: the reference's largest_weight). Returns the error over its allowance (<= 1 passes).
+// weights (largest: the reference's largest_weight), and where it rounds bf16 weights to bf16,
+// within that rounding (abs_ref: the reference over the rows with |v|, the same scores). Returns
+// the error over its allowance (<= 1 passes).
 double kernel_error(const std::vector<float>& out, const std::vector<float>& ref, const std::vector<float>& largest,
-                    const KVStore& kv, int heads, DecodeIsa isa) {
-  if (decode_weighs_values_in_int16(resolve_decode_isa(isa, kv.head_dim()), kv.type()))
-    return kvx::testing::worst_over_int16_weights(out, ref, largest, kv, heads);
+                    const KVStore& kv, int heads, DecodeIsa isa, const std::vector<float>* abs_ref = nullptr) {
+  const DecodeIsa resolved = resolve_decode_isa(isa, kv.head_dim());
+  if (decode_weighs_values_in_int16(resolved, kv.type())) return kvx::testing::worst_over_int16_weights(out, ref, largest, kv, heads);
+  if (decode_rounds_value_weights(resolved, kv.type(), heads / kv.kv_heads())) {
+    if (!abs_ref) {
+      ADD_FAILURE() << "bf16 weights rounded at " << heads / kv.kv_heads() << " queries a KV head: the check needs the |v| reference";
+      return 2.0;
+    }
+    return kvx::testing::worst_over_rounding(out, ref, *abs_ref, heads, kv.head_dim());
+  }
   return rel_err(out, ref, heads, kv.head_dim()) / 1e-5;
 }
 
 // Fills a store with `len` random tokens; q gets a larger spread so the softmax is peaked
 // (scores span several units) and the running max moves.
-void fill(KVStore& s, int64_t len, std::mt19937& rng, float bias = 0.0f) {
+// abs, if given, gets the same keys and |v| (the rounded-weights bound's reference).
+void fill(KVStore& s, int64_t len, std::mt19937& rng, float bias = 0.0f, KVStore* abs = nullptr) {
   const size_t n = static_cast<size_t>(s.kv_heads()) * s.head_dim();
   for (int64_t t = 0; t < len; ++t) {
     auto k = randn(n, 1.0f, rng), v = randn(n, 1.0f, rng);
     for (size_t i = 0; i < n; i += s.head_dim()) k[i] += bias * t;  // drifting scores
     s.append(k.data(), v.data());
+    if (!abs) continue;
+    for (auto& x : v) x = std::fabs(x);
+    abs->append(k.data(), v.data());
   }
 }
 
@@ -84,18 +98,20 @@ std::vector<DecodeIsa> isas(int d) {
 
 void check_case(const Case& c, uint32_t seed) {
   std::mt19937 rng(seed);
-  KVStore s(c.type, c.kv_heads, c.d, c.evict, c.page_tokens);
-  fill(s, c.len, rng);
+  KVStore s(c.type, c.kv_heads, c.d, c.evict, c.page_tokens), abs(c.type, c.kv_heads, c.d, c.evict, c.page_tokens);
+  fill(s, c.len, rng, 0.0f, &abs);
   const auto q = randn(static_cast<size_t>(c.heads) * c.d, 2.5f, rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
-  std::vector<float> plain_ref(q.size()), rounded_query_ref(q.size()), out(q.size()), largest(c.heads);
+  std::vector<float> plain_ref(q.size()), rounded_query_ref(q.size()), abs_ref(q.size()), out(q.size()), largest(c.heads);
   decode_attention_reference(q.data(), c.heads, s, scale, plain_ref.data());
   const bool roundable = c.type != KVType::F32;
   if (roundable) decode_attention_reference(q.data(), c.heads, s, scale, rounded_query_ref.data(), true, nullptr, largest.data());
+  // over |v| with the kernels' scores (bf16 rounds the query everywhere): the bound of bf16 weights
+  decode_attention_reference(q.data(), c.heads, abs, scale, abs_ref.data(), roundable);
   auto& auto_ref = decode_rounds_query(DecodeIsa::Auto, c.type, c.d) ? rounded_query_ref : plain_ref;
   std::fill(out.begin(), out.end(), NAN);
   decode_attention(q.data(), c.heads, s, scale, out.data(), 2);
-  EXPECT_LE(kernel_error(out, auto_ref, largest, s, c.heads, DecodeIsa::Auto), 1.0) << name(c);
+  EXPECT_LE(kernel_error(out, auto_ref, largest, s, c.heads, DecodeIsa::Auto, &abs_ref), 1.0) << name(c);
   if (roundable)  // the rounded query changes the result by about the cache's own error on the keys, no more
     EXPECT_LE(rel_err(rounded_query_ref, plain_ref, c.heads, c.d), 0.05) << name(c);
   // Splits cut heads and tiles at odd places; one thread runs them in turn, two share them.
@@ -104,7 +120,7 @@ void check_case(const Case& c, uint32_t seed) {
       const auto& ref = decode_rounds_query(isa, c.type, c.d) ? rounded_query_ref : plain_ref;
       std::fill(out.begin(), out.end(), NAN);
       decode_attention_splits(q.data(), c.heads, s, scale, out.data(), threads, splits, isa);
-      EXPECT_LE(kernel_error(out, ref, largest, s, c.heads, isa), 1.0)
+      EXPECT_LE(kernel_error(out, ref, largest, s, c.heads, isa, &abs_ref), 1.0)
           << name(c) << " " << decode_isa_name(isa) << " threads " << threads << " splits " << splits;
     }
 }
@@ -138,9 +154,14 @@ TEST(DecodeAttention, LongerContextsAcrossPagesAndSplits) {
 
 TEST(DecodeAttention, LargeAndOddGroups) {
   uint32_t seed = 300;
-  for (KVType t : {KVType::F32, KVType::Q8, KVType::Q4})
-    for (auto [H, Hkv] : std::vector<std::pair<int, int>>{{16, 1}, {12, 1}, {7, 1}, {30, 2}})
+  for (KVType t : {KVType::F32, KVType::BF16, KVType::Q8, KVType::Q4})
+    for (auto [H, Hkv] : std::vector<std::pair<int, int>>{{16, 1}, {12, 1}, {7, 1}, {30, 2}, {24, 3}})
       check_case({t, H, Hkv, 64, 45, 32}, seed++);
+  // bf16 from 8 queries a KV head (values by row pairs: decode_rounds_value_weights): odd tile
+  // tails, pages, eviction
+  for (auto [H, Hkv, L, page] : std::vector<std::tuple<int, int, int64_t, int>>{{8, 1, 1, 16}, {16, 2, 33, 7}, {9, 1, 300, 100}, {32, 4, 97, 256}})
+    check_case({KVType::BF16, H, Hkv, 128, L, page}, seed++);
+  check_case({KVType::BF16, 16, 1, 96, 150, 16, {3, 40}}, seed++);
   for (KVType t : {KVType::Q8, KVType::Q4})
     for (int d : {96, 256})  // 3 and 8 blocks per row
       for (auto [H, Hkv] : std::vector<std::pair<int, int>>{{4, 4}, {8, 2}, {6, 3}, {6, 2}}) check_case({t, H, Hkv, d, 37, 16}, seed++);
@@ -230,6 +251,12 @@ TEST(DecodeAttention, BackEndChoice) {
   EXPECT_EQ(resolve_decode_isa(DecodeIsa::Auto, 40), DecodeIsa::Avx2);  // AVX-512 needs head_dim % 32 == 0
   EXPECT_THROW(resolve_decode_isa(DecodeIsa::Avx512, 40), Error);
   if (decode_isa_usable(DecodeIsa::Avx512, 128)) EXPECT_EQ(resolve_decode_isa(DecodeIsa::Auto, 128), DecodeIsa::Avx512);
+  // bf16 weights rounded to bf16: AVX-512 with BF16 dot products, from 8 queries a KV head
+  EXPECT_EQ(decode_rounds_value_weights(DecodeIsa::Avx512, KVType::BF16, 8), decode_dots_bf16(DecodeIsa::Avx512));
+  EXPECT_EQ(decode_rounds_value_weights(DecodeIsa::Avx512, KVType::BF16, 16), decode_dots_bf16(DecodeIsa::Avx512));
+  EXPECT_FALSE(decode_rounds_value_weights(DecodeIsa::Avx512, KVType::BF16, 4));
+  EXPECT_FALSE(decode_rounds_value_weights(DecodeIsa::Avx512, KVType::F32, 16));
+  EXPECT_FALSE(decode_rounds_value_weights(DecodeIsa::Avx2, KVType::BF16, 16));
 }
 
 TEST(DecodeAttention, ValuesAreKeysStoresEachRowOnce) {

@@ -37,23 +37,6 @@ double worst_rel(const std::vector<float>& a, const std::vector<float>& b, int r
   return worst;
 }
 
-// Kernels that round V_s's weights to bf16 (lrkv_rounds_value_weights): out_s within 2^-8 of
-// sum_t a_t |V_s,t| (ref_abs: the reference over |V_s|) of the reference, plus 1e-5 of the head's
-// largest value; returns the worst error over its allowance (<= 1 passes).
-double worst_over_rounding(const std::vector<float>& a, const std::vector<float>& b, const std::vector<float>& b_abs, int rows,
-                           int w) {
-  double worst = 0;
-  for (int h = 0; h < rows; ++h) {
-    double mag = 1e-30;
-    for (int i = 0; i < w; ++i) mag = std::max(mag, std::fabs(static_cast<double>(b[h * w + i])));
-    for (int i = 0; i < w; ++i) {
-      const double allowed = std::ldexp(static_cast<double>(b_abs[h * w + i]), -8) * (1 + 1e-5) + 1e-5 * mag;
-      worst = std::max(worst, std::fabs(static_cast<double>(a[h * w + i]) - b[h * w + i]) / allowed);
-    }
-  }
-  return worst;
-}
-
 void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict, uint32_t seed) {
   const std::string what = kv_type_name(type) + " H" + std::to_string(H) + " d" + std::to_string(d) + " r" + std::to_string(r) +
                            " L" + std::to_string(L) + " P" + std::to_string(page) + (evict.enabled() ? " evict" : "");
@@ -94,8 +77,8 @@ void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict
     }
     lrkv_decode_attention_reference(q.data(), qb.data(), H, shared_abs, residual_abs.get(), scale, abs_s.data(), abs_r.data(),
                                     lrkv_decode_rounds_query(isa, type, d, r));
-    EXPECT_LE(worst_over_rounding(out_s, ref_s, abs_s, H, d), 1.0) << where << " (weights rounded to bf16)";
-    if (r > 0) EXPECT_LE(worst_over_rounding(out_r, ref_r, abs_r, H, r), 1.0) << where << " (latent weights rounded to bf16)";
+    EXPECT_LE(kvx::testing::worst_over_rounding(out_s, ref_s, abs_s, H, d), 1.0) << where << " (weights rounded to bf16)";
+    if (r > 0) EXPECT_LE(kvx::testing::worst_over_rounding(out_r, ref_r, abs_r, H, r), 1.0) << where << " (latent weights rounded to bf16)";
   };
   std::vector<DecodeIsa> isas = {DecodeIsa::Avx2};
   if (lrkv_decode_isa(DecodeIsa::Auto, type, d, r) == DecodeIsa::Avx512) isas.push_back(DecodeIsa::Avx512);

@@ -44,4 +44,22 @@ inline double worst_over_int16_weights(const std::vector<float>& out, const std:
   return worst;
 }
 
+// Kernels that round the softmax numerators to bf16 (decode_rounds_value_weights,
+// lrkv_rounds_value_weights): a (rows of width w) within 2^-8 of sum_t a_t |v_t| of the reference b
+// (b_abs: the reference over |v|, the same scores), plus 1e-5 of the row's largest |b|. Returns the
+// worst error over its allowance (<= 1 passes).
+inline double worst_over_rounding(const std::vector<float>& a, const std::vector<float>& b, const std::vector<float>& b_abs,
+                                  int rows, int w) {
+  double worst = 0;
+  for (int h = 0; h < rows; ++h) {
+    double mag = 1e-30;
+    for (int i = 0; i < w; ++i) mag = std::max(mag, std::fabs(static_cast<double>(b[h * w + i])));
+    for (int i = 0; i < w; ++i) {
+      const double allowed = std::ldexp(static_cast<double>(b_abs[h * w + i]), -8) * (1 + 1e-5) + 1e-5 * mag;
+      worst = std::max(worst, std::fabs(static_cast<double>(a[h * w + i]) - b[h * w + i]) / allowed);
+    }
+  }
+  return worst;
+}
+
 }  // namespace kvx::testing
