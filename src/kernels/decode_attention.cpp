@@ -1228,10 +1228,10 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
   thread_local std::vector<int> split_begin;
   size_t scratch_size = 0, qstride = 0;
   float* qs = nullptr;  // page-aligned: no query load splits a cache line
-  if (wide) {
-    qstride = detail::avx512_query_floats(d, kv.type());
-    qs = detail::slot_aligned(qbuf, qstride * heads);
-    detail::avx512_prepare_queries(q, heads, d, scale, kv.type(), qs);
+  if (wide) {  // per KV head, its group's queries
+    qstride = detail::avx512_dense_query_floats(G, d, kv.type());
+    qs = detail::slot_aligned(qbuf, qstride * hkv);
+    detail::avx512_prepare_dense_queries(q, heads, G, d, scale, kv.type(), qs);
     scratch_size = detail::slot_floats(detail::avx512_scratch_floats(G, d, kv.type()));
   } else {
     qstride = query_floats(kv.type(), d);

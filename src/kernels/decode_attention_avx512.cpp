@@ -1137,6 +1137,13 @@ KVX_INLINE size_t query_floats(int d) {
 // Query heads go in groups of 4, 2, 1 that share each K/V load.
 KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 
+// bf16 values weighed by row pairs against numerators rounded to bf16 (pair_value_pass): with
+// vdpbf16ps, for LRKV and from kPairValueQueries queries a KV head (decode_rounds_value_weights).
+template <class R>
+KVX_INLINE bool pair_values(int G, bool lrkv) {
+  return R::kDotBF16 && (lrkv || G >= kPairValueQueries);
+}
+
 // Rows per tile. Measured on Zen 5 at 16K tokens, A/B in one process, in this VM's slow (~48 GB/s)
 // and fast (~80 GB/s) bandwidth phases:
 // - one query per KV head (MHA): 32 rows (f32, against 16: 1-2% and 6-7% faster); f32 rows past
@@ -1147,10 +1154,16 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 //   faster than 32 when slow, the same when fast; 8 rows lost 8% when fast), 8 rows wider (f32
 //   GQA: 9-10% faster than 16 when slow, the same when fast; 4 no better);
 // - q8/q4 with several queries: 32 rows of up to 256 bytes (16 were 10-20% slower), else 16 (one
-//   transpose).
-int tile_rows(size_t rb, int G, bool quant) {
+//   transpose);
+// - bf16 values by row pairs (pair_values) at 16+ queries a KV head: 64 rows, over which each pair
+//   pass spreads its accumulator loads and stores (MQA, H = 16, before 9-16 queries took heads in
+//   lanes: against 16 rows 1.03-1.14x with the caches emptied, 16K and 64K; 1.17-1.23x in cache).
+//   At 8 queries 64 and 32 rows were 0-6% slower with the caches emptied (1.11-1.22x faster in
+//   cache), so 8 keeps 16.
+int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
   if (G == 1) return quant || rb <= 256 ? 32 : kMaxTile;
   if (quant) return rb <= 256 ? 32 : 16;
+  if (pair_values && G >= 16) return kMaxTile;
   return rb <= 256 ? 16 : 8;
 }
 
@@ -1280,10 +1293,11 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 }
 
 // ---------------------------------------------------------------------------------------------
-// LRKV f32/bf16 scores with heads in lanes: for 8 to 16 heads on one K_s row, lane h of a row's
+// LRKV f32/bf16 scores with heads in lanes (and dense groups of 8 to 16 query heads, as LRKV at
+// r = 0: run_pieces): for 8 to 16 heads on one K_s row, lane h of a row's
 // score vector is head h's, so the row is read once with each of its values (f32) or value pairs
 // (bf16) broadcast against the heads' query vectors QT (lane h: q_h's value or pair; prepared by
-// avx512_prepare_lrkv_queries), with no horizontal sums, no per-head row pointers and one
+// avx512_prepare_group_queries), with no horizontal sums, no per-head row pointers and one
 // exp512 a row for the softmax. The residual qb_h . R_h,t: the row's vectors times the flat qb
 // ([H][r] in the row's own layout), each head's L lanes (f32: r values, bf16: r / 2 pairs) then
 // summed by halving the groups pairwise (log2 L levels of two permutes and an add).
@@ -1302,6 +1316,15 @@ bool head_lanes(KVType type, int G, int r) {
   const int L = type == KVType::F32 ? r : r / 2;
   return L <= 8 && (L & (L - 1)) == 0;
 }
+
+// Dense decode takes heads in lanes too (run_pieces: LRKV's kernel at r = 0) for groups of 9
+// (bf16) or 13 (f32) to 16 query heads on one KV head: each K row read once with its values
+// broadcast, no horizontal sums. Zen 5, Hkv = 1, against the score blocks, time before / after,
+// 16K with the caches emptied (two threads) and 2K in cache (one), over runs in both of the VM's
+// compute states: bf16 16 heads 1.32-1.37 / 1.59, 12: 1.32 / 1.24, 10: 1.06 / 1.27, 9: 1.05 /
+// 1.25, 8: 0.96 / 1.17; f32 16: 1.07-1.25 (64K 1.26) / 1.04-1.31, 14: 1.05-1.09 / 1.03-1.09, 12:
+// 0.95-1.13 / 0.94-1.05, 8: 0.93-0.95. The score blocks keep the rest (fewer heads leave lanes idle).
+KVX_INLINE bool dense_head_lanes(KVType type, int G) { return G > (type == KVType::F32 ? 12 : 8) && head_lanes(type, G, 0); }
 
 // The residual's layout with heads in lanes.
 struct HeadLaneResidual {
@@ -1506,7 +1529,7 @@ __attribute__((noinline)) void pair_latent_values(const uint8_t* v0, size_t rb, 
   }
 }
 
-// run_piece's online softmax for one query's tile of 33..64 rows (f32 MHA, tile_rows), with
+// run_piece's online softmax for one query's tile of 33..64 rows (f32 MHA, bf16 pair values: tile_rows), with
 // four score vectors. Out of line: inlined into run_piece, its code slowed f32 GQA 5-10%.
 __attribute__((noinline)) void wide_tile_softmax(float* s, float* l, float& m, float* acc, int d, int n) {
   const __m512 ninf = _mm512_set1_ps(kNegInf);
@@ -1570,10 +1593,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // r = 8, caches emptied, A/B in one process against 32: 16K 5-10% faster in either bandwidth phase, 64K 11%, in cache
   // 4%; 16 rows were 5-9% faster too). f32 with heads in lanes ran 10% faster on 64 rows than on 8 when memory was
   // slow but 5-12% slower when fast, so keeps 8.
-  const int tile = hl && R::kDotBF16 ? kMaxTile : rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant);
   // bf16 with vdpbf16ps, LRKV and dense of 8+ queries a KV head: values two rows at a time against bf16
   // numerator pairs (pair_weights; pair_values)
-  const bool pairs = R::kDotBF16 && (kLrkv || G >= kPairValueQueries);
+  const bool pairs = pair_values<R>(G, kLrkv);
+  const int tile = hl && R::kDotBF16 ? kMaxTile : rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant, pairs);
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
   // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, q8 LRKV, and f32 LRKV whose latent
@@ -1721,7 +1744,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
     if (hl) head_lane_softmax(sc.pt, sc.pt_stride, n, G, m, sc.l, acc, d, acc_r, r);
-    if (n > 32 && !hl)  // f32 MHA only (tile_rows): no residual, float weights
+    if (n > 32 && !hl)  // f32 MHA and bf16 pair values (tile_rows): no residual, float weights
       for (int g = 0; g < G; ++g) wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d, n);
     const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? 0xffff : static_cast<__mmask16>((1u << (n - 16)) - 1);
@@ -1872,7 +1895,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
 template <class R>
 void run_pieces(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, const float* qs, int G, float* parts,
                 size_t part_size, float* scratch) {
-  const size_t qstride = static_cast<size_t>(G) * query_floats<R>(kv.head_dim());
+  const size_t qstride = avx512_dense_query_floats(G, kv.head_dim(), kv.type());
+  if (dense_head_lanes(kv.type(), G)) {  // LRKV's kernel without latents
+    Residual lanes;
+    lanes.head_lanes = true;
+    for (int p = p0; p < p1; ++p)
+      run_piece<R, true>(kv, pieces[p], qs + pieces[p].head * qstride, G, parts + p * part_size, scratch, lanes);
+    return;
+  }
   for (int p = p0; p < p1; ++p)
     run_piece<R, false>(kv, pieces[p], qs + pieces[p].head * qstride, G, parts + p * part_size, scratch);
 }
@@ -1952,19 +1982,30 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
   prepare_int_queries(q, heads, d, scale, type, qs);  // integer queries (decode_attention_isa.h)
 }
 
-bool avx512_lrkv_head_lanes(KVType type, int heads, int r) { return head_lanes(type, heads, r); }
+bool avx512_head_lanes(KVType type, int heads, int r) { return head_lanes(type, heads, r); }
 
-size_t avx512_lrkv_query_floats(int heads, int d, int r, KVType type) {
+size_t avx512_group_query_floats(int heads, int d, int r, KVType type) {
   if (head_lanes(type, heads, r)) return static_cast<size_t>(type == KVType::F32 ? 16 : 8) * d;  // QT
   return heads * avx512_query_floats(d, type);
 }
 
 // QT: word i of a K_s row's [16 lanes], lane h of head h's query, zeros past the heads.
-void avx512_prepare_lrkv_queries(const float* q, int heads, int d, int r, float scale, KVType type, float* qs) {
+void avx512_prepare_group_queries(const float* q, int heads, int d, int r, float scale, KVType type, float* qs) {
   if (!head_lanes(type, heads, r)) return avx512_prepare_queries(q, heads, d, scale, type, qs);
   uint32_t* w = reinterpret_cast<uint32_t*>(qs);
-  memset(w, 0, sizeof(float) * avx512_lrkv_query_floats(heads, d, r, type));
+  memset(w, 0, sizeof(float) * avx512_group_query_floats(heads, d, r, type));
   for (int h = 0; h < heads; ++h) round_words(type, q + static_cast<size_t>(h) * d, d, scale, w + h, 16);
+}
+
+size_t avx512_dense_query_floats(int G, int d, KVType type) {
+  return dense_head_lanes(type, G) ? avx512_group_query_floats(G, d, 0, type) : G * avx512_query_floats(d, type);
+}
+
+void avx512_prepare_dense_queries(const float* q, int heads, int G, int d, float scale, KVType type, float* qs) {
+  if (!dense_head_lanes(type, G)) return avx512_prepare_queries(q, heads, d, scale, type, qs);
+  const size_t stride = avx512_dense_query_floats(G, d, type);
+  for (int h = 0; h < heads / G; ++h)
+    avx512_prepare_group_queries(q + static_cast<size_t>(h) * G * d, G, d, 0, scale, type, qs + h * stride);
 }
 
 bool avx512_latent_words(KVType type, int r) { return latent_words(type, r); }
@@ -2002,8 +2043,8 @@ void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scal
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width, bool lrkv) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
   const int latent_blocks = (residual_width + 31) / 32;  // the most a straddling row has
-  const bool by_token = latent_blocks > 0 || (lrkv && head_lanes(type, G, residual_width / G));
-  const bool pairs = type == KVType::BF16 && avx512_bf16_dot() && (lrkv || G >= kPairValueQueries);  // run_piece's pair_weights
+  const bool by_token = latent_blocks > 0 || (lrkv ? head_lanes(type, G, residual_width / G) : dense_head_lanes(type, G));
+  const bool pairs = type == KVType::BF16 && avx512_bf16_dot() && (lrkv || G >= kPairValueQueries);  // run_piece's pair_values
   return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks, by_token, pairs);
 }
 

@@ -73,12 +73,13 @@ constexpr int kPairValueQueries = 8;
 // int8 blocks (integer dot products). d % 32 == 0.
 size_t avx512_query_floats(int d, KVType type);
 void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVType type, float* qs);
-// LRKV's q: as avx512_prepare_queries, or with heads in lanes (f32, and bf16 with vdpbf16ps, at 8
-// to 16 heads and a rank that suits; see head_lanes() there) QT: per 32-bit word of a K_s row, 16
-// lanes of the heads' matching value (f32) or pair (bf16), zeros past the heads.
-bool avx512_lrkv_head_lanes(KVType type, int heads, int r);
-size_t avx512_lrkv_query_floats(int heads, int d, int r, KVType type);
-void avx512_prepare_lrkv_queries(const float* q, int heads, int d, int r, float scale, KVType type, float* qs);
+// The queries of one KV head's group (the G heads reading it; LRKV: all H on K_s, with latents of
+// rank r; dense groups: r = 0): as avx512_prepare_queries, or with heads in lanes (f32, and bf16 with
+// vdpbf16ps, at 8 to 16 heads and a rank that suits; see head_lanes() there) QT: per 32-bit word
+// of a K row, 16 lanes of the heads' matching value (f32) or pair (bf16), zeros past the heads.
+bool avx512_head_lanes(KVType type, int heads, int r);
+size_t avx512_group_query_floats(int heads, int d, int r, KVType type);
+void avx512_prepare_group_queries(const float* q, int heads, int d, int r, float scale, KVType type, float* qs);
 // LRKV's qb in the layout avx512_run_lrkv reads: with heads in lanes, the flat [heads][r] in the
 // rows' layout (f32, or packed bf16), zeros to 16 heads; else per head as avx512_prepare_queries,
 // except for latents of r % 32 != 0 (blocks straddle heads). f32/bf16: per head, (r + 30) / 16 position
@@ -92,7 +93,13 @@ bool avx512_latent_words(KVType type, int r);
 void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs);
 // Scratch floats one split needs (lrkv: for LRKV decode; residual_width: its H r, else 0).
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width = 0, bool lrkv = false);
-// Pieces [p0, p1): part p = [m[G], l[G], acc[G][d]] at parts + p * part_size (natural order).
+// Dense decode's queries, per KV head its group of G (avx512_dense_query_floats(G, d, type) floats
+// apart): as avx512_prepare_queries, or with heads in lanes (avx512_prepare_group_queries) for
+// groups of 13 to 16 f32 heads, or 9 to 16 bf16 ones with vdpbf16ps (dense_head_lanes() there).
+size_t avx512_dense_query_floats(int G, int d, KVType type);
+void avx512_prepare_dense_queries(const float* q, int heads, int G, int d, float scale, KVType type, float* qs);
+// Pieces [p0, p1): part p = [m[G], l[G], acc[G][d]] at parts + p * part_size (natural order); qs:
+// avx512_prepare_dense_queries'.
 void avx512_run_split(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, const float* qs, int G,
                       float* parts, size_t part_size, float* scratch);
 

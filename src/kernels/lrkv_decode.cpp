@@ -70,7 +70,7 @@ bool lrkv_latent_scores_in_int8(DecodeIsa isa, KVType type, int rank) {
 
 bool lrkv_latent_scores_in_bf16(DecodeIsa isa, KVType type, int heads, int rank) {
   if (type != KVType::BF16 || !decode_dots_bf16(isa)) return false;
-  return rank % 32 == 0 || detail::avx512_lrkv_head_lanes(type, heads, rank);
+  return rank % 32 == 0 || detail::avx512_head_lanes(type, heads, rank);
 }
 
 bool lrkv_rounds_value_weights(DecodeIsa isa, KVType type) {
@@ -96,8 +96,8 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
   // Queries page-aligned (slot_aligned): no query load splits a cache line.
   const float *qsp = nullptr, *qbp = nullptr;
   if (wide) {  // queries in the AVX-512 layout, scaled
-    float* qs = detail::slot_aligned(qbuf, detail::avx512_lrkv_query_floats(heads, sh.d, sh.r, shared.type()));
-    detail::avx512_prepare_lrkv_queries(q, heads, sh.d, sh.r, scale, shared.type(), qs);
+    float* qs = detail::slot_aligned(qbuf, detail::avx512_group_query_floats(heads, sh.d, sh.r, shared.type()));
+    detail::avx512_prepare_group_queries(q, heads, sh.d, sh.r, scale, shared.type(), qs);
     qsp = qs;
     if (sh.r > 0) {
       float* qbs = detail::slot_aligned(qbbuf, detail::avx512_latent_query_floats(heads, sh.r, shared.type()));

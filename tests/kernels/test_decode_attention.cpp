@@ -159,9 +159,18 @@ TEST(DecodeAttention, LargeAndOddGroups) {
       check_case({t, H, Hkv, 64, 45, 32}, seed++);
   // bf16 from 8 queries a KV head (values by row pairs: decode_rounds_value_weights): odd tile
   // tails, pages, eviction
-  for (auto [H, Hkv, L, page] : std::vector<std::tuple<int, int, int64_t, int>>{{8, 1, 1, 16}, {16, 2, 33, 7}, {9, 1, 300, 100}, {32, 4, 97, 256}})
+  // (9-16 queries: heads in lanes, as LRKV at r = 0; more: 64-row tiles)
+  for (auto [H, Hkv, L, page] : std::vector<std::tuple<int, int, int64_t, int>>{
+           {8, 1, 1, 16}, {16, 2, 33, 7}, {9, 1, 300, 100}, {32, 4, 97, 256}, {16, 1, 200, 256}, {32, 1, 131, 70}, {20, 1, 65, 64}})
     check_case({KVType::BF16, H, Hkv, 128, L, page}, seed++);
   check_case({KVType::BF16, 16, 1, 96, 150, 16, {3, 40}}, seed++);
+  // f32/bf16 with heads in lanes (9-16 queries a KV head): one row, odd widths and pages, eviction
+  for (KVType t : {KVType::F32, KVType::BF16}) {
+    check_case({t, 11, 1, 32, 1, 8}, seed++);
+    check_case({t, 32, 2, 96, 77, 16}, seed++);
+    check_case({t, 13, 1, 160, 257, 100}, seed++);
+    check_case({t, 36, 3, 128, 300, 64, {5, 100}}, seed++);
+  }
   for (KVType t : {KVType::Q8, KVType::Q4})
     for (int d : {96, 256})  // 3 and 8 blocks per row
       for (auto [H, Hkv] : std::vector<std::pair<int, int>>{{4, 4}, {8, 2}, {6, 3}, {6, 2}}) check_case({t, H, Hkv, d, 37, 16}, seed++);
