@@ -1319,7 +1319,7 @@ bool decode_dots_bf16(DecodeIsa isa) { return isa == DecodeIsa::Avx512 && detail
 bool decode_weighs_values_in_int16(DecodeIsa isa, KVType type) { return isa == DecodeIsa::Avx512 && type == KVType::Q8; }
 
 bool decode_rounds_value_weights(DecodeIsa isa, KVType type, int group) {
-  return type == KVType::BF16 && decode_dots_bf16(isa) && group >= detail::kPairValueQueries;
+  return isa == DecodeIsa::Avx512 && detail::avx512_pair_values(type, group, false);
 }
 
 void decode_attention_reference(const float* q, int heads, const KVStore& kv, float scale, float* out,

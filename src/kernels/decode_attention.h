@@ -11,8 +11,9 @@
 // permuted to match; the AVX-512 back end rounds q8's to 15-bit codes, decode_weighs_values_in_int16,
 // and from 8 queries a KV head bf16's numerators to bf16, decode_rounds_value_weights). It is one
 // pass with an online softmax over tiles of 24-64 rows (running max m, running sum l, accumulator
-// rescaled by e^(m_old - m_new)); only a tile's scores are held. The (KV head, token range) work is cut into `splits` chunks shared by the threads, and
-// the partial (m, l, acc) of each chunk are merged by log-sum-exp:
+// rescaled by e^(m_old - m_new)); only a tile's scores are held. The (KV head, token range) work
+// is cut into `splits` chunks shared by the threads, and the partial (m, l, acc) of each chunk are
+// merged by log-sum-exp:
 //   M = max_i m_i,  out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
 // Software prefetch runs one tile (at least 4 KB) ahead on the K and V streams (the AVX-512 back
 // end leaves f32 MHA's to the hardware prefetcher, measured faster); it also fetches the tile 3
@@ -25,7 +26,9 @@
 // Where the CPU has AVX-512 (and head_dim % 32 == 0) a 16-lane back end with the same
 // algorithm runs instead (decode_attention_avx512.cpp), chosen at run time. Its q8/q4 scores
 // put 16 tokens in the lanes (the rows transposed once for all G queries) and dot the int8
-// query with VNNI, so GQA/MQA and LRKV's shared keys stop being bound by the score FMAs.
+// query with VNNI, so GQA/MQA and LRKV's shared keys stop being bound by the score FMAs. Its
+// f32/bf16 groups of 9 to 16 query heads on one KV head (bf16; f32 from 13) score with heads in
+// lanes, LRKV's kernel at r = 0 (each K row read once, no horizontal sums).
 #pragma once
 #include <cstdint>
 #include <string>

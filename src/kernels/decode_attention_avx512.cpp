@@ -1138,7 +1138,7 @@ KVX_INLINE size_t query_floats(int d) {
 KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 
 // bf16 values weighed by row pairs against numerators rounded to bf16 (pair_value_pass): with
-// vdpbf16ps, for LRKV and from kPairValueQueries queries a KV head (decode_rounds_value_weights).
+// vdpbf16ps, for LRKV and from kPairValueQueries queries a KV head (avx512_pair_values, by type).
 template <class R>
 KVX_INLINE bool pair_values(int G, bool lrkv) {
   return R::kDotBF16 && (lrkv || G >= kPairValueQueries);
@@ -1293,8 +1293,8 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 }
 
 // ---------------------------------------------------------------------------------------------
-// LRKV f32/bf16 scores with heads in lanes (and dense groups of 8 to 16 query heads, as LRKV at
-// r = 0: run_pieces): for 8 to 16 heads on one K_s row, lane h of a row's
+// LRKV f32/bf16 scores with heads in lanes (and dense groups of 9 to 16 query heads, as LRKV at
+// r = 0: dense_head_lanes): for 8 to 16 heads on one K_s row, lane h of a row's
 // score vector is head h's, so the row is read once with each of its values (f32) or value pairs
 // (bf16) broadcast against the heads' query vectors QT (lane h: q_h's value or pair; prepared by
 // avx512_prepare_group_queries), with no horizontal sums, no per-head row pointers and one
@@ -1984,6 +1984,8 @@ void avx512_prepare_queries(const float* q, int heads, int d, float scale, KVTyp
 
 bool avx512_head_lanes(KVType type, int heads, int r) { return head_lanes(type, heads, r); }
 
+bool avx512_pair_values(KVType type, int G, bool lrkv) { return type == KVType::BF16 && avx512_bf16_dot() && (lrkv || G >= kPairValueQueries); }
+
 size_t avx512_group_query_floats(int heads, int d, int r, KVType type) {
   if (head_lanes(type, heads, r)) return static_cast<size_t>(type == KVType::F32 ? 16 : 8) * d;  // QT
   return heads * avx512_query_floats(d, type);
@@ -2044,7 +2046,7 @@ size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width, bool
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
   const int latent_blocks = (residual_width + 31) / 32;  // the most a straddling row has
   const bool by_token = latent_blocks > 0 || (lrkv ? head_lanes(type, G, residual_width / G) : dense_head_lanes(type, G));
-  const bool pairs = type == KVType::BF16 && avx512_bf16_dot() && (lrkv || G >= kPairValueQueries);  // run_piece's pair_values
+  const bool pairs = avx512_pair_values(type, G, lrkv);  // run_piece's
   return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks, by_token, pairs);
 }
 

@@ -65,8 +65,10 @@ void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodeP
 bool avx512_usable();
 bool avx512_bf16_dot();  // bf16 keys by vdpbf16ps (BF16Row), else widened (BF16FmaRow)
 // Queries per KV head from which the dense kernel weighs bf16 values by vdpbf16ps on row pairs, the
-// numerators rounded to bf16 (LRKV does at any H): decode_rounds_value_weights.
+// numerators rounded to bf16 (LRKV does at any H); avx512_pair_values: whether a call does
+// (decode_rounds_value_weights, lrkv_rounds_value_weights).
 constexpr int kPairValueQueries = 8;
+bool avx512_pair_values(KVType type, int G, bool lrkv);
 // Scaled queries in its layout, avx512_query_floats(d, type) floats per head: f32 [d]; bf16
 // rounded to bf16 (round_query) and stored as bf16 in natural order in the first half (vdpbf16ps),
 // or as floats in (even | odd) positions per 32 values (without AVX-512 BF16); q8/q4 quantised to

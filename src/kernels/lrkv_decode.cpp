@@ -73,9 +73,7 @@ bool lrkv_latent_scores_in_bf16(DecodeIsa isa, KVType type, int heads, int rank)
   return rank % 32 == 0 || detail::avx512_head_lanes(type, heads, rank);
 }
 
-bool lrkv_rounds_value_weights(DecodeIsa isa, KVType type) {
-  return isa == DecodeIsa::Avx512 && type == KVType::BF16 && decode_dots_bf16(isa);
-}
+bool lrkv_rounds_value_weights(DecodeIsa isa, KVType type) { return isa == DecodeIsa::Avx512 && detail::avx512_pair_values(type, 0, true); }
 
 void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, const KVStore& shared,
                                   const KVStore* residual, float scale, float* out_s, float* out_r, int threads,
