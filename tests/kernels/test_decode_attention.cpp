@@ -164,13 +164,17 @@ TEST(DecodeAttention, LargeAndOddGroups) {
            {8, 1, 1, 16}, {16, 2, 33, 7}, {9, 1, 300, 100}, {32, 4, 97, 256}, {16, 1, 200, 256}, {32, 1, 131, 70}, {20, 1, 65, 64}})
     check_case({KVType::BF16, H, Hkv, 128, L, page}, seed++);
   check_case({KVType::BF16, 16, 1, 96, 150, 16, {3, 40}}, seed++);
-  // f32/bf16 with heads in lanes (9-16 queries a KV head): one row, odd widths and pages, eviction
+  // heads in lanes (bf16 9-16 queries a KV head, f32 13-16; f32 at 11 and 12 stays on the score
+  // blocks): one row, odd widths and pages, eviction
   for (KVType t : {KVType::F32, KVType::BF16}) {
     check_case({t, 11, 1, 32, 1, 8}, seed++);
+    check_case({t, 13, 1, 32, 1, 8}, seed++);
     check_case({t, 32, 2, 96, 77, 16}, seed++);
     check_case({t, 13, 1, 160, 257, 100}, seed++);
     check_case({t, 36, 3, 128, 300, 64, {5, 100}}, seed++);
+    check_case({t, 42, 3, 64, 300, 64, {5, 100}}, seed++);
   }
+  check_case({KVType::BF16, 24, 1, 288, 150, 100}, seed++);  // 24 queries (64-row tiles), rows past 256 bytes
   for (KVType t : {KVType::Q8, KVType::Q4})
     for (int d : {96, 256})  // 3 and 8 blocks per row
       for (auto [H, Hkv] : std::vector<std::pair<int, int>>{{4, 4}, {8, 2}, {6, 3}, {6, 2}}) check_case({t, H, Hkv, d, 37, 16}, seed++);
@@ -269,24 +273,30 @@ TEST(DecodeAttention, BackEndChoice) {
 }
 
 TEST(DecodeAttention, ValuesAreKeysStoresEachRowOnce) {
-  // MLA's latent cache: one row per token is both key and value; the kernels read V = K.
-  for (KVType t : {KVType::F32, KVType::Q8}) {
+  // MLA's latent cache: one row per token is both key and value; the kernels read V = K. 16 heads
+  // on it (MLA's absorbed decode): heads in lanes for f32/bf16, and bf16's rounded weights.
+  for (auto [t, H] : std::vector<std::pair<KVType, int>>{{KVType::F32, 4}, {KVType::Q8, 4}, {KVType::F32, 16}, {KVType::BF16, 16}}) {
     std::mt19937 rng(700);
-    const int H = 4, d = 64;
-    KVStore shared(t, 1, d, {}, 16, true), both(t, 1, d, {}, 16);
+    const int d = 64;
+    KVStore shared(t, 1, d, {}, 16, true), both(t, 1, d, {}, 16), abs(t, 1, d, {}, 16);
     for (int i = 0; i < 45; ++i) {
       const auto k = randn(d, 1.0f, rng);
       shared.append(k.data(), nullptr);
       both.append(k.data(), k.data());
+      std::vector<float> a(k);
+      for (auto& x : a) x = std::fabs(x);
+      abs.append(k.data(), a.data());
     }
     EXPECT_EQ(shared.bytes() * 2, both.bytes());
     EXPECT_DOUBLE_EQ(shared.bytes_per_token() * 2, both.bytes_per_token());
     const auto q = randn(H * d, 2.0f, rng);
-    std::vector<float> ref(q.size()), out(q.size()), largest(H);
+    std::vector<float> ref(q.size()), abs_ref(q.size()), out(q.size()), largest(H);
     for (DecodeIsa isa : isas(d)) {
-      decode_attention_reference(q.data(), H, both, 0.125f, ref.data(), decode_rounds_query(isa, t, d), nullptr, largest.data());
+      const bool rounded = decode_rounds_query(isa, t, d);
+      decode_attention_reference(q.data(), H, both, 0.125f, ref.data(), rounded, nullptr, largest.data());
+      decode_attention_reference(q.data(), H, abs, 0.125f, abs_ref.data(), rounded);
       decode_attention_splits(q.data(), H, shared, 0.125f, out.data(), 2, 3, isa);
-      EXPECT_LE(kernel_error(out, ref, largest, both, H, isa), 1.0) << kv_type_name(t) << " " << decode_isa_name(isa);
+      EXPECT_LE(kernel_error(out, ref, largest, both, H, isa, &abs_ref), 1.0) << kv_type_name(t) << " H" << H << " " << decode_isa_name(isa);
     }
   }
 }
