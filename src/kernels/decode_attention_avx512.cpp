@@ -1137,13 +1137,6 @@ KVX_INLINE size_t query_floats(int d) {
 // Query heads go in groups of 4, 2, 1 that share each K/V load.
 KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 
-// bf16 values weighed by row pairs against numerators rounded to bf16 (pair_value_pass): with
-// vdpbf16ps, for LRKV and from kPairValueQueries queries a KV head (avx512_pair_values, by type).
-template <class R>
-KVX_INLINE bool pair_values(int G, bool lrkv) {
-  return R::kDotBF16 && (lrkv || G >= kPairValueQueries);
-}
-
 // Rows per tile. Measured on Zen 5 at 16K tokens, A/B in one process, in this VM's slow (~48 GB/s)
 // and fast (~80 GB/s) bandwidth phases:
 // - one query per KV head (MHA): 32 rows (f32, against 16: 1-2% and 6-7% faster); f32 rows past
@@ -1155,7 +1148,7 @@ KVX_INLINE bool pair_values(int G, bool lrkv) {
 //   GQA: 9-10% faster than 16 when slow, the same when fast; 4 no better);
 // - q8/q4 with several queries: 32 rows of up to 256 bytes (16 were 10-20% slower), else 16 (one
 //   transpose);
-// - bf16 values by row pairs (pair_values) at 16+ queries a KV head: 64 rows, over which each pair
+// - bf16 values by row pairs (avx512_pair_values) at 16+ queries a KV head: 64 rows, over which each pair
 //   pass spreads its accumulator loads and stores (MQA, H = 16, before 9-16 queries took heads in
 //   lanes: against 16 rows 1.03-1.14x with the caches emptied, 16K and 64K; 1.17-1.23x in cache).
 //   At 8 queries 64 and 32 rows were 0-6% slower with the caches emptied (1.11-1.22x faster in
@@ -1594,8 +1587,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // 4%; 16 rows were 5-9% faster too). f32 with heads in lanes ran 10% faster on 64 rows than on 8 when memory was
   // slow but 5-12% slower when fast, so keeps 8.
   // bf16 with vdpbf16ps, LRKV and dense of 8+ queries a KV head: values two rows at a time against bf16
-  // numerator pairs (pair_weights; pair_values)
-  const bool pairs = pair_values<R>(G, kLrkv);
+  // numerator pairs (pair_weights; avx512_pair_values)
+  const bool pairs = avx512_pair_values(kv.type(), G, kLrkv);
   const int tile = hl && R::kDotBF16 ? kMaxTile : rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant, pairs);
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
