@@ -1311,7 +1311,7 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 // (standalone, 16 heads x 128 values in L1/L2): 18.8-20.7 against 21.6-23.9 ns a row, the heads
 // in lanes already at ~85% of the register multiply-add rate; panels would save at most ~15% of
 // the scores' share of a call, too little for a store layout of their own. libtorch's sgemm
-// (OpenBLAS) ran these shapes at 40-55 G MAC/s a core, below both.
+// (OpenBLAS) ran these shapes at 28-55 G MAC/s a core, below both.
 
 // LRKV decode keeps heads in lanes (run_piece) for f32, and bf16 with vdpbf16ps, at 8 to 16
 // heads (fewer leave most lanes idle) and latents whose L is a power of two up to 8 (or none).
