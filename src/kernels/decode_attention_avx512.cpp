@@ -203,6 +203,11 @@ KVX_INLINE __m512 exp512(__m512 x) {
 // piece. The next tile goes to L1; with `far`, the same share of a tile further on to L2.
 // One line an iteration: unrolled to 4 lines, calls ran 0.85-0.93x (16K, caches emptied, A/B in
 // one process: f32, bf16 and q8 GQA, f32 LRKV r = 8), the prefetches issued in tighter bursts.
+// LRKV depends on it: f32 r = 8 (16K, caches emptied, two threads) ran 0.49-0.50x with no software
+// prefetch (the hardware prefetcher alone, which f32 MHA prefers) and no faster with prefetchnta
+// (0.85-0.93x). Its cold time, ~126-130 ns a row and thread, is its in-cache ~90 ns plus about
+// what a synthetic loop of the same four 512-byte streams and ~100 ns of register FMAs a row
+// loses at its best prefetch distance (125-137 ns): memory is hidden as well as it gets here.
 struct Prefetch {
   const uint8_t *base, *next;
   size_t end, next_end;

@@ -113,6 +113,8 @@ KVStore::Page KVStore::new_page() {
     chunk_pages_ = chunk_pages_left_ = static_cast<int>(pages);
   }
   // Chunk layout: per stream (K, V) and head, the chunk's pages' rows back to back.
+  // (K and V runs stay whole 1 MiB runs apart: skewing V by 2112 bytes, and stores' bases by 4288,
+  // ran LRKV f32 r = 8 decode 0.80-0.92x; 16K, caches emptied, A/B in one process.)
   const Page page{chunk_next_, static_cast<size_t>(chunk_pages_) * run_bytes};
   chunk_next_ += run_bytes;
   --chunk_pages_left_;
