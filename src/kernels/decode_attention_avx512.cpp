@@ -1541,9 +1541,10 @@ __attribute__((noinline)) void pair_latent_values(const uint8_t* v0, size_t rb, 
   }
 }
 
-// run_piece's online softmax for one query's tile of 33..64 rows (f32 MHA, bf16 pair values: tile_rows), with
-// four score vectors. Out of line: inlined into run_piece, its code slowed f32 GQA 5-10%.
-__attribute__((noinline)) void wide_tile_softmax(float* s, float* l, float& m, float* acc, int d, int n) {
+// run_piece's online softmax for one query's tile of 33..64 rows (f32 MHA, bf16 pair values: tile_rows and LRKV's
+// rows of 1-1.25 KB), with four score vectors; acc_r: the query's latent accumulators (r values), rescaled with acc.
+// Out of line: inlined into run_piece, its code slowed f32 GQA 5-10%.
+__attribute__((noinline)) void wide_tile_softmax(float* s, float* l, float& m, float* acc, int d, float* acc_r, int r, int n) {
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   __m512 sv[kMaxTile / 16];
   __m512 smax = ninf;
@@ -1559,6 +1560,7 @@ __attribute__((noinline)) void wide_tile_softmax(float* s, float* l, float& m, f
       const float alpha = expf(m - mt);
       scale_vec(l, 16, alpha);
       scale_vec(acc, d, alpha);
+      if (r > 0) scale_vec(acc_r, r, alpha);
     }
     m = mt;
   }
@@ -1604,11 +1606,16 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // than 16 when memory is slow, 3% when fast; r = 16, 32 no different). bf16 with heads in lanes: 64 rows (H = 16,
   // r = 8, caches emptied, A/B in one process against 32: 16K 5-10% faster in either bandwidth phase, 64K 11%, in cache
   // 4%; 16 rows were 5-9% faster too). f32 with heads in lanes ran 10% faster on 64 rows than on 8 when memory was
-  // slow but 5-12% slower when fast, so keeps 8.
+  // slow but 5-12% slower when fast, so keeps 8. bf16 pair values with score blocks (latents too wide for heads in
+  // lanes) and rows of 1-1.25 KB: 64 rows (H = 16, d_h = 128, caches emptied, A/B in one process against 8: r = 32
+  // 1.15-1.33x at 16K, 1.32-1.41x at 64K, 1.36-1.54x in cache; r = 24 1.00-1.13x at 16K); r = 40 and 48 (1.5-1.75 KB)
+  // were 0.93-1.13x, r = 64 0.92-1.03x, f32 r = 32 0.84-0.95x, bf16 without vdpbf16ps 0.92-0.95x.
   // bf16 with vdpbf16ps, LRKV and dense of 8+ queries a KV head: values two rows at a time against bf16
   // numerator pairs (pair_weights; avx512_pair_values)
   const bool pairs = avx512_pair_values(kv.type(), G, kLrkv);
-  const int tile = hl && R::kDotBF16 ? kMaxTile : rst ? (rb + rrb < 1024 ? 32 : R::kQuant ? 16 : 8) : tile_rows(rb, G, R::kQuant, pairs);
+  const int tile = hl && R::kDotBF16 ? kMaxTile
+                   : rst            ? (rb + rrb < 1024 ? 32 : pairs && rb + rrb <= 1280 ? kMaxTile : R::kQuant ? 16 : 8)
+                                    : tile_rows(rb, G, R::kQuant, pairs);
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
   // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, q8 LRKV, and f32 LRKV whose latent
@@ -1756,8 +1763,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
     if (hl) head_lane_softmax(sc.pt, sc.pt_stride, n, G, m, sc.l, acc, d, acc_r, r);
-    if (n > 32 && !hl)  // f32 MHA and bf16 pair values (tile_rows): no residual, float weights
-      for (int g = 0; g < G; ++g) wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d, n);
+    if (n > 32 && !hl)  // f32 MHA, bf16 pair values (tile_rows, LRKV rows of 1-1.25 KB): float weights
+      for (int g = 0; g < G; ++g)
+        wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d,
+                          acc_r + static_cast<size_t>(g) * r, r, n);
     const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? 0xffff : static_cast<__mmask16>((1u << (n - 16)) - 1);
     // q8 integer values (IntWeights): each block's largest V scale in the tile; vT becomes d_t,j 32767 / that

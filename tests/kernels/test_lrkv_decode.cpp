@@ -201,6 +201,11 @@ TEST(LrkvDecode, RandomShapesMatchReference) {
 
 TEST(LrkvDecode, LongContextsAndEviction) {
   check(KVType::F32, 8, 128, 32, 600, 256, {}, 50);
+  // bf16 rows of 1-1.25 KB with pair values (r = 24, 32 at 16 heads): 64-row tiles on AVX-512,
+  // whose softmax rescales the latents' accumulators too when a head's maximum rises
+  for (uint32_t seed : {54u, 55u}) check(KVType::BF16, 16, 128, 32, 333, 256, {}, seed);
+  check(KVType::BF16, 16, 128, 24, 290, 128, {}, 56);
+  check(KVType::BF16, 12, 128, 40, 200, 256, {5, 150}, 57);
   check(KVType::Q8, 4, 64, 32, 515, 100, {}, 51);
   check(KVType::BF16, 3, 64, 16, 300, 32, {4, 37}, 52);  // sink + window in both stores
   check(KVType::Q4, 16, 128, 32, 515, 100, {4, 200}, 53);  // integer scores across pages and eviction
