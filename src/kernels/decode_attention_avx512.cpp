@@ -1174,6 +1174,28 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
   return rb <= 256 ? 16 : 8;
 }
 
+// Rows a tile for LRKV (row_bytes: a K_s row and a latent row together; hl: scores with heads in lanes):
+// - K and V tiles of both stores within ~40 KB: 32 rows below 1 KB a row, else 16 for q8/q4 and 8 for
+//   f32/bf16 (f32 r = 8 with score blocks: 6-9% faster than 16 when memory is slow, 3% when fast);
+// - bf16 with heads in lanes: 64 rows (H = 16, r = 8, caches emptied, A/B in one process against 32: 16K
+//   5-10% faster in either bandwidth phase, 64K 11%, in cache 4%; 16 rows were 5-9% faster too). f32 with
+//   heads in lanes ran 10% faster on 64 rows than on 8 when memory was slow but 5-12% slower when fast,
+//   so keeps 8;
+// - bf16 pair values with score blocks (latents too wide for heads in lanes) and rows of 1-1.25 KB: 64
+//   rows (H = 16, d_h = 128, caches emptied, A/B in one process against 8: r = 32 1.15-1.33x at 16K,
+//   1.32-1.41x at 64K, 1.36-1.54x in cache; r = 24 1.00-1.13x at 16K); r = 40 and 48 (1.5-1.75 KB) were
+//   0.93-1.13x, r = 64 0.92-1.03x, bf16 without vdpbf16ps 0.92-0.95x;
+// - f32 with score blocks and rows of 1.5-2 KB: 16 rows (against 8, same conditions: H = 16 r = 16
+//   1.11-1.32x at 16K, 1.17x at 64K, 1.09-1.12x in cache; r = 24 1.15x; H = 8 r = 32 1.11x); 2.5 KB rows
+//   (H = 16, r = 32) ran 0.88-0.99x (64 rows 0.84-0.95x), 4.5 KB (r = 64) 1.03-1.12x, left at 8.
+int lrkv_tile_rows(size_t row_bytes, KVType type, bool quant, bool pair_values, bool hl) {
+  if (hl && type == KVType::BF16) return kMaxTile;
+  if (row_bytes < 1024) return 32;
+  if (pair_values && row_bytes <= 1280) return kMaxTile;
+  if (quant) return 16;
+  return type == KVType::F32 && row_bytes >= 1536 && row_bytes <= 2048 ? 16 : 8;
+}
+
 // LRKV's residual path (lrkv_decode.h): a second store whose row per token is [R_0 | .. | R_{G-1}]
 // (r values per head), with its own prepared queries qb (avx512_prepare_latent_queries).
 struct Residual {
@@ -1602,20 +1624,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const size_t rrb = rst ? rst->row_bytes() : 0;
   // heads in lanes (head_lane_scores): q is QT, res.qb the flat qb
   const bool hl = R::kHeadLanes && kLrkv && res.head_lanes;
-  // LRKV: K and V tiles of both stores within ~40 KB; from 1 KB a row, 8 rows (f32 r = 8 with score blocks: 6-9% faster
-  // than 16 when memory is slow, 3% when fast; r = 16, 32 no different). bf16 with heads in lanes: 64 rows (H = 16,
-  // r = 8, caches emptied, A/B in one process against 32: 16K 5-10% faster in either bandwidth phase, 64K 11%, in cache
-  // 4%; 16 rows were 5-9% faster too). f32 with heads in lanes ran 10% faster on 64 rows than on 8 when memory was
-  // slow but 5-12% slower when fast, so keeps 8. bf16 pair values with score blocks (latents too wide for heads in
-  // lanes) and rows of 1-1.25 KB: 64 rows (H = 16, d_h = 128, caches emptied, A/B in one process against 8: r = 32
-  // 1.15-1.33x at 16K, 1.32-1.41x at 64K, 1.36-1.54x in cache; r = 24 1.00-1.13x at 16K); r = 40 and 48 (1.5-1.75 KB)
-  // were 0.93-1.13x, r = 64 0.92-1.03x, f32 r = 32 0.84-0.95x, bf16 without vdpbf16ps 0.92-0.95x.
   // bf16 with vdpbf16ps, LRKV and dense of 8+ queries a KV head: values two rows at a time against bf16
   // numerator pairs (pair_weights; avx512_pair_values)
   const bool pairs = avx512_pair_values(kv.type(), G, kLrkv);
-  const int tile = hl && R::kDotBF16 ? kMaxTile
-                   : rst            ? (rb + rrb < 1024 ? 32 : pairs && rb + rrb <= 1280 ? kMaxTile : R::kQuant ? 16 : 8)
-                                    : tile_rows(rb, G, R::kQuant, pairs);
+  const int tile = rst || (hl && R::kDotBF16) ? lrkv_tile_rows(rb + rrb, kv.type(), R::kQuant, pairs, hl) : tile_rows(rb, G, R::kQuant, pairs);
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
   // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, q8 LRKV, and f32 LRKV whose latent

@@ -206,6 +206,7 @@ TEST(LrkvDecode, LongContextsAndEviction) {
   for (uint32_t seed : {54u, 55u}) check(KVType::BF16, 16, 128, 32, 333, 256, {}, seed);
   check(KVType::BF16, 16, 128, 24, 290, 128, {}, 56);
   check(KVType::BF16, 12, 128, 40, 200, 256, {5, 150}, 57);
+  check(KVType::F32, 16, 128, 16, 333, 256, {}, 58);  // f32 rows of 1.5-2 KB: 16-row tiles on AVX-512
   check(KVType::Q8, 4, 64, 32, 515, 100, {}, 51);
   check(KVType::BF16, 3, 64, 16, 300, 32, {4, 37}, 52);  // sink + window in both stores
   check(KVType::Q4, 16, 128, 32, 515, 100, {4, 200}, 53);  // integer scores across pages and eviction
