@@ -1180,7 +1180,7 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
 // - bf16 with heads in lanes: 64 rows (H = 16, r = 8, caches emptied, A/B in one process against 32: 16K
 //   5-10% faster in either bandwidth phase, 64K 11%, in cache 4%; 16 rows were 5-9% faster too). f32 with
 //   heads in lanes ran 10% faster on 64 rows than on 8 when memory was slow but 5-12% slower when fast,
-//   so keeps 8;
+//   so keeps 8 up to 1 KB rows (r <= 8), 32 past them (r = 16: head_lanes);
 // - bf16 pair values with score blocks (latents too wide for heads in lanes) and rows of 1-1.25 KB: 64
 //   rows (H = 16, d_h = 128, caches emptied, A/B in one process against 8: r = 32 1.15-1.33x at 16K,
 //   1.32-1.41x at 64K, 1.36-1.54x in cache; r = 24 1.00-1.13x at 16K); r = 40 and 48 (1.5-1.75 KB) were
@@ -1191,6 +1191,7 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
 int lrkv_tile_rows(size_t row_bytes, KVType type, bool quant, bool pair_values, bool hl) {
   if (hl && type == KVType::BF16) return kMaxTile;
   if (row_bytes < 1024) return 32;
+  if (hl) return row_bytes > 1024 ? 32 : 8;
   if (pair_values && row_bytes <= 1280) return kMaxTile;
   if (quant) return 16;
   return type == KVType::F32 && row_bytes >= 1536 && row_bytes <= 2048 ? 16 : 8;
@@ -1341,14 +1342,17 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 // (OpenBLAS) ran these shapes at 28-55 G MAC/s a core, below both.
 
 // LRKV decode keeps heads in lanes (run_piece) for f32, and bf16 with vdpbf16ps, at 8 to 16
-// heads (fewer leave most lanes idle) and latents whose L is a power of two up to 8 (or none).
+// heads (fewer leave most lanes idle) and latents whose L is a power of two up to 8 (or none),
+// and for f32 at L = 16 too (r = 16, each head's latent a whole vector): against the score blocks,
+// H = 16, caches emptied, A/B in one process, 32-row tiles: 0.98-1.21x at 16K, 1.02-1.03x at 64K,
+// 1.27-1.30x in cache (16-row tiles: 1.02-1.11x / 1.11-1.16x in cache; 8: 0.96-0.97x; 64: 1.03-1.09x).
 bool head_lanes(KVType type, int G, int r) {
   if (type != KVType::F32 && !(type == KVType::BF16 && avx512_bf16_dot())) return false;
   if (G < 8 || G > 16) return false;
   if (r == 0) return true;
   if (type == KVType::BF16 && r % 2) return false;
   const int L = type == KVType::F32 ? r : r / 2;
-  return L <= 8 && (L & (L - 1)) == 0;
+  return (L <= 8 || (type == KVType::F32 && L == 16)) && (L & (L - 1)) == 0;
 }
 
 // Dense decode takes heads in lanes too (run_pieces: LRKV's kernel at r = 0) for groups of 9
@@ -1364,7 +1368,7 @@ KVX_INLINE bool dense_head_lanes(KVType type, int G) { return G > (type == KVTyp
 struct HeadLaneResidual {
   int L = 0;                 // words per head (f32: r, bf16: r / 2)
   int words = 0;             // G L: the row's words
-  __m512i lo[3], hi[3];      // halving level i (groups of L >> i lanes): lanes taken from the first and second half of each group
+  __m512i lo[4], hi[4];      // halving level i (groups of L >> i lanes): lanes taken from the first and second half of each group
   const float* qb = nullptr; // flat qb, zeros past G heads (16 L words)
   explicit HeadLaneResidual(int L_ = 0, int G = 0, const float* qb_ = nullptr) : L(L_), words(G * L_), qb(qb_) {
     for (int level = 0, g = L; g > 1; ++level, g /= 2) {
@@ -1380,15 +1384,15 @@ struct HeadLaneResidual {
   }
 };
 
-// Lane h = the sum of head h's L lanes of the flat product x[0 .. L) (L <= 8; vector v holds heads
+// Lane h = the sum of head h's L lanes of the flat product x[0 .. L) (L <= 16; vector v holds heads
 // v 16 / L on, in order), by halving: each level sums the first and second halves of every
 // group of two vectors side by side, so the heads stay in order. L at compile time keeps x in
 // registers (a run-time L left it on the stack; bf16 r = 8, 4K in cache: 2.5% faster a call).
 template <int L>
 KVX_INLINE __m512 sum_head_groups(__m512* x, const HeadLaneResidual& hr) {
-#pragma GCC unroll 4
+#pragma GCC unroll 16
   for (int level = 0, n = L; n > 1; ++level, n /= 2)
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int i = 0; i < n / 2; ++i)
       x[i] = _mm512_add_ps(_mm512_permutex2var_ps(x[2 * i], hr.lo[level], x[2 * i + 1]),
                            _mm512_permutex2var_ps(x[2 * i], hr.hi[level], x[2 * i + 1]));
@@ -1403,7 +1407,7 @@ KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rk
   const size_t rbytes = static_cast<size_t>(n) * rrb;
   __mmask16 lanes[L];
   __m512 qbv[L];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int v = 0; v < L; ++v) {
     const int left = hr.words - 16 * v;
     lanes[v] = left >= 16 ? static_cast<__mmask16>(0xffff) : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
@@ -1413,7 +1417,7 @@ KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rk
     if (t % 4 == 0) rkpf.range(rbytes * t / n, rbytes * imin(t + 4, n) / n);
     const uint8_t* row = rkb + t * rrb;
     __m512 x[L];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int v = 0; v < L; ++v) {
       const __m512 w = _mm512_maskz_loadu_ps(lanes[v], row + 64 * v);
       x[v] = R::kDotBF16 ? _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qbv[v], (__m512bh)w) : _mm512_mul_ps(qbv[v], w);
@@ -1472,7 +1476,8 @@ KVX_INLINE void head_lane_scores(const float* qt, int d, const uint8_t* kb, size
     case 1: head_lane_residual<R, 1>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
     case 2: head_lane_residual<R, 2>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
     case 4: head_lane_residual<R, 4>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
-    default: head_lane_residual<R, 8>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
+    case 8: head_lane_residual<R, 8>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
+    default: head_lane_residual<R, 16>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
   }
 }
 
