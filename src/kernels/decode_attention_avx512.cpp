@@ -1334,7 +1334,8 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 // Zen 5, H = 16, A/B in one process against the score blocks (score_block), time before / after:
 // r = 8 bf16 1.10-1.19 (16K, caches emptied, two threads) and 1.20 (4K in cache, one thread), f32
 // 1.06 (16K); r = 32 (L = 16, 32: a reduce16 a row for the residual, which the score blocks share
-// with K_s) 0.87 in cache, so wider latents keep the score blocks.
+// with K_s) 0.87 in cache in 8-row tiles; f32 r = 16 and 32 have since taken heads in lanes in
+// 32-row tiles (head_lanes).
 // Against a GEMM-style kernel with rows in lanes over K_s stored as transposed 32-48-row panels
 // (standalone, 16 heads x 128 values in L1/L2): 18.8-20.7 against 21.6-23.9 ns a row, the heads
 // in lanes already at ~85% of the register multiply-add rate; panels would save at most ~15% of
@@ -1343,16 +1344,18 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 
 // LRKV decode keeps heads in lanes (run_piece) for f32, and bf16 with vdpbf16ps, at 8 to 16
 // heads (fewer leave most lanes idle) and latents whose L is a power of two up to 8 (or none),
-// and for f32 at L = 16 too (r = 16, each head's latent a whole vector): against the score blocks,
-// H = 16, caches emptied, A/B in one process, 32-row tiles: 0.98-1.21x at 16K, 1.02-1.03x at 64K,
-// 1.27-1.30x in cache (16-row tiles: 1.02-1.11x / 1.11-1.16x in cache; 8: 0.96-0.97x; 64: 1.03-1.09x).
+// and for f32 at L = 16 and 32 too (r = 16: each head's latent a whole vector; r = 32: two, added
+// before the sum): against the score blocks, H = 16, caches emptied, A/B in one process, 32-row
+// tiles: r = 16 0.98-1.21x at 16K, 1.02-1.03x at 64K, 1.27-1.30x in cache (16-row tiles: 1.02-1.11x /
+// 1.11-1.16x in cache; 8: 0.96-0.97x; 64: 1.03-1.09x); r = 32 1.10-1.16x at 16K, 1.14-1.15x at 64K,
+// 1.25-1.27x in cache (its latent values then take the numerators transposed to heads: run_piece).
 bool head_lanes(KVType type, int G, int r) {
   if (type != KVType::F32 && !(type == KVType::BF16 && avx512_bf16_dot())) return false;
   if (G < 8 || G > 16) return false;
   if (r == 0) return true;
   if (type == KVType::BF16 && r % 2) return false;
   const int L = type == KVType::F32 ? r : r / 2;
-  return (L <= 8 || (type == KVType::F32 && L == 16)) && (L & (L - 1)) == 0;
+  return (L <= 8 || (type == KVType::F32 && (L == 16 || L == 32))) && (L & (L - 1)) == 0;
 }
 
 // Dense decode takes heads in lanes too (run_pieces: LRKV's kernel at r = 0) for groups of 9
@@ -1368,10 +1371,10 @@ KVX_INLINE bool dense_head_lanes(KVType type, int G) { return G > (type == KVTyp
 struct HeadLaneResidual {
   int L = 0;                 // words per head (f32: r, bf16: r / 2)
   int words = 0;             // G L: the row's words
-  __m512i lo[4], hi[4];      // halving level i (groups of L >> i lanes): lanes taken from the first and second half of each group
+  __m512i lo[4], hi[4];      // halving level i (groups of min(L, 16) >> i lanes): lanes from the first and second half of each group
   const float* qb = nullptr; // flat qb, zeros past G heads (16 L words)
   explicit HeadLaneResidual(int L_ = 0, int G = 0, const float* qb_ = nullptr) : L(L_), words(G * L_), qb(qb_) {
-    for (int level = 0, g = L; g > 1; ++level, g /= 2) {
+    for (int level = 0, g = L > 16 ? 16 : L; g > 1; ++level, g /= 2) {
       alignas(64) int32_t a[16], b[16];
       for (int o = 0; o < 16; ++o) {  // output lane o: from the first vector (o < 8) or the second (+ 16)
         const int src = o < 8 ? 0 : 16, p = o % 8, k = p / (g / 2), e = p % (g / 2);
@@ -1400,30 +1403,38 @@ KVX_INLINE __m512 sum_head_groups(__m512* x, const HeadLaneResidual& hr) {
 }
 
 // pt[t * pt_stride + h] += qb_h . R_h,t for the n latent rows at rkb (rrb bytes apart), L words a
-// head; rkpf: the next tile's latent rows, a share every 4 rows.
+// head (L = 32: each head's two vectors added first, then summed as L = 16); rkpf: the next tile's
+// latent rows, a share every 4 rows.
 template <class R, int L>
 KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rkb, size_t rrb, int n, float* pt, int pt_stride,
                                    const Prefetch& rkpf) {
+  constexpr int T = L > 16 ? 16 : L, P = L / T;  // the tree's width; vectors a head pre-added (f32 r = 32: 2)
   const size_t rbytes = static_cast<size_t>(n) * rrb;
   __mmask16 lanes[L];
-  __m512 qbv[L];
-#pragma GCC unroll 16
+  __m512 qbv[T];
+#pragma GCC unroll 32
   for (int v = 0; v < L; ++v) {
     const int left = hr.words - 16 * v;
     lanes[v] = left >= 16 ? static_cast<__mmask16>(0xffff) : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
-    qbv[v] = _mm512_loadu_ps(hr.qb + 16 * v);
   }
+#pragma GCC unroll 16
+  for (int v = 0; v < T && P == 1; ++v) qbv[v] = _mm512_loadu_ps(hr.qb + 16 * v);
   for (int t = 0; t < n; ++t) {
     if (t % 4 == 0) rkpf.range(rbytes * t / n, rbytes * imin(t + 4, n) / n);
     const uint8_t* row = rkb + t * rrb;
-    __m512 x[L];
+    __m512 x[T];
 #pragma GCC unroll 16
-    for (int v = 0; v < L; ++v) {
-      const __m512 w = _mm512_maskz_loadu_ps(lanes[v], row + 64 * v);
-      x[v] = R::kDotBF16 ? _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qbv[v], (__m512bh)w) : _mm512_mul_ps(qbv[v], w);
+    for (int v = 0; v < T; ++v) {
+      if constexpr (P == 1) {
+        const __m512 w = _mm512_maskz_loadu_ps(lanes[v], row + 64 * v);
+        x[v] = R::kDotBF16 ? _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qbv[v], (__m512bh)w) : _mm512_mul_ps(qbv[v], w);
+      } else {  // f32, head v's two vectors
+        const __m512 w0 = _mm512_maskz_loadu_ps(lanes[2 * v], row + 128 * v), w1 = _mm512_maskz_loadu_ps(lanes[2 * v + 1], row + 128 * v + 64);
+        x[v] = _mm512_fmadd_ps(_mm512_loadu_ps(hr.qb + 32 * v + 16), w1, _mm512_mul_ps(_mm512_loadu_ps(hr.qb + 32 * v), w0));
+      }
     }
     float* s = pt + t * pt_stride;
-    _mm512_storeu_ps(s, _mm512_add_ps(_mm512_loadu_ps(s), sum_head_groups<L>(x, hr)));
+    _mm512_storeu_ps(s, _mm512_add_ps(_mm512_loadu_ps(s), sum_head_groups<T>(x, hr)));
   }
 }
 
@@ -1477,7 +1488,8 @@ KVX_INLINE void head_lane_scores(const float* qt, int d, const uint8_t* kb, size
     case 2: head_lane_residual<R, 2>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
     case 4: head_lane_residual<R, 4>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
     case 8: head_lane_residual<R, 8>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
-    default: head_lane_residual<R, 16>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
+    case 16: head_lane_residual<R, 16>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
+    default: head_lane_residual<R, 32>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
   }
 }
 
@@ -1901,7 +1913,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, flat);
       }
     } else if (rst) {  // + a_h R_h^V, heads in groups of up to 4
-      const float* wr = R::kQuant ? sc.wr : sc.s;  // (heads in lanes take latents of r <= 16 only: straddling)
+      if (hl)  // (f32 r = 32) the numerators by head first
+        for (int t0 = 0; t0 < n; t0 += 16) {
+          __m512 x[16];
+          for (int t = 0; t < 16; ++t) x[t] = t0 + t < n ? _mm512_loadu_ps(sc.pt + (t0 + t) * sc.pt_stride) : _mm512_setzero_ps();
+          transpose16x16(x);
+          for (int h = 0; h < G; ++h) _mm512_storeu_ps(sc.s + h * kRow + t0, x[h]);
+        }
+      const float* wr = R::kQuant ? sc.wr : sc.s;
       const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
       for (int h0 = 0, gb; h0 < G; h0 += gb) {
         // f32 latents in groups of 8 heads (measured 20% faster at H=16, r=32; the others are not)
