@@ -10,7 +10,8 @@
 // then one transpose-add per 16 scores; bf16 rows are dotted as they are stored, by vdpbf16ps
 // with the query rounded to bf16 (AVX-512 BF16: half the instructions of widening the row to
 // fp32; Zen 5, G = 4, rows in L1: 11 cycles a row and KV head against 19), else widened.
-// LRKV f32/bf16 at 8-16 heads with small latents: heads in lanes instead (head_lane_scores);
+// LRKV f32/bf16 at 8-16 heads with latents of up to 8 words a head (f32: 64): heads in lanes
+// instead (head_lane_scores);
 // bf16 then also weighs V_s and the latents two rows at a time by vdpbf16ps, with the softmax
 // numerators rounded to bf16 (pair_value_pass, pair_latent_values).
 // q8/q4 scores: tokens in lanes (token_scores): 16 rows transposed once for all G queries, then per query and block 8 integer dot-product
@@ -1180,7 +1181,8 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
 // - bf16 with heads in lanes: 64 rows (H = 16, r = 8, caches emptied, A/B in one process against 32: 16K
 //   5-10% faster in either bandwidth phase, 64K 11%, in cache 4%; 16 rows were 5-9% faster too). f32 with
 //   heads in lanes ran 10% faster on 64 rows than on 8 when memory was slow but 5-12% slower when fast,
-//   so keeps 8 up to 1 KB rows (r <= 8), 32 past them (r = 16: head_lanes);
+//   so keeps 8 up to 1 KB rows (r <= 8), 32 past them (r = 16, 32: head_lanes) and 8 again past 4 KB
+//   (r = 64 at H = 16: against 32 rows 1.13-1.15x, 16 rows 1.15-1.19x; 16K, caches emptied);
 // - bf16 pair values with score blocks (latents too wide for heads in lanes) and rows of 1-1.25 KB: 64
 //   rows (H = 16, d_h = 128, caches emptied, A/B in one process against 8: r = 32 1.15-1.33x at 16K,
 //   1.32-1.41x at 64K, 1.36-1.54x in cache; r = 24 1.00-1.13x at 16K); r = 40 and 48 (1.5-1.75 KB) were
@@ -1191,7 +1193,7 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
 int lrkv_tile_rows(size_t row_bytes, KVType type, bool quant, bool pair_values, bool hl) {
   if (hl && type == KVType::BF16) return kMaxTile;
   if (row_bytes < 1024) return 32;
-  if (hl) return row_bytes > 1024 ? 32 : 8;
+  if (hl) return row_bytes > 1024 && row_bytes <= 4096 ? 32 : 8;
   if (pair_values && row_bytes <= 1280) return kMaxTile;
   if (quant) return 16;
   return type == KVType::F32 && row_bytes >= 1536 && row_bytes <= 2048 ? 16 : 8;
@@ -1334,8 +1336,8 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 // Zen 5, H = 16, A/B in one process against the score blocks (score_block), time before / after:
 // r = 8 bf16 1.10-1.19 (16K, caches emptied, two threads) and 1.20 (4K in cache, one thread), f32
 // 1.06 (16K); r = 32 (L = 16, 32: a reduce16 a row for the residual, which the score blocks share
-// with K_s) 0.87 in cache in 8-row tiles; f32 r = 16 and 32 have since taken heads in lanes in
-// 32-row tiles (head_lanes).
+// with K_s) 0.87 in cache in 8-row tiles; f32 r = 16, 32 and 64 have since taken heads in lanes
+// (head_lanes).
 // Against a GEMM-style kernel with rows in lanes over K_s stored as transposed 32-48-row panels
 // (standalone, 16 heads x 128 values in L1/L2): 18.8-20.7 against 21.6-23.9 ns a row, the heads
 // in lanes already at ~85% of the register multiply-add rate; panels would save at most ~15% of
@@ -1344,18 +1346,19 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 
 // LRKV decode keeps heads in lanes (run_piece) for f32, and bf16 with vdpbf16ps, at 8 to 16
 // heads (fewer leave most lanes idle) and latents whose L is a power of two up to 8 (or none),
-// and for f32 at L = 16 and 32 too (r = 16: each head's latent a whole vector; r = 32: two, added
+// and for f32 at L = 16, 32 and 64 too (r = 16: each head's latent a whole vector; r = 32, 64: 2 or 4, added
 // before the sum): against the score blocks, H = 16, caches emptied, A/B in one process, 32-row
 // tiles: r = 16 0.98-1.21x at 16K, 1.02-1.03x at 64K, 1.27-1.30x in cache (16-row tiles: 1.02-1.11x /
 // 1.11-1.16x in cache; 8: 0.96-0.97x; 64: 1.03-1.09x); r = 32 1.10-1.16x at 16K, 1.14-1.15x at 64K,
-// 1.25-1.27x in cache (its latent values then take the numerators transposed to heads: run_piece).
+// 1.25-1.27x in cache (its latent values then take the numerators transposed to heads: run_piece);
+// r = 64 (4 vectors a head, 8-row tiles) 1.22-1.30x at 16K, 1.25x at 64K, 1.10-1.12x in cache.
 bool head_lanes(KVType type, int G, int r) {
   if (type != KVType::F32 && !(type == KVType::BF16 && avx512_bf16_dot())) return false;
   if (G < 8 || G > 16) return false;
   if (r == 0) return true;
   if (type == KVType::BF16 && r % 2) return false;
   const int L = type == KVType::F32 ? r : r / 2;
-  return (L <= 8 || (type == KVType::F32 && (L == 16 || L == 32))) && (L & (L - 1)) == 0;
+  return (L <= 8 || (type == KVType::F32 && (L == 16 || L == 32 || L == 64))) && (L & (L - 1)) == 0;
 }
 
 // Dense decode takes heads in lanes too (run_pieces: LRKV's kernel at r = 0) for groups of 9
@@ -1403,16 +1406,16 @@ KVX_INLINE __m512 sum_head_groups(__m512* x, const HeadLaneResidual& hr) {
 }
 
 // pt[t * pt_stride + h] += qb_h . R_h,t for the n latent rows at rkb (rrb bytes apart), L words a
-// head (L = 32: each head's two vectors added first, then summed as L = 16); rkpf: the next tile's
+// head (L = 32, 64: each head's 2 or 4 vectors added first, then summed as L = 16); rkpf: the next tile's
 // latent rows, a share every 4 rows.
 template <class R, int L>
 KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rkb, size_t rrb, int n, float* pt, int pt_stride,
                                    const Prefetch& rkpf) {
-  constexpr int T = L > 16 ? 16 : L, P = L / T;  // the tree's width; vectors a head pre-added (f32 r = 32: 2)
+  constexpr int T = L > 16 ? 16 : L, P = L / T;  // the tree's width; vectors a head pre-added (f32 r = 32: 2, 64: 4)
   const size_t rbytes = static_cast<size_t>(n) * rrb;
   __mmask16 lanes[L];
   __m512 qbv[T];
-#pragma GCC unroll 32
+#pragma GCC unroll 64
   for (int v = 0; v < L; ++v) {
     const int left = hr.words - 16 * v;
     lanes[v] = left >= 16 ? static_cast<__mmask16>(0xffff) : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
@@ -1428,9 +1431,11 @@ KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rk
       if constexpr (P == 1) {
         const __m512 w = _mm512_maskz_loadu_ps(lanes[v], row + 64 * v);
         x[v] = R::kDotBF16 ? _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qbv[v], (__m512bh)w) : _mm512_mul_ps(qbv[v], w);
-      } else {  // f32, head v's two vectors
-        const __m512 w0 = _mm512_maskz_loadu_ps(lanes[2 * v], row + 128 * v), w1 = _mm512_maskz_loadu_ps(lanes[2 * v + 1], row + 128 * v + 64);
-        x[v] = _mm512_fmadd_ps(_mm512_loadu_ps(hr.qb + 32 * v + 16), w1, _mm512_mul_ps(_mm512_loadu_ps(hr.qb + 32 * v), w0));
+      } else {  // f32, head v's P vectors
+        x[v] = _mm512_mul_ps(_mm512_loadu_ps(hr.qb + 16 * P * v), _mm512_maskz_loadu_ps(lanes[P * v], row + 64 * P * v));
+#pragma GCC unroll 4
+        for (int p = 1; p < P; ++p)
+          x[v] = _mm512_fmadd_ps(_mm512_loadu_ps(hr.qb + 16 * (P * v + p)), _mm512_maskz_loadu_ps(lanes[P * v + p], row + 64 * (P * v + p)), x[v]);
       }
     }
     float* s = pt + t * pt_stride;
@@ -1489,7 +1494,8 @@ KVX_INLINE void head_lane_scores(const float* qt, int d, const uint8_t* kb, size
     case 4: head_lane_residual<R, 4>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
     case 8: head_lane_residual<R, 8>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
     case 16: head_lane_residual<R, 16>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
-    default: head_lane_residual<R, 32>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
+    case 32: head_lane_residual<R, 32>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
+    default: head_lane_residual<R, 64>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
   }
 }
 
@@ -1913,7 +1919,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, flat);
       }
     } else if (rst) {  // + a_h R_h^V, heads in groups of up to 4
-      if (hl)  // (f32 r = 32) the numerators by head first
+      if (hl)  // (f32 r = 32, 64) the numerators by head first
         for (int t0 = 0; t0 < n; t0 += 16) {
           __m512 x[16];
           for (int t = 0; t < 16; ++t) x[t] = t0 + t < n ? _mm512_loadu_ps(sc.pt + (t0 + t) * sc.pt_stride) : _mm512_setzero_ps();

@@ -147,7 +147,7 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
 }
 
 // AVX-512 scores with heads in lanes (f32, and bf16 with vdpbf16ps, at 8 to 16 heads with latents
-// of up to 8 words a head, f32 also 16 and 32): the ranks of 2 or more words (r = 1 can cancel to near
+// of up to 8 words a head, f32 also 16, 32 and 64): the ranks of 2 or more words (r = 1 can cancel to near
 // zero, below 1e-5 of f32 rounding), with neighbours that keep the score blocks (r = 6), heads
 // below 16, r = 0, tiles of 8 (1 KB rows) and 32 rows, a tile's last 1-8 rows, pages and
 // eviction.
@@ -174,11 +174,13 @@ TEST(LrkvDecode, HeadsInLanesMatchReference) {
     check(t, 16, 96, 4, 150, 40, {3, 60}, seed++);
     check(t, 9, 32, 2, 77, 16, {2, 25}, seed++);
   }
-  // f32 latents of 16 and 32 words a head (r = 16, 32): 32-row tiles
+  // f32 latents of 16, 32 and 64 words a head (r = 16, 32: 32-row tiles; 64)
   check(KVType::F32, 16, 128, 16, 203, 64, {}, seed++);
   check(KVType::F32, 12, 64, 16, 150, 40, {3, 60}, seed++);
   check(KVType::F32, 16, 128, 32, 203, 64, {}, seed++);
   check(KVType::F32, 9, 64, 32, 150, 40, {3, 60}, seed++);
+  check(KVType::F32, 16, 128, 64, 90, 64, {}, seed++);  // 8-row tiles
+  check(KVType::F32, 11, 32, 64, 77, 16, {2, 25}, seed++);
 }
 
 // Random shapes (seeded): head counts, widths and ranks the lists above do not name, short
