@@ -610,6 +610,15 @@ KVX_INLINE void transpose16x16(__m512* x) {
   }
 }
 
+// dst row j (j < min(out_rows, 16)) = column j of the up to 16 src rows (rows past `rows`: zeros),
+// 16 floats each; src/dst rows src_stride/dst_stride floats apart.
+KVX_INLINE void transpose_block(const float* src, size_t src_stride, int rows, float* dst, size_t dst_stride, int out_rows) {
+  __m512 x[16];
+  for (int i = 0; i < 16; ++i) x[i] = i < rows ? _mm512_loadu_ps(src + i * src_stride) : _mm512_setzero_ps();
+  transpose16x16(x);
+  for (int j = 0; j < 16 && j < out_rows; ++j) _mm512_storeu_ps(dst + j * dst_stride, x[j]);
+}
+
 // s[h * kRow + t] += qb_h . R_h,t for the 16 rows (scales at the row start, codes `offset` on).
 // pf: a row's share of [from, from + span) of the next tile is prefetched with it.
 template <class R, int kHeads, class Rows>
@@ -1896,12 +1905,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     }
     if (latent_straddle) {  // + a_h R_h^V, whole rows; the numerators by token first
       for (int h0 = 0; h0 < G && !hl; h0 += 16)  // (heads in lanes: already by token)
-        for (int t0 = 0; t0 < n; t0 += 16) {
-          __m512 x[16];
-          for (int i = 0; i < 16; ++i) x[i] = h0 + i < G ? _mm512_loadu_ps(sc.s + (h0 + i) * kRow + t0) : _mm512_setzero_ps();
-          transpose16x16(x);
-          for (int t = 0; t < 16 && t0 + t < n; ++t) _mm512_storeu_ps(sc.pt + (t0 + t) * sc.pt_stride + h0, x[t]);
-        }
+        for (int t0 = 0; t0 < n; t0 += 16)
+          transpose_block(sc.s + h0 * kRow + t0, kRow, G - h0, sc.pt + t0 * sc.pt_stride + h0, sc.pt_stride, n - t0);
       if (pairs && hl) {  // G r <= 256
         const uint8_t* v0 = rvb + rcodes;
         switch ((G * r + 31) / 32) {
@@ -1920,12 +1925,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       }
     } else if (rst) {  // + a_h R_h^V, heads in groups of up to 4
       if (hl)  // (f32 r = 32, 64) the numerators by head first
-        for (int t0 = 0; t0 < n; t0 += 16) {
-          __m512 x[16];
-          for (int t = 0; t < 16; ++t) x[t] = t0 + t < n ? _mm512_loadu_ps(sc.pt + (t0 + t) * sc.pt_stride) : _mm512_setzero_ps();
-          transpose16x16(x);
-          for (int h = 0; h < G; ++h) _mm512_storeu_ps(sc.s + h * kRow + t0, x[h]);
-        }
+        for (int t0 = 0; t0 < n; t0 += 16) transpose_block(sc.pt + t0 * sc.pt_stride, sc.pt_stride, n - t0, sc.s + t0, kRow, G);
       const float* wr = R::kQuant ? sc.wr : sc.s;
       const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
       for (int h0 = 0, gb; h0 < G; h0 += gb) {
