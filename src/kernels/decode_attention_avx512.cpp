@@ -1188,7 +1188,8 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
 // - K and V tiles of both stores within ~40 KB: 32 rows below 1 KB a row, else 16 for q8/q4 and 8 for
 //   f32/bf16 (f32 r = 8 with score blocks: 6-9% faster than 16 when memory is slow, 3% when fast);
 // - bf16 with heads in lanes: 64 rows (H = 16, r = 8, caches emptied, A/B in one process against 32: 16K
-//   5-10% faster in either bandwidth phase, 64K 11%, in cache 4%; 16 rows were 5-9% faster too). f32 with
+//   5-10% faster in either bandwidth phase, 64K 11%, in cache 4%; 16 rows were 5-9% faster too; r = 32
+//   and 64 (1.25-2.25 KB rows) against 64: 32 rows 0.95-1.00x, 16 rows 0.89-0.96x in cache, no faster cold). f32 with
 //   heads in lanes ran 10% faster on 64 rows than on 8 when memory was slow but 5-12% slower when fast,
 //   so keeps 8 up to 1 KB rows (r <= 8), 32 past them (r = 16, 32: head_lanes) and 8 again past 4 KB
 //   (r = 64 at H = 16: against 32 rows 1.13-1.15x, 16 rows 1.15-1.19x; 16K, caches emptied);
@@ -1355,19 +1356,23 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 
 // LRKV decode keeps heads in lanes (run_piece) for f32, and bf16 with vdpbf16ps, at 8 to 16
 // heads (fewer leave most lanes idle) and latents whose L is a power of two up to 8 (or none),
-// and for f32 at L = 16, 32 and 64 too (r = 16: each head's latent a whole vector; r = 32, 64: 2 or 4, added
-// before the sum): against the score blocks, H = 16, caches emptied, A/B in one process, 32-row
+// and for f32 at L = 16, 32 and 64 too, bf16 at 16 and 32 (f32 r = 16: each head's latent a whole vector;
+// r = 32, 64: 2 or 4, added before the sum): against the score blocks, H = 16, caches emptied, A/B in one process, 32-row
 // tiles: r = 16 0.98-1.21x at 16K, 1.02-1.03x at 64K, 1.27-1.30x in cache (16-row tiles: 1.02-1.11x /
 // 1.11-1.16x in cache; 8: 0.96-0.97x; 64: 1.03-1.09x); r = 32 1.10-1.16x at 16K, 1.14-1.15x at 64K,
 // 1.25-1.27x in cache (its latent values then take the numerators transposed to heads: run_piece);
-// r = 64 (4 vectors a head, 8-row tiles) 1.22-1.30x at 16K, 1.25x at 64K, 1.10-1.12x in cache.
+// r = 64 (4 vectors a head, 8-row tiles) 1.22-1.30x at 16K, 1.25x at 64K, 1.10-1.12x in cache. bf16
+// too at L = 16 and 32 (r = 32, 64; their latent values take the pair words transposed to heads:
+// run_piece), 64-row tiles as its other ranks (32 and 16 rows were slower): r = 32 1.11-1.20x at
+// 16K, 1.15x at 64K, 1.18-1.24x in cache; r = 64 1.29-1.48x at 16K, 1.47x at 64K, 1.45x in cache;
+// H = 12 r = 32 1.12x, H = 8 r = 64 1.08x.
 bool head_lanes(KVType type, int G, int r) {
   if (type != KVType::F32 && !(type == KVType::BF16 && avx512_bf16_dot())) return false;
   if (G < 8 || G > 16) return false;
   if (r == 0) return true;
   if (type == KVType::BF16 && r % 2) return false;
   const int L = type == KVType::F32 ? r : r / 2;
-  return (L <= 8 || (type == KVType::F32 && (L == 16 || L == 32 || L == 64))) && (L & (L - 1)) == 0;
+  return (L <= 8 || (type == KVType::BF16 && (L == 16 || L == 32)) || (type == KVType::F32 && (L == 16 || L == 32 || L == 64))) && (L & (L - 1)) == 0;
 }
 
 // Dense decode takes heads in lanes too (run_pieces: LRKV's kernel at r = 0) for groups of 9
@@ -1415,7 +1420,7 @@ KVX_INLINE __m512 sum_head_groups(__m512* x, const HeadLaneResidual& hr) {
 }
 
 // pt[t * pt_stride + h] += qb_h . R_h,t for the n latent rows at rkb (rrb bytes apart), L words a
-// head (L = 32, 64: each head's 2 or 4 vectors added first, then summed as L = 16); rkpf: the next tile's
+// head (L = 32, 64: each head's 2 or 4 vectors added first, bf16 by chained vdpbf16ps, then summed as L = 16); rkpf: the next tile's
 // latent rows, a share every 4 rows.
 template <class R, int L>
 KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rkb, size_t rrb, int n, float* pt, int pt_stride,
@@ -1440,6 +1445,13 @@ KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rk
       if constexpr (P == 1) {
         const __m512 w = _mm512_maskz_loadu_ps(lanes[v], row + 64 * v);
         x[v] = R::kDotBF16 ? _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qbv[v], (__m512bh)w) : _mm512_mul_ps(qbv[v], w);
+      } else if constexpr (R::kDotBF16) {  // head v's P vectors of pairs
+        x[v] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_ps(hr.qb + 16 * P * v),
+                                (__m512bh)_mm512_maskz_loadu_ps(lanes[P * v], row + 64 * P * v));
+#pragma GCC unroll 4
+        for (int p = 1; p < P; ++p)
+          x[v] = _mm512_dpbf16_ps(x[v], (__m512bh)_mm512_loadu_ps(hr.qb + 16 * (P * v + p)),
+                                  (__m512bh)_mm512_maskz_loadu_ps(lanes[P * v + p], row + 64 * (P * v + p)));
       } else {  // f32, head v's P vectors
         x[v] = _mm512_mul_ps(_mm512_loadu_ps(hr.qb + 16 * P * v), _mm512_maskz_loadu_ps(lanes[P * v], row + 64 * P * v));
 #pragma GCC unroll 4
@@ -1924,8 +1936,17 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, flat);
       }
     } else if (rst) {  // + a_h R_h^V, heads in groups of up to 4
-      if (hl)  // (f32 r = 32, 64) the numerators by head first
+      const uint32_t* head_pairs = sc.pairs;
+      if (hl && pairs) {  // (bf16 r = 32, 64) the pair words by head first, into the scores' room
+        uint32_t* by_head = reinterpret_cast<uint32_t*>(sc.s);
+        const int np = (n + 1) / 2;
+        for (int k0 = 0; k0 < np; k0 += 16)
+          transpose_block(reinterpret_cast<const float*>(sc.pairs + 16 * k0), 16, np - k0, reinterpret_cast<float*>(by_head + k0),
+                          kMaxTile / 2, G);
+        head_pairs = by_head;
+      } else if (hl) {  // (f32 r = 32, 64) the numerators by head first
         for (int t0 = 0; t0 < n; t0 += 16) transpose_block(sc.pt + t0 * sc.pt_stride, sc.pt_stride, n - t0, sc.s + t0, kRow, G);
+      }
       const float* wr = R::kQuant ? sc.wr : sc.s;
       const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
       for (int h0 = 0, gb; h0 < G; h0 += gb) {
@@ -1935,7 +1956,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         const uint8_t* v0 = rvb + rcodes + h0 * latent_bytes;
         const float* wh = wr + h0 * wrg;
         float* ar = acc_r + static_cast<size_t>(h0) * r;
-        const PairWords pwh{sc.pairs + h0 * (kMaxTile / 2), false};  // (heads in lanes straddle: above)
+        const PairWords pwh{head_pairs + h0 * (kMaxTile / 2), false};  // (heads in lanes straddle: above)
         const PairWords* pw = pairs ? &pwh : nullptr;
         switch (gb) {
           case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;

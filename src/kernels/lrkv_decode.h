@@ -43,7 +43,7 @@ bool lrkv_decode_rounds_query(DecodeIsa isa, KVType type, int head_dim, int rank
 bool lrkv_latent_scores_in_int8(DecodeIsa isa, KVType type, int rank);
 // The same for bf16 dot products (bf16 caches where the back end has vdpbf16ps: decode_dots_bf16):
 // latents of whole 32-value groups per head, and on AVX-512 those it scores with heads in lanes
-// (8-16 heads, r = 2, 4, 8, 16); other bf16 latents are widened to f32.
+// (8-16 heads, r = 2, 4, 8, 16, 32, 64); other bf16 latents are widened to f32.
 bool lrkv_latent_scores_in_bf16(DecodeIsa isa, KVType type, int heads, int rank);
 // Whether the fused kernel weighs the values with the softmax numerators rounded to bf16 (bf16
 // caches on AVX-512 with vdpbf16ps: V_s rows, and the latents' where each head's are whole 32-value

@@ -147,7 +147,7 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
 }
 
 // AVX-512 scores with heads in lanes (f32, and bf16 with vdpbf16ps, at 8 to 16 heads with latents
-// of up to 8 words a head, f32 also 16, 32 and 64): the ranks of 2 or more words (r = 1 can cancel to near
+// of up to 8 words a head, f32 also 16, 32 and 64, bf16 16 and 32): the ranks of 2 or more words (r = 1 can cancel to near
 // zero, below 1e-5 of f32 rounding), with neighbours that keep the score blocks (r = 6), heads
 // below 16, r = 0, tiles of 8 (1 KB rows) and 32 rows, a tile's last 1-8 rows, pages and
 // eviction.
@@ -181,6 +181,12 @@ TEST(LrkvDecode, HeadsInLanesMatchReference) {
   check(KVType::F32, 9, 64, 32, 150, 40, {3, 60}, seed++);
   check(KVType::F32, 16, 128, 64, 90, 64, {}, seed++);  // 8-row tiles
   check(KVType::F32, 11, 32, 64, 77, 16, {2, 25}, seed++);
+  // bf16 latents of 16 and 32 pair words a head (r = 32, 64: 64-row tiles, whose latent values take
+  // the numerators' pair words transposed to heads)
+  check(KVType::BF16, 16, 128, 32, 203, 64, {}, seed++);
+  check(KVType::BF16, 9, 64, 32, 150, 40, {3, 60}, seed++);
+  check(KVType::BF16, 16, 128, 64, 139, 256, {}, seed++);
+  check(KVType::BF16, 11, 64, 64, 77, 16, {2, 25}, seed++);
 }
 
 // Random shapes (seeded): head counts, widths and ranks the lists above do not name, short
@@ -208,9 +214,11 @@ TEST(LrkvDecode, RandomShapesMatchReference) {
 
 TEST(LrkvDecode, LongContextsAndEviction) {
   check(KVType::F32, 8, 128, 32, 600, 256, {}, 50);
-  // bf16 rows of 1-1.25 KB with pair values (r = 24, 32 at 16 heads): 64-row tiles on AVX-512,
-  // whose softmax rescales the latents' accumulators too when a head's maximum rises
-  for (uint32_t seed : {54u, 55u}) check(KVType::BF16, 16, 128, 32, 333, 256, {}, seed);
+  // bf16 rows of 1-1.25 KB with pair values and score blocks (r = 24 at 16 heads, 20 heads): 64-row
+  // tiles on AVX-512, whose softmax rescales the latents' accumulators too when a head's maximum
+  // rises; r = 32 at 16 heads takes heads in lanes, 64 rows too
+  check(KVType::BF16, 16, 128, 32, 333, 256, {}, 54);
+  check(KVType::BF16, 20, 128, 24, 333, 256, {}, 55);
   check(KVType::BF16, 16, 128, 24, 290, 128, {}, 56);
   check(KVType::BF16, 12, 128, 40, 200, 256, {5, 150}, 57);
   check(KVType::F32, 16, 128, 16, 333, 256, {}, 58);  // f32 rows of 1.5-2 KB: 16-row tiles on AVX-512
