@@ -17,8 +17,8 @@
 //   M = max_i m_i,  out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
 // Software prefetch runs one tile (at least 4 KB) ahead on the K and V streams (the AVX-512 back
 // end leaves f32 MHA's to the hardware prefetcher, measured faster); it also fetches the tile 3
-// ahead into L2 where that measured faster (f32/bf16 with several query heads per row, LRKV
-// except q4). Each split's partial results and scratch sit in their own 4 KiB pages (a
+// ahead into L2 where that measured faster (f32/bf16 with several query heads per row, f32/bf16
+// LRKV). Each split's partial results and scratch sit in their own 4 KiB pages (a
 // prefetcher running along one thread's must not pull in another's).
 // Speed on an AVX2 core with 2 FMA pipes: f32/bf16 and MHA q8/q4 are bound by memory
 // bandwidth; with 4+ query heads per KV head q8/q4 are bound by FMA throughput (2 * G * d

@@ -1677,9 +1677,9 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const int tile = rst || (hl && R::kDotBF16) ? lrkv_tile_rows(rb + rrb, kv.type(), R::kQuant, pairs, hl) : tile_rows(rb, G, R::kQuant, pairs);
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
-  // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, q8 LRKV, and f32 LRKV whose latent
+  // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, and f32 LRKV whose latent
   // rows are wider than the shared ones (H r > d). Zen 5, 16K, time without it / with, A/B over
-  // both bandwidth phases: q8 r = 32 1.07-1.10, f32 r = 32 1.02; whole bench runs alternating
+  // both bandwidth phases: q8 r = 32 1.07-1.10 (since dropped for q8, below), f32 r = 32 1.02; whole bench runs alternating
   // with and without, slow phase: bf16 GQA 1.08, bf16 r = 8 1.12. f32 GQA and f32 r = 8 run as
   // fast without it when memory is slow and up to 10% faster when fast. MHA, q8/q4 GQA and q4
   // LRKV, whose compute hides the latency, were 4-8% slower with it; so were bf16 r = 8 once its
@@ -1687,9 +1687,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // 1.02-1.09, 64K 1.03, in cache 1.10) and, after its tiles and prefetch steps changed, bf16 GQA
   // at 4 queries a KV head (1.01-1.11 in either bandwidth phase, 64K 1.08, in cache 1.10; its K
   // prefetch is then spread over the score blocks), which therefore go without. bf16 at 8 queries
-  // a KV head ran the same either way, at 16 (MQA) 5-7% faster with it.
+  // a KV head ran the same either way, at 16 (MQA) 5-7% faster with it. q8 LRKV, whose calls are bound
+  // by their instructions more than by memory (a call's time with the caches emptied is within ~10% of
+  // its time in L2), later ran faster without it: H = 16, 16K, caches emptied, A/B in one process over
+  // 12 rounds (flush reads 59-88 GB/s), time with / without: r = 8 1.02-1.17, r = 32 1.03-1.09, r = 64
+  // 1.10-1.19 (64K 1.27; in L2 1.10: each prefetch instruction costs issue slots, ~1.6 cycles a line
+  // in L2), while q8 GQA, which never took it, read 0.94-1.07.
   constexpr int kFarTiles = 3;
-  const bool far = G > 1 && !hl && (R::kQuant ? kLrkv && !R::kNibbles : (R::kGroupFarPrefetch && G >= 8) || rrb > rb);
+  const bool far = !R::kQuant && G > 1 && !hl && ((R::kGroupFarPrefetch && G >= 8) || rrb > rb);
   float* m = part;
   float* l = part + G;
   float* acc = part + 2 * G;
