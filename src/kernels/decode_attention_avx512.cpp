@@ -1396,7 +1396,7 @@ bool head_lanes(KVType type, int G, int r) {
   if (r == 0) return true;
   if (type == KVType::BF16 && r % 2) return false;
   const int L = type == KVType::F32 ? r : r / 2;
-  return (L <= 8 || (type == KVType::BF16 && (L == 16 || L == 32)) || (type == KVType::F32 && (L == 16 || L == 32 || L == 64))) && (L & (L - 1)) == 0;
+  return (L <= 32 || (type == KVType::F32 && L == 64)) && (L & (L - 1)) == 0;
 }
 
 // Dense decode takes heads in lanes too (run_pieces: LRKV's kernel at r = 0) for groups of 9
@@ -1469,18 +1469,13 @@ KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rk
       if constexpr (P == 1) {
         const __m512 w = _mm512_maskz_loadu_ps(lanes[v], row + 64 * v);
         x[v] = R::kDotBF16 ? _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qbv[v], (__m512bh)w) : _mm512_mul_ps(qbv[v], w);
-      } else if constexpr (R::kDotBF16) {  // head v's P vectors of pairs
-        x[v] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_ps(hr.qb + 16 * P * v),
-                                (__m512bh)_mm512_maskz_loadu_ps(lanes[P * v], row + 64 * P * v));
+      } else {  // head v's P vectors (bf16: of pairs)
+        x[v] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-        for (int p = 1; p < P; ++p)
-          x[v] = _mm512_dpbf16_ps(x[v], (__m512bh)_mm512_loadu_ps(hr.qb + 16 * (P * v + p)),
-                                  (__m512bh)_mm512_maskz_loadu_ps(lanes[P * v + p], row + 64 * (P * v + p)));
-      } else {  // f32, head v's P vectors
-        x[v] = _mm512_mul_ps(_mm512_loadu_ps(hr.qb + 16 * P * v), _mm512_maskz_loadu_ps(lanes[P * v], row + 64 * P * v));
-#pragma GCC unroll 4
-        for (int p = 1; p < P; ++p)
-          x[v] = _mm512_fmadd_ps(_mm512_loadu_ps(hr.qb + 16 * (P * v + p)), _mm512_maskz_loadu_ps(lanes[P * v + p], row + 64 * (P * v + p)), x[v]);
+        for (int p = 0; p < P; ++p) {
+          const __m512 q = _mm512_loadu_ps(hr.qb + 16 * (P * v + p)), w = _mm512_maskz_loadu_ps(lanes[P * v + p], row + 64 * (P * v + p));
+          x[v] = R::kDotBF16 ? _mm512_dpbf16_ps(x[v], (__m512bh)q, (__m512bh)w) : _mm512_fmadd_ps(q, w, x[v]);
+        }
       }
     }
     float* s = pt + t * pt_stride;
