@@ -476,6 +476,14 @@ KVX_INLINE int group_size(int G, int g0) {
 // at 16K, caches emptied, Zen 3: f32 7-25% and bf16 8-16% faster in each of 9 alternating rounds);
 // bf16 4 rows (1 KB) against 8 (the same, min / quartile / median of 20-40 alternating calls,
 // 4K-64K: 6-12% faster; f32 at 4 rows 1-3% slower).
+// Heads in lanes for 8 or 16 queries on one K row (as the AVX-512 back end's head_lane_scores:
+// transposed queries, each row value broadcast against 2 vectors of 8 heads, 4 rows a block,
+// bf16 rows widened once a tile, the by-token scores transposed back) measured faster in cache
+// (Zen 3, H = 16, d_h = 128, one thread: LRKV r = 8 f32 1.07-1.11x, bf16 1.07x; MQA 1.08-1.13x) but
+// not cold (16K, caches emptied, two threads, A/B in one process: LRKV f32 r = 8-64 0.89-0.99x,
+// bf16 r = 4-8 1.03-1.10x and r = 16-64 0.93-0.98x, MQA 1.02-1.09x, 8 queries a KV head 0.73-0.80x);
+// fetching the next tile one line per dimension instead of a burst per block lost the in-cache
+// gain (1.01x) and stayed 0.96-0.99x cold.
 // also / also_rb: a second stream fetched along, as PassPrefetch.
 template <class R>
 void scores_tile(int GB, const float* q, int d, const uint8_t* kb, size_t rb, int n, float* s, const Prefetch* pf,
