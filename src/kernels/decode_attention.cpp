@@ -272,6 +272,66 @@ KVX_INLINE void int_token_scores(const uint8_t* const* rows, int nb, const float
     }
 }
 
+// The head segments of latent block b (values [32 b, 32 b + 32) of the flat [H][r] row), in order:
+// f(h, c0, c1) for head h's columns [c0, c1). (The AVX-512 back end has its own copy: it may not
+// share inline code with this file, decode_attention_isa.h.)
+template <class F>
+KVX_INLINE void for_block_segments(int b, int r, F&& f) {
+  int h = 32 * b / r;
+  for (int c0 = 32 * b, c1; c0 < 32 * b + 32; c0 = c1, ++h) {
+    c1 = std::min((h + 1) * r, 32 * b + 32);
+    f(h, c0, c1);
+  }
+}
+
+// LRKV's q8/q4 latents whose blocks straddle heads (r % 32 != 0), each head's segment of a block
+// whole row words (latent_segments_in_words): s[h * kRow + t] += qb_h . R_h,t for 8 rows (codes at rows[t], nb
+// blocks), in integers against the flat [H][r] integer query qi (prepare_int_queries of width H r:
+// the reference's rounding of qb), one transpose of the rows' words a block for all its heads,
+// each word's products as int_token_scores', summed per segment; q4 adds seg_bias (-8 times the
+// segment's query code sum: nibbles are value + 8), in segment order. kT: the latent K block
+// scales, block b at kT + b * kTile. Against dequantising the tile's latent K rows and scoring them
+// in floats (Zen 3, H = 16, d_h = 128, 16K, caches emptied, two threads, A/B in one process): q8
+// r = 8 1.09-1.10x, r = 16 1.13-1.17x, q4 r = 8 1.15x, r = 16 1.29x (with latent_code_values: q8
+// 1.18-1.34x at r = 4-24, q4 1.17-1.32x at r = 8-24).
+template <class R>
+KVX_INLINE void int_segment_scores(const uint8_t* const* rows, int nb, int r, const float* qi, const int32_t* seg_bias,
+                                   const float* kT, float* s) {
+  constexpr int kUnit = R::kOffset8 ? 8 : 4;  // values per row word
+  const __m256i ones = _mm256_set1_epi16(1);
+  const float* dq = qi + 9 * nb;
+  for (int b = 0; b < nb; ++b) {
+    const float* words = qi + 8 * b;
+    auto word = [&](int i) { return _mm256_castps_si256(_mm256_broadcast_ss(words + i)); };
+    __m256i dot[8];  // lane t: row t's word i dotted with the query's
+    if constexpr (R::kOffset8) {
+      __m256i w[4];
+      transpose_words8x4(rows, 16 * static_cast<size_t>(b), w);
+      const __m256i lo4 = _mm256_set1_epi8(0x0f);
+      for (int i = 0; i < 4; ++i) {
+        const __m256i lo = _mm256_and_si256(w[i], lo4), hi = _mm256_and_si256(_mm256_srli_epi16(w[i], 4), lo4);
+        dot[i] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, word(i)), _mm256_maddubs_epi16(hi, word(4 + i))), ones);
+      }
+    } else {
+      for (int half = 0; half < 2; ++half) {
+        __m256i w[4];
+        transpose_words8x4(rows, 32 * static_cast<size_t>(b) + 16 * half, w);
+        for (int i = 0; i < 4; ++i)
+          dot[4 * half + i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w[i], w[i]), _mm256_sign_epi8(word(4 * half + i), w[i])), ones);
+      }
+    }
+    const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(kT + static_cast<size_t>(b) * kTile), _mm256_broadcast_ss(dq + b));
+    for_block_segments(b, r, [&](int h, int c0, int c1) {
+      const int w0 = (c0 - 32 * b) / kUnit, w1 = (c1 - 32 * b) / kUnit;
+      __m256i sum = dot[w0];
+      for (int i = w0 + 1; i < w1; ++i) sum = _mm256_add_epi32(sum, dot[i]);
+      if constexpr (R::kOffset8) sum = _mm256_add_epi32(sum, _mm256_set1_epi32(*seg_bias++));
+      float* sh = s + h * kRow;
+      _mm256_storeu_ps(sh, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, _mm256_loadu_ps(sh)));
+    });
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Values: acc[g][..] += sum_t w(g, t, block) * v_t[..] over the n rows of a tile, 8
 // accumulators held in registers across the rows. Weight of (g, t): f32/bf16 w[g*wg + t], q8/q4
@@ -424,6 +484,8 @@ void acc_tile_quant(const uint8_t* v0, size_t rb, int n, const float* w, int wg,
 struct Scratch {
   std::vector<float> s, w, ks, vs;
   std::vector<float> rks, rvs, wr, rk, rv;  // LRKV latents: block scales, value weights, dequantised rows
+  std::vector<int> seg_of;                  // latent_code_values: each vector's segment,
+  std::vector<float> wsum;                  // and q4's weight sums per segment
 };
 
 Scratch& thread_scratch() {
@@ -563,6 +625,10 @@ struct Latents {
   const float* qb = nullptr;  // detail::avx2_prepare_latent_queries
   size_t qb_stride = 0;       // floats per head
   int r = 0;
+  // q8/q4 latents straddling heads in segments of whole row words (latent_segments_in_words): the
+  // flat integer query and q4's segment biases (int_segment_scores), instead of qb.
+  const float* qi = nullptr;
+  const int32_t* seg_bias = nullptr;
 };
 
 // The latent reader of the dense kernel, which has none (and so carries no latent code).
@@ -612,8 +678,19 @@ class PieceRunner {
       // phases (all in the shared ones: 5-10% slower).
       if constexpr (!R::kQuant && !RR::kQuant) latent_split_ = rrb_ <= kLatentInSharedBytes ? 1 : 2;
       if constexpr (kDequant) {  // rows of G r floats
-        sc_.rk.resize(static_cast<size_t>(kTile) * G * r_);
-        sc_.rv.resize(sc_.rk.size());
+        if (lat.qi) {  // latent K scored in integers: the block scales transposed
+          nbw_ = G * r_ / kQBlock;
+          sc_.rks.resize(static_cast<size_t>(kTile) * nbw_);
+          if (r_ % 8 == 0) {  // and V from the codes (latent_code_values): segment weights
+            const size_t segments = static_cast<size_t>(nbw_) * (32 / 8 + 1);
+            sc_.rvs.resize(sc_.rks.size());
+            sc_.wr.resize(segments * kTile);
+            sc_.seg_of.resize(static_cast<size_t>(G) * r_ / 8);
+            sc_.wsum.resize(segments);
+          }
+        }
+        if (!lat.qi) sc_.rk.resize(static_cast<size_t>(kTile) * G * r_);
+        if (!lat.qi || r_ % 8 != 0) sc_.rv.resize(static_cast<size_t>(kTile) * G * r_);
         latent_bytes_ = sizeof(float) * r_;
         read_rb_ = sizeof(float) * G * r_;
       }
@@ -653,6 +730,7 @@ class PieceRunner {
   void prefetch_block_share(const Prefetch& pf, int t0, int m, int h) const;
   static constexpr int kLatentBlock = 8;  // rows per block of f32/bf16 latent scores and values
   void latent_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const;
+  void latent_code_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const;
   template <int kPer>
   void latent_values_by_rows(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const;
 
@@ -674,6 +752,9 @@ class PieceRunner {
   const Latents lat_;
   const int r_;
   int rnb_ = 0, nbr_ = 0;
+  int nbw_ = 0;  // latent blocks a row, where the dequantised latents' K are scored in integers (lat_.qi)
+  // ... and their values weigh the codes as stored (every 8 values in one head)
+  bool code_values() const { return kDequant && nbw_ > 0 && r_ % 8 == 0; }
   size_t rrb_ = 0, read_rb_ = 0, rcodes_ = 0, latent_bytes_ = 0;
 };
 
@@ -848,6 +929,71 @@ void PieceRunner<R, RR>::latent_values(const uint8_t* rows0, int n, const float*
   }
 }
 
+// q8/q4 latents whose blocks straddle heads, with every 8 values of a row in one head (r % 8 ==
+// 0; nbw_ > 0), values from the codes as stored (rows0: the tile's V latent rows): acc_r (the
+// flat [H][r]) += sum_t w(v, t) codes_t[v] per 8-value vector v, w(v, t) = p_h,t d_t,b for v's head
+// h and block b (the row's V block scale, sc_.rvs), one weight row per head segment of a block;
+// q4 codes are value + 8, taken out after: - 8 sum_t w(v, t). Vectors go 8 at a time (8
+// accumulators held across the rows), each group fetching its share of the next tile.
+template <class R, class RR>
+void PieceRunner<R, RR>::latent_code_values(const uint8_t* rows0, int n, const float* s, float* acc_r, const Prefetch& pf) const {
+  const int nv = G_ * r_ / 8, n8 = (n + 7) & ~7;
+  const size_t codes = 2 * static_cast<size_t>(nbw_);
+  float* wv = sc_.wr.data();          // [segment][kTile]
+  int* seg_of = sc_.seg_of.data();    // the segment of each vector
+  float* wsum = sc_.wsum.data();      // q4: the weights' sum per segment
+  int nseg = 0;
+  for (int b = 0; b < nbw_; ++b)
+    for_block_segments(b, r_, [&](int h, int c0, int c1) {
+      float* w = wv + static_cast<size_t>(nseg) * kTile;
+      __m256 sum = _mm256_setzero_ps();
+      for (int t = 0; t < n8; t += 8) {
+        const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + h * kRow + t), _mm256_loadu_ps(sc_.rvs.data() + static_cast<size_t>(b) * kTile + t));
+        _mm256_storeu_ps(w + t, x);
+        sum = _mm256_add_ps(sum, x);
+      }
+      if constexpr (R::kOffset8) wsum[nseg] = hsum(sum);
+      for (int v = c0 / 8; v < c1 / 8; ++v) seg_of[v] = nseg;
+      ++nseg;
+    });
+  const size_t span = static_cast<size_t>(n) * rrb_;
+  for (int v0 = 0; v0 < nv; v0 += 8) {
+    const int m = std::min(8, nv - v0);
+    pf.rows(span * v0 / nv, span * (v0 + m) / nv);
+    __m256 a[8];
+    const float* w[8];
+    for (int i = 0; i < 8; ++i) {
+      a[i] = i < m ? _mm256_loadu_ps(acc_r + 8 * static_cast<size_t>(v0 + i)) : _mm256_setzero_ps();
+      w[i] = wv + static_cast<size_t>(seg_of[std::min(v0 + i, nv - 1)]) * kTile;
+    }
+    const uint8_t* row = rows0 + codes;
+    auto vector = [&](int v) __attribute__((always_inline)) {  // the 8 codes of vector v as floats, natural order
+      if constexpr (R::kOffset8) {
+        int32_t bytes;
+        std::memcpy(&bytes, row + 16 * (v / 4) + 4 * (v % 4), sizeof bytes);
+        const __m128i b4 = _mm_cvtsi32_si128(bytes);
+        const __m128i lo4 = _mm_set1_epi8(0x0f);
+        const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(b4, lo4), _mm_and_si128(_mm_srli_epi16(b4, 4), lo4));
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib));
+      } else {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * v))));
+      }
+    };
+    if (m == 8) {
+      for (int t = 0; t < n; ++t, row += rrb_)
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[i] + t), vector(v0 + i), a[i]);
+    } else {
+      for (int t = 0; t < n; ++t, row += rrb_)
+        for (int i = 0; i < m; ++i) a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[i] + t), vector(v0 + i), a[i]);
+    }
+    for (int i = 0; i < m; ++i) {
+      if constexpr (R::kOffset8) a[i] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), _mm256_set1_ps(wsum[seg_of[v0 + i]]), a[i]);
+      _mm256_storeu_ps(acc_r + 8 * static_cast<size_t>(v0 + i), a[i]);
+    }
+  }
+}
+
 template <class R, class RR>
 int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, float* part) {
   const int G = G_, d = d_, P = P_, nb = nb_, qstride = qstride_;
@@ -935,16 +1081,29 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
       load_scales_transposed(rkb, rrb_, n, nbr_, sc.rks.data());
       load_scales_transposed(rvb, rrb_, n, nbr_, sc.rvs.data());
     }
+    bool scored = false;
     if constexpr (kDequant) {
       const int w = G * r_;
-      for (int t = 0; t < n; ++t) {
-        dequantize_row(ls.type(), rkb + t * rrb_, w, sc.rk.data() + static_cast<size_t>(t) * w);
-        dequantize_row(ls.type(), rvb + t * rrb_, w, sc.rv.data() + static_cast<size_t>(t) * w);
+      if (nbw_ > 0) {  // K in integers from the rows as stored; only V dequantised
+        load_scales_transposed(rkb, rrb_, n, nbw_, sc.rks.data());
+        const uint8_t* rows[8];
+        for (int t0 = 0; t0 < n; t0 += 8) {
+          lkpf.rows(t0 * rrb_, std::min(t0 + 8, n) * rrb_);
+          for (int i = 0; i < 8; ++i) rows[i] = rkb + std::min(t0 + i, n - 1) * rrb_ + 2 * static_cast<size_t>(nbw_);
+          int_segment_scores<R>(rows, nbw_, r_, lat_.qi, lat_.seg_bias, sc.rks.data() + t0, s + t0);
+        }
+        scored = true;
       }
+      if (code_values()) load_scales_transposed(rvb, rrb_, n, nbw_, sc.rvs.data());
+      if (!scored || !code_values())
+        for (int t = 0; t < n; ++t) {
+          if (!scored) dequantize_row(ls.type(), rkb + t * rrb_, w, sc.rk.data() + static_cast<size_t>(t) * w);
+          if (!code_values()) dequantize_row(ls.type(), rvb + t * rrb_, w, sc.rv.data() + static_cast<size_t>(t) * w);
+        }
       lk = reinterpret_cast<const uint8_t*>(sc.rk.data());
       lv = reinterpret_cast<const uint8_t*>(sc.rv.data());
     }
-    latent_scores(lk, n, s, lkpf);
+    if (!scored) latent_scores(lk, n, s, lkpf);
   }
 
   // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
@@ -1009,7 +1168,12 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
     }
   }
   if constexpr (R::kOffset8) subtract_q4_offset(acc, G, d, nb, wsum);
-  if constexpr (kLatent) latent_values(lv, n, s, acc_r, lvpf);
+  if constexpr (kLatent) {
+    if (code_values())
+      latent_code_values(rvb, n, s, acc_r, lvpf);
+    else
+      latent_values(lv, n, s, acc_r, lvpf);
+  }
   return r + n;
 }
 
@@ -1172,18 +1336,44 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
 
 namespace {
 // The type LRKV's latents are read as: their own (f32, bf16, and q8/q4 with r % 32 == 0, so that a
-// block lies in one head), or f32 from rows dequantised tile by tile (q8/q4 blocks that straddle heads).
+// block lies in one head), or f32 from rows dequantised tile by tile (q8/q4 blocks that straddle
+// heads; of those, segments of whole row words score K in integers, and with r % 8 == 0 weigh V
+// from the codes as stored: the tile dequantises nothing then).
 KVType latent_read_type(KVType type, int r) {
   return (type == KVType::Q8 || type == KVType::Q4) && r % kQBlock != 0 ? KVType::F32 : type;
+}
+
+// The q4 biases of int_segment_scores' segments, in its order, from the flat integer query qi of
+// nb blocks: -8 times the sum of a segment's codes (its words' even and odd values).
+void segment_biases(const float* qi, int nb, int r, int32_t* seg_bias) {
+  const int8_t* codes = reinterpret_cast<const int8_t*>(qi);
+  for (int b = 0; b < nb; ++b)
+    for_block_segments(b, r, [&](int, int c0, int c1) {
+      int sum = 0;
+      for (int i = (c0 - 32 * b) / 8; i < (c1 - 32 * b) / 8; ++i)
+        for (int k = 0; k < 4; ++k) sum += codes[4 * (8 * b + i) + k] + codes[4 * (8 * b + 4 + i) + k];
+      *seg_bias++ = -8 * sum;
+    });
 }
 }  // namespace
 
 namespace detail {
 size_t slot_floats(size_t n) { return (n + 1023) / 1024 * 1024; }
 
+bool latent_segments_in_words(KVType type, int r) {
+  return (type == KVType::Q8 || type == KVType::Q4) && r % kQBlock != 0 && r % (type == KVType::Q4 ? 8 : 4) == 0;
+}
+
 float* avx2_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, std::vector<float>& buf) {
   const KVType read = latent_read_type(type, r);
   if (read == type) return avx2_prepare_queries(qb, heads, r, scale, read, buf);
+  if (detail::latent_segments_in_words(type, r)) {  // the flat integer query, then q4's segment biases (r >= 8: at most 5 a block)
+    const int w = heads * r, nb = w / kQBlock;
+    float* qi = slot_aligned(buf, int_query_floats(w) + (32 / 8 + 1) * static_cast<size_t>(nb));
+    prepare_int_queries(qb, 1, w, scale, type, qi);
+    if (type == KVType::Q4) segment_biases(qi, nb, r, reinterpret_cast<int32_t*>(qi + int_query_floats(w)));
+    return qi;
+  }
   thread_local std::vector<float> rounded;  // q8/q4 read as f32: qb as the integer q is rounded
   rounded.resize(static_cast<size_t>(heads) * r);
   round_query_blocks(qb, heads * r, scale, rounded.data());
@@ -1201,6 +1391,11 @@ void avx2_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodeP
   Latents lat{residual, qbs, 0, residual->head_dim() / H};
   const KVType read = latent_read_type(type, lat.r);
   lat.qb_stride = query_floats(read, lat.r);
+  if (detail::latent_segments_in_words(type, lat.r)) {
+    lat.qi = qbs;
+    lat.seg_bias = reinterpret_cast<const int32_t*>(qbs + int_query_floats(H * lat.r));
+    lat.qb = nullptr;
+  }
   auto run = [&](auto row, auto latent_row) {
     run_split<decltype(row), decltype(latent_row)>(shared, pieces, p0, p1, qs, q_stride, H, parts, part_size, lat);
   };

@@ -2118,8 +2118,6 @@ void avx512_prepare_dense_queries(const float* q, int heads, int G, int d, float
     avx512_prepare_group_queries(q + static_cast<size_t>(h) * G * d, G, d, 0, scale, type, qs + h * stride);
 }
 
-bool avx512_latent_words(KVType type, int r) { return latent_words(type, r); }
-
 size_t avx512_latent_query_floats(int heads, int r, KVType type) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
   if (head_lanes(type, heads, r)) return static_cast<size_t>(type == KVType::F32 ? 16 : 8) * r;  // flat, 16 heads' room

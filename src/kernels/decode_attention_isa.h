@@ -46,10 +46,16 @@ void prepare_int_queries(const float* q, int heads, int w, float scale, KVType t
 // page-aligned in buf (slot_aligned), so that no query load splits a cache line (LRKV f32/bf16,
 // in cache, Zen 3: 1.5-5.5% faster a call than from a plain vector's 16-byte alignment).
 float* avx2_prepare_queries(const float* q, int heads, int d, float scale, KVType type, std::vector<float>& buf);
+// LRKV's q8/q4 latents whose blocks straddle heads (r % 32 != 0) with each head's part of a block
+// whole row words (q8: r % 4 == 0, q4: r % 8 == 0): both back ends score them in integers against
+// the flat [H][r] integer query (prepare_int_queries of width H r). Baseline code: the AVX-512
+// file keeps its own inline copy of the rule (see above).
+bool latent_segments_in_words(KVType type, int r);
 // LRKV's qb ([heads][r], for a cache of `type`) in the layout its latents are read with: their own
-// type's, or f32 for q8/q4 with r % 32 != 0 (rows dequantised per tile: blocks would straddle
-// heads), qb then rounded as the integer q is (round_query_blocks), as the reference models.
-// Page-aligned in buf, as avx2_prepare_queries.
+// type's; for q8/q4 with r % 32 != 0 (blocks straddle heads) the flat integer query, then q4's
+// segment biases, where latent_segments_in_words, else f32 (rows dequantised per tile) rounded as
+// the integer q is (round_query_blocks), as the reference models. Page-aligned in buf, as
+// avx2_prepare_queries.
 float* avx2_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, std::vector<float>& buf);
 // LRKV factored decode on the dense kernel's machinery: pieces are row ranges of the shared store
 // (head 0) for all H queries (qs, groups of 4 sharing each K_s/V_s load), f32/bf16 latents in
@@ -90,8 +96,6 @@ void avx512_prepare_group_queries(const float* q, int heads, int d, int r, float
 // head's part of a block is whole row words (q8: r % 4 == 0, q4: r % 8 == 0), else rounded as the
 // reference does (round_query_blocks), read as floats.
 size_t avx512_latent_query_floats(int heads, int r, KVType type);
-// q8/q4 latents of r % 32 != 0 scored in integers (each head's part of a block is whole row words).
-bool avx512_latent_words(KVType type, int r);
 void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scale, KVType type, float* qbs);
 // Scratch floats one split needs (lrkv: for LRKV decode; residual_width: its H r, else 0).
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width = 0, bool lrkv = false);

@@ -65,7 +65,8 @@ bool lrkv_decode_rounds_query(DecodeIsa isa, KVType type, int head_dim, int rank
 
 bool lrkv_latent_scores_in_int8(DecodeIsa isa, KVType type, int rank) {
   if (type != KVType::Q8 && type != KVType::Q4) return false;
-  return rank % 32 == 0 || (isa == DecodeIsa::Avx512 && detail::avx512_latent_words(type, rank));
+  (void)isa;  // both back ends alike
+  return rank % 32 == 0 || detail::latent_segments_in_words(type, rank);
 }
 
 bool lrkv_latent_scores_in_bf16(DecodeIsa isa, KVType type, int heads, int rank) {

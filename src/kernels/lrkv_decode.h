@@ -18,7 +18,9 @@
 // (r % 32 != 0) per head segment of a block, in integers where it is whole row words, else from
 // dequantised columns; f32/bf16 latents of any r end in a masked group) or AVX2 (the dense AVX2 kernel's machinery in the same arrangement, float
 // queries, f32/bf16 latent scores in 8-row blocks with all heads on each and latent values by
-// whole rows; q8/q4 latents of r % 32 != 0 are dequantised per tile). The reference dequantises everything and works in
+// whole rows; q8/q4 latents of r % 32 != 0 in integers per head segment of a block where it is whole row words, their
+// values weighed from the codes as stored where every 8 values lie in one head, else dequantised per tile). The
+// reference dequantises everything and works in
 // double.
 #pragma once
 #include "kernels/decode_attention.h"
@@ -37,7 +39,7 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
 DecodeIsa lrkv_decode_isa(DecodeIsa isa, KVType type, int head_dim, int rank);
 bool lrkv_decode_rounds_query(DecodeIsa isa, KVType type, int head_dim, int rank);
 // Whether the fused kernel scores the latents of rank `rank` with int8 dot products (q8/q4: whole
-// 32-value blocks per head; on AVX-512 also head segments of whole row words) rather than f32
+// 32-value blocks per head, or head segments of whole row words; both back ends alike) rather than f32
 // multiply-adds on dequantised values: what bench decode's roofline charges them at. isa: a
 // resolved back end (lrkv_decode_isa).
 bool lrkv_latent_scores_in_int8(DecodeIsa isa, KVType type, int rank);

@@ -123,9 +123,10 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
     check(t, 6, 256, 96, 37, 16, {}, seed++);   // 18 latent blocks (two scale transposes), 8 blocks of K_s/V_s
     check(t, 16, 128, 8, 45, 16, {}, seed++);   // r = 8: a block holds 4 heads' latents
   }
-  // q8/q4 blocks that straddle heads (r % 32 != 0) on AVX-512: scored in integers per head segment
-  // where segments are whole row words (q8 r % 4 == 0, q4 r % 8 == 0), else from dequantised
-  // columns; r > 32, H > 16, heads not a multiple of 16, 32-row tiles (page 64), eviction.
+  // q8/q4 blocks that straddle heads (r % 32 != 0): scored in integers per head segment where
+  // segments are whole row words (q8 r % 4 == 0, q4 r % 8 == 0), else from dequantised columns
+  // (AVX-512) or rows (AVX2); AVX2 weighs the values from the codes as stored where r % 8 == 0;
+  // r > 32, H > 16, heads not a multiple of 16, 32-row tiles (page 64), eviction.
   for (KVType t : {KVType::Q8, KVType::Q4}) {
     check(t, 16, 64, 6, 70, 64, {}, seed++);   // columns (q8 and q4)
     check(t, 16, 64, 34, 70, 64, {}, seed++);  // r > 32, columns
@@ -143,6 +144,11 @@ TEST(LrkvDecode, MatchesReferenceForEveryTypeAndShape) {
     check(t, 16, 128, 8, 70, 64, {}, seed++);
     check(t, 20, 64, 6, 70, 64, {}, seed++);
     check(t, 33, 32, 3, 45, 16, {4, 20}, seed++);
+  }
+  // q8/q4 head segments of whole words across block boundaries (values from the codes on AVX2)
+  for (KVType t : {KVType::Q8, KVType::Q4}) {
+    check(t, 16, 64, 24, 70, 64, {}, seed++);  // head 1's segment in blocks 0 and 1
+    check(t, 8, 64, 40, 37, 64, {}, seed++);   // r > 32
   }
 }
 
