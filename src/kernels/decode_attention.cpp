@@ -30,7 +30,9 @@ namespace {
 // 32 streaming from memory). q8/q4 are compute-bound and 64 rows halve the per-tile work (scale
 // transposes, softmax reductions). Against 32 at 16K, H=16, alternating calls: two threads,
 // caches emptied: dense Hkv=4 q8 2-5% and q4 5-6% faster, LRKV q8 r=8 4%, q4 r=8 4%, q4 r=32 8%,
-// q8 r=32 equal; 128 rows: dense q8 8% slower (one thread, in L3).
+// q8 r=32 equal; 128 rows: dense q8 8% slower (one thread, in L3). LRKV f32/bf16 at r = 8 (H = 16,
+// d_h = 128, 16K, caches emptied, two threads, A/B in one process): 16 rows 0.87-0.93x, 32 and 48
+// rows 0.95-1.02x against 24.
 constexpr int kTile = 64;          // the largest tile: scratch strides
 constexpr int kRow = kTile + 12;   // score row stride (room for a 12-wide tail)
 // Software prefetch distance: the larger of one tile and 4 KB (f32/bf16) or 8 KB (q8/q4), so a
