@@ -543,7 +543,7 @@ KVX_INLINE int group_size(int G, int g0) {
 // Heads in lanes for 8 or 16 queries on one K row (as the AVX-512 back end's head_lane_scores:
 // transposed queries, each row value broadcast against 2 vectors of 8 heads, 4 rows a block,
 // bf16 rows widened once a tile, the by-token scores transposed back) measured faster in cache
-// (Zen 3, H = 16, d_h = 128, one thread: LRKV r = 8 f32 1.07-1.11x, bf16 1.07x; MQA 1.08-1.13x) but
+// (Zen 3, H = 16, d_h = 128, one thread: LRKV r = 8 f32 1.07-1.11x, bf16 1.07x; MQA 1.07-1.13x) but
 // not cold (16K, caches emptied, two threads, A/B in one process: LRKV f32 r = 8-64 0.89-0.99x,
 // bf16 r = 4-8 1.03-1.10x and r = 16-64 0.93-0.98x, MQA 1.02-1.09x, 8 queries a KV head 0.73-0.80x);
 // fetching the next tile one line per dimension instead of a burst per block lost the in-cache
