@@ -760,10 +760,12 @@ KVX_INLINE void latent_column_scores(const Rows& rows, size_t offset, int blocks
 // <= 16 accumulators in registers across the n rows. Weights: f32/bf16 w[g * wg + t * ws] (the
 // softmax numerators; ws = 1, or the row stride of numerators by token with heads in lanes);
 // q8/q4 w[g * wg + j * kMaxTile + t], the numerators times the rows' block scales (the codes are
-// read unscaled).
-template <class R>
+// read unscaled); kByToken: w[g * wg + j * 16 + t * ws] (heads in lanes: run_piece's q8 r = 32 latents).
+template <class R, bool kByToken = false>
 KVX_INLINE float weight(const float* w, size_t wg, size_t ws, int g, int j, int t) {
-  if constexpr (R::kQuant)
+  if constexpr (R::kQuant && kByToken)
+    return w[g * wg + static_cast<size_t>(j) * 16 + t * ws];
+  else if constexpr (R::kQuant)
     return w[g * wg + static_cast<size_t>(j) * kMaxTile + t];
   else
     return w[g * wg + t * ws];
@@ -1045,7 +1047,7 @@ KVX_INLINE void int_value_pass(const uint8_t* v0, size_t rb, int n, const IntWei
 // LRKV latents: acc_r[g] += sum_t w(g, t, j) R_{h0+g},t for GB heads, each reading its own
 // segment of the row (v0 + g * head_bytes), groups jr0 .. jr0 + JB - 1 of it; GB x 2 JB
 // accumulators held across the rows.
-template <class R, int GB, int JB>
+template <class R, int GB, int JB, bool kByToken>
 KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg,
                                     float* acc, int r, int jr0) {
   static_assert(GB * 2 * JB <= 16, "residual_value_pass holds up to 16 accumulators");
@@ -1056,7 +1058,7 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
       for (int jj = 0; jj < JB; ++jj) {
         __m512 va, vb;
         R::val(v0 + t * rb + g * head_bytes, jr0 + jj, va, vb);
-        const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, 1, g, jr0 + jj, t));
+        const __m512 wv = _mm512_set1_ps(weight<R, kByToken>(w, wg, kByToken ? 16 : 1, g, jr0 + jj, t));
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
@@ -1067,7 +1069,8 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
 // q8 latents of whole blocks a head weighed by 15-bit codes as V_s (int_value_pass with each head's
 // row offset; H = 16, r = 32 and 64, A/B in one process): 1.03-1.07x in cache, 0.95-1.03x at 16K
 // with the caches emptied, so they stay f32 multiply-adds (and within 1e-5 of the reference).
-template <class R, int GB>
+// kByToken: w by token (weight<R, true>, 16 floats a row).
+template <class R, int GB, bool kByToken = false>
 KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg, int blocks,
                                 float* acc, int r, const PairWords* pw) {
   constexpr int JB = GB >= 8 ? 1 : 2;
@@ -1077,8 +1080,8 @@ KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes,
     for (; j < blocks; ++j) pair_value_pass<GB, 1>(v0, rb, head_bytes, n, *pw, acc, r, j, nullptr, 0, 0);
     return;
   }
-  for (; j + JB <= blocks; j += JB) residual_value_pass<R, GB, JB>(v0, rb, head_bytes, n, w, wg, acc, r, j);
-  for (; j < blocks; ++j) residual_value_pass<R, GB, 1>(v0, rb, head_bytes, n, w, wg, acc, r, j);
+  for (; j + JB <= blocks; j += JB) residual_value_pass<R, GB, JB, kByToken>(v0, rb, head_bytes, n, w, wg, acc, r, j);
+  for (; j < blocks; ++j) residual_value_pass<R, GB, 1, kByToken>(v0, rb, head_bytes, n, w, wg, acc, r, j);
 }
 
 // Block b of a latent row: its 32 values in natural order (q8/q4: codes, unscaled; f32/bf16: zeros
@@ -1310,6 +1313,12 @@ struct Scratch {
 // q8/q4 latents whose blocks straddle heads are scored in integers when every head's segment of
 // a block is whole row words (q8: 4 values a word, q4: 8), else from dequantised columns.
 KVX_INLINE bool latent_words(KVType type, int r) { return r % (type == KVType::Q4 ? 8 : 4) == 0; }
+
+// q8 LRKV at 9-16 heads with latents that straddle heads (r % 32 != 0) or of one block a head (r = 32)
+// takes its softmax and value weights with heads in lanes (run_piece).
+KVX_INLINE bool q8_weights_by_token(KVType type, int G, int r) {
+  return type == KVType::Q8 && G > 8 && G <= 16 && r > 0 && (r % 32 != 0 || r == 32);
+}
 
 // Float scores of the GB queries at q (d floats apart) against rows kb, TB at a time, into
 // s[g * kRow + t]; with LRKV's residual (rows0: row 0's latent of head h0, head_bytes apart; flat:
@@ -1704,12 +1713,13 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const bool latent_straddle = rst && r % 32 != 0;
   const bool latent_int = R::kQuant && latent_straddle && latent_words(kv.type(), r);
   const int lb = latent_straddle ? (G * r + 31) / 32 : 0;
-  // q8 with straddling latents and 9-16 heads: the softmax and the V weight codes with heads in lanes
-  // (the scores transposed to pt, which the latent values read by token anyway; int_weights_by_token):
-  // no per-head maxima, branches or scalar scales. H = 16, A/B in one process against the codes by
-  // head: r = 8 1.13-1.15x in L2, 1.13-1.14x at 16K and 64K with the caches emptied; r = 16 1.07-1.11x
-  // / 1.06-1.11x; q8 GQA, r = 32 and MHA unchanged (0.99-1.02x).
-  const bool codes_by_token = R::kIntValues && latent_straddle && G > 8 && G <= 16;
+  // q8_weights_by_token: the softmax and the V weight codes with heads in lanes (the scores transposed
+  // to pt, which straddling latents' values read by token anyway; int_weights_by_token), r = 32's latent
+  // weights by token too: no per-head maxima, branches or scalar scales. H = 16, A/B in one process
+  // against the codes by head: r = 8 1.13-1.15x in L2, 1.13-1.14x at 16K and 64K with the caches
+  // emptied; r = 16 1.07-1.11x / 1.06-1.11x; r = 32 1.03-1.07x / 1.02-1.03x; q8 GQA and MHA unchanged
+  // (0.99-1.02x). q4 (float weights by token) measured 0.97-1.00x at r = 8 and 16: keeps them by head.
+  const bool codes_by_token = kLrkv && rst && q8_weights_by_token(kv.type(), G, r);
   FlatLatents flat;  // f32/bf16 scores; every type's latent_row_values (q8/q4 rows end on a block: H r % 32 == 0)
   if (latent_straddle) {
     flat.r = r;
@@ -1724,7 +1734,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // numerator pairs (pair_weights; avx512_pair_values)
   const bool pairs = avx512_pair_values(kv.type(), G, kLrkv);
   const int tile = rst || (hl && R::kDotBF16) ? lrkv_tile_rows(rb + rrb, kv.type(), R::kQuant, pairs, hl) : tile_rows(rb, G, R::kQuant, pairs);
-  const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl, pairs);
+  const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl || codes_by_token, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
   // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, and f32 LRKV whose latent
   // rows are wider than the shared ones (H r > d). Zen 5, 16K, time without it / with, A/B over
@@ -1819,7 +1829,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         token_scores<R>(krow, codes, nb, qi, qbytes, G, sc.kT + t0, sc.s + t0, false);
         if (rst) {
           const Rows16<kClamp> rkrow{rkb + t0 * rrb, rrb, last}, rvrow{rvb + t0 * rrb, rrb, last};
-          transpose_scales(rvrow, nbr, sc.vT + nb * kMaxTile + t0);
+          if (latent_straddle || !codes_by_token) transpose_scales(rvrow, nbr, sc.vT + nb * kMaxTile + t0);
           const size_t a = t0 * rrb, span = static_cast<size_t>(imin(t0 + 16, n) - t0) * rrb;
           if (latent_straddle) {
             rkpf.range(a, a + span);
@@ -1899,7 +1909,16 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         _mm512_storeu_ps(x + 16, _mm512_mul_ps(x1, k));
       }
     if constexpr (R::kIntValues)
-      if (codes_by_token) int_weights_by_token(sc.pt, sc.pt_stride, n, sc.vT, nb, vmax, reinterpret_cast<int32_t*>(sc.w), wsig);
+      if (codes_by_token) {
+        int_weights_by_token(sc.pt, sc.pt_stride, n, sc.vT, nb, vmax, reinterpret_cast<int32_t*>(sc.w), wsig);
+        if (!latent_straddle) {  // r = 32: wr[t][h] = p_h,t times the V scale of head h's block, from the row
+          const __mmask16 heads = static_cast<__mmask16>((1u << G) - 1);
+          for (int t = 0; t < n; ++t) {
+            const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(heads, rvb + t * rrb));
+            _mm512_storeu_ps(sc.wr + 16 * t, _mm512_mul_ps(_mm512_loadu_ps(sc.pt + t * sc.pt_stride), dv));
+          }
+        }
+      }
     for (int g = 0; g < G && n <= 32 && !hl && !codes_by_token; ++g) {  // up to 32 rows (wider tiles: above)
       float* sg = sc.s + g * kRow;
       const __m512 ninf = _mm512_set1_ps(kNegInf);
@@ -2023,7 +2042,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         for (int t0 = 0; t0 < n; t0 += 16) transpose_block(sc.pt + t0 * sc.pt_stride, sc.pt_stride, n - t0, sc.s + t0, kRow, G);
       }
       const float* wr = R::kQuant ? sc.wr : sc.s;
-      const size_t wrg = R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
+      const size_t wrg = codes_by_token ? 1 : R::kQuant ? static_cast<size_t>(rblocks) * kMaxTile : kRow;
       for (int h0 = 0, gb; h0 < G; h0 += gb) {
         // f32 latents in groups of 8 heads (measured 20% faster at H=16, r=32; the others are not)
         gb = R::kWideResidualGroups && G - h0 >= 8 ? 8 : group_size(G - h0);
@@ -2033,11 +2052,22 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         float* ar = acc_r + static_cast<size_t>(h0) * r;
         const PairWords pwh{head_pairs + h0 * (kMaxTile / 2), false};  // (heads in lanes straddle: above)
         const PairWords* pw = pairs ? &pwh : nullptr;
-        switch (gb) {
-          case 8: residual_values<R, 8>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
-          case 4: residual_values<R, 4>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
-          case 2: residual_values<R, 2>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
-          default: residual_values<R, 1>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
+        auto latents = [&](auto by_token) {
+          constexpr bool kByToken = decltype(by_token)::value != 0;
+          switch (gb) {
+            case 8: residual_values<R, 8, kByToken>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
+            case 4: residual_values<R, 4, kByToken>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
+            case 2: residual_values<R, 2, kByToken>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
+            default: residual_values<R, 1, kByToken>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
+          }
+        };
+        if constexpr (R::kIntValues) {
+          if (codes_by_token)
+            latents(Int<1>{});
+          else
+            latents(Int<0>{});
+        } else {
+          latents(Int<0>{});
         }
       }
     }
@@ -2202,7 +2232,8 @@ void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scal
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width, bool lrkv) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
   const int latent_blocks = (residual_width + 31) / 32;  // the most a straddling row has
-  const bool by_token = latent_blocks > 0 || (lrkv ? head_lanes(type, G, residual_width / G) : dense_head_lanes(type, G));
+  const bool by_token = latent_blocks > 0 || (lrkv ? head_lanes(type, G, residual_width / G) || q8_weights_by_token(type, G, residual_width / G)
+                                                   : dense_head_lanes(type, G));
   const bool pairs = avx512_pair_values(type, G, lrkv);  // run_piece's
   return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks, by_token, pairs);
 }
