@@ -1719,6 +1719,9 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // against the codes by head: r = 8 1.13-1.15x in L2, 1.13-1.14x at 16K and 64K with the caches
   // emptied; r = 16 1.07-1.11x / 1.06-1.11x; r = 32 1.03-1.07x / 1.02-1.03x; q8 GQA and MHA unchanged
   // (0.99-1.02x). q4 (float weights by token) measured 0.97-1.00x at r = 8 and 16: keeps them by head.
+  // Straddling q8 latents weighed by 15-bit codes from these numerators (vpdpwssd on row pairs, each
+  // lane's code permuted from its head's) ran r = 8 1.03-1.10x in L2 but 0.99-1.04x with the caches
+  // emptied, and missed the latents' 1e-5 bound (1e-4 off), so latent_row_values stays f32.
   const bool codes_by_token = kLrkv && rst && q8_weights_by_token(kv.type(), G, r);
   FlatLatents flat;  // f32/bf16 scores; every type's latent_row_values (q8/q4 rows end on a block: H r % 32 == 0)
   if (latent_straddle) {
