@@ -53,6 +53,14 @@ struct Int {
   static constexpr int value = N;
 };
 
+// f(Int<1>{}) if `on`, else f(Int<0>{}); the first compiled only where kCompiled.
+template <bool kCompiled, class F>
+KVX_INLINE void with_flag(bool on, F&& f) {
+  if constexpr (kCompiled)
+    if (on) return f(Int<1>{});
+  f(Int<0>{});
+}
+
 KVX_INLINE int imin(int a, int b) { return a < b ? a : b; }
 KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -1158,10 +1166,7 @@ KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const flo
     for (; b + 2 <= blocks; b += 2) latent_row_pass<R, 2, kWhole>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, fl);
     for (; b < blocks; ++b) latent_row_pass<R, 1, kWhole>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, fl);
   };
-  if (fl.r % 16 == 0)
-    passes(Int<1>{});
-  else
-    passes(Int<0>{});
+  with_flag<true>(fl.r % 16 == 0, passes);
 }
 
 // All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
@@ -2003,14 +2008,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           default: value_tile<R, 1, kByToken>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pwp, iwp); break;
         }
       };
-      if constexpr (kLrkv && R::kIntValues) {  // (the dense kernel compiles only the codes by head)
-        if (codes_by_token)
-          values(Int<1>{});
-        else
-          values(Int<0>{});
-      } else {
-        values(Int<0>{});
-      }
+      with_flag<kLrkv && R::kIntValues>(codes_by_token, values);  // (the dense kernel compiles only the codes by head)
     }
     if (latent_straddle) {  // + a_h R_h^V, whole rows; the numerators by token first
       for (int h0 = 0; h0 < G && !hl && !codes_by_token; h0 += 16)  // (heads in lanes: already by token)
@@ -2064,14 +2062,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
             default: residual_values<R, 1, kByToken>(v0, rrb, latent_bytes, n, wh, wrg, rblocks, ar, r, pw); break;
           }
         };
-        if constexpr (R::kIntValues) {
-          if (codes_by_token)
-            latents(Int<1>{});
-          else
-            latents(Int<0>{});
-        } else {
-          latents(Int<0>{});
-        }
+        with_flag<kLrkv && R::kIntValues>(codes_by_token, latents);
       }
     }
     row += n;
