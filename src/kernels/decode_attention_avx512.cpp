@@ -1722,7 +1722,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // to pt, which straddling latents' values read by token anyway; int_weights_by_token), r = 32's latent
   // weights by token too: no per-head maxima, branches or scalar scales. H = 16, A/B in one process
   // against the codes by head: r = 8 1.13-1.15x in L2, 1.13-1.14x at 16K and 64K with the caches
-  // emptied; r = 16 1.07-1.11x / 1.06-1.11x; r = 32 1.03-1.07x / 1.02-1.03x; q8 GQA and MHA unchanged
+  // emptied; r = 16 1.07-1.11x / 1.06-1.11x; r = 32 1.03-1.07x / 1.00-1.03x; q8 GQA and MHA unchanged
   // (0.99-1.02x). q4 (float weights by token) measured 0.97-1.00x at r = 8 and 16: keeps them by head.
   // Straddling q8 latents weighed by 15-bit codes from these numerators (vpdpwssd on row pairs, each
   // lane's code permuted from its head's) ran r = 8 1.03-1.10x in L2 but 0.99-1.04x with the caches
