@@ -768,7 +768,7 @@ KVX_INLINE void latent_column_scores(const Rows& rows, size_t offset, int blocks
 // <= 16 accumulators in registers across the n rows. Weights: f32/bf16 w[g * wg + t * ws] (the
 // softmax numerators; ws = 1, or the row stride of numerators by token with heads in lanes);
 // q8/q4 w[g * wg + j * kMaxTile + t], the numerators times the rows' block scales (the codes are
-// read unscaled); kByToken: w[g * wg + j * 16 + t * ws] (heads in lanes: run_piece's q8 r = 32 latents).
+// read unscaled); kByToken: w[g * wg + j * 16 + t * ws] (heads in lanes: run_piece's q8 r = 32, 64 latents).
 template <class R, bool kByToken = false>
 KVX_INLINE float weight(const float* w, size_t wg, size_t ws, int g, int j, int t) {
   if constexpr (R::kQuant && kByToken)
@@ -1066,7 +1066,7 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
       for (int jj = 0; jj < JB; ++jj) {
         __m512 va, vb;
         R::val(v0 + t * rb + g * head_bytes, jr0 + jj, va, vb);
-        const __m512 wv = _mm512_set1_ps(weight<R, kByToken>(w, wg, kByToken ? 16 : 1, g, jr0 + jj, t));
+        const __m512 wv = _mm512_set1_ps(weight<R, kByToken>(w, wg, kByToken ? 16 * (r / 32) : 1, g, jr0 + jj, t));
         a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
         a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
       }
@@ -1319,10 +1319,10 @@ struct Scratch {
 // a block is whole row words (q8: 4 values a word, q4: 8), else from dequantised columns.
 KVX_INLINE bool latent_words(KVType type, int r) { return r % (type == KVType::Q4 ? 8 : 4) == 0; }
 
-// q8 LRKV at 9-16 heads with latents that straddle heads (r % 32 != 0) or of one block a head (r = 32)
+// q8 LRKV at 9-16 heads with latents that straddle heads (r % 32 != 0) or of one or two blocks a head (r = 32, 64)
 // takes its softmax and value weights with heads in lanes (run_piece).
 KVX_INLINE bool q8_weights_by_token(KVType type, int G, int r) {
-  return type == KVType::Q8 && G > 8 && G <= 16 && r > 0 && (r % 32 != 0 || r == 32);
+  return type == KVType::Q8 && G > 8 && G <= 16 && r > 0 && (r % 32 != 0 || r == 32 || r == 64);
 }
 
 // Float scores of the GB queries at q (d floats apart) against rows kb, TB at a time, into
@@ -1719,11 +1719,12 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const bool latent_int = R::kQuant && latent_straddle && latent_words(kv.type(), r);
   const int lb = latent_straddle ? (G * r + 31) / 32 : 0;
   // q8_weights_by_token: the softmax and the V weight codes with heads in lanes (the scores transposed
-  // to pt, which straddling latents' values read by token anyway; int_weights_by_token), r = 32's latent
+  // to pt, which straddling latents' values read by token anyway; int_weights_by_token), r = 32 and 64's latent
   // weights by token too: no per-head maxima, branches or scalar scales. H = 16, A/B in one process
   // against the codes by head: r = 8 1.13-1.15x in L2, 1.13-1.14x at 16K and 64K with the caches
-  // emptied; r = 16 1.07-1.11x / 1.06-1.11x; r = 32 1.03-1.07x / 1.00-1.03x; q8 GQA and MHA unchanged
-  // (0.99-1.02x). q4 (float weights by token) measured 0.97-1.00x at r = 8 and 16: keeps them by head.
+  // emptied; r = 16 1.07-1.11x / 1.06-1.11x; r = 32 1.03-1.07x / 1.00-1.03x; r = 64 1.16-1.22x /
+  // 1.11-1.15x (64K 1.06x); q8 GQA and MHA unchanged (0.99-1.02x; GQA's code, the same bytes, read
+  // 0.93x or 0.97-0.995x in a build with r = 64's change depending on the link order: layout). q4 (float weights by token) measured 0.97-1.00x at r = 8 and 16: keeps them by head.
   // Straddling q8 latents weighed by 15-bit codes from these numerators (vpdpwssd on row pairs, each
   // lane's code permuted from its head's) ran r = 8 1.03-1.10x in L2 but 0.99-1.04x with the caches
   // emptied, and missed the latents' 1e-5 bound (1e-4 off), so latent_row_values stays f32.
@@ -1919,11 +1920,21 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     if constexpr (R::kIntValues)
       if (codes_by_token) {
         int_weights_by_token(sc.pt, sc.pt_stride, n, sc.vT, nb, vmax, reinterpret_cast<int32_t*>(sc.w), wsig);
-        if (!latent_straddle) {  // r = 32: wr[t][h] = p_h,t times the V scale of head h's block, from the row
-          const __mmask16 heads = static_cast<__mmask16>((1u << G) - 1);
+        if (!latent_straddle) {  // r = 32, 64: wr[t][j][h] = p_h,t times the V scale of head h's block j, from the row
+          const __mmask32 scales = static_cast<__mmask32>((1ull << nbr) - 1);
+          const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+          const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
           for (int t = 0; t < n; ++t) {
-            const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(heads, rvb + t * rrb));
-            _mm512_storeu_ps(sc.wr + 16 * t, _mm512_mul_ps(_mm512_loadu_ps(sc.pt + t * sc.pt_stride), dv));
+            const __m512 p = _mm512_loadu_ps(sc.pt + t * sc.pt_stride);
+            const __m512i dh = _mm512_maskz_loadu_epi16(scales, rvb + t * rrb);  // the row's nbr fp16 scales
+            const __m512 d0 = _mm512_cvtph_ps(_mm512_castsi512_si256(dh)), d1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dh, 1));
+            float* wt = sc.wr + static_cast<size_t>(16 * rblocks) * t;
+            if (rblocks == 1) {
+              _mm512_storeu_ps(wt, _mm512_mul_ps(p, d0));
+            } else {  // head h's blocks 2h, 2h + 1
+              _mm512_storeu_ps(wt, _mm512_mul_ps(p, _mm512_permutex2var_ps(d0, even, d1)));
+              _mm512_storeu_ps(wt + 16, _mm512_mul_ps(p, _mm512_permutex2var_ps(d0, odd, d1)));
+            }
           }
         }
       }
