@@ -1719,12 +1719,13 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const bool latent_int = R::kQuant && latent_straddle && latent_words(kv.type(), r);
   const int lb = latent_straddle ? (G * r + 31) / 32 : 0;
   // q8_weights_by_token: the softmax and the V weight codes with heads in lanes (the scores transposed
-  // to pt, which straddling latents' values read by token anyway; int_weights_by_token), r = 32 and 64's latent
-  // weights by token too: no per-head maxima, branches or scalar scales. H = 16, A/B in one process
+  // to pt, which straddling latents' values read by token anyway; int_weights_by_token), r = 32 and
+  // 64's latent weights by token too: no per-head maxima, branches or scalar scales. H = 16, A/B in one process
   // against the codes by head: r = 8 1.13-1.15x in L2, 1.13-1.14x at 16K and 64K with the caches
   // emptied; r = 16 1.07-1.11x / 1.06-1.11x; r = 32 1.03-1.07x / 1.00-1.03x; r = 64 1.16-1.22x /
   // 1.11-1.15x (64K 1.06x); q8 GQA and MHA unchanged (0.99-1.02x; GQA's code, the same bytes, read
-  // 0.93x or 0.97-0.995x in a build with r = 64's change depending on the link order: layout). q4 (float weights by token) measured 0.97-1.00x at r = 8 and 16: keeps them by head.
+  // 0.93x or 0.97-0.995x in a build with r = 64's change depending on the link order: layout). q4
+  // (float weights by token) measured 0.97-1.00x at r = 8 and 16: keeps them by head.
   // Straddling q8 latents weighed by 15-bit codes from these numerators (vpdpwssd on row pairs, each
   // lane's code permuted from its head's) ran r = 8 1.03-1.10x in L2 but 0.99-1.04x with the caches
   // emptied, and missed the latents' 1e-5 bound (1e-4 off), so latent_row_values stays f32.
