@@ -993,13 +993,11 @@ KVX_INLINE void add_int_sums(__m512i lo, __m512i hi, float sig, float* acc) {
 }
 
 // IntWeights by token from a tile's numerators with heads in lanes (pt[t * pt_stride + h], n rows,
-// after head_lane_softmax): head h's codes are p_h,t / max_t p_h,t times vT[j][t] (the V scales
-// times 32767 / vmax_j, as the codes by head), paired (2k, 2k + 1) into words[k][j][16] (a row past
-// n weighs 0); sig[j][16] = max_t p_h,t vmax_j / 32767.
-KVX_INLINE void int_weights_by_token(const float* pt, int pt_stride, int n, const float* vT, int nb, const float* vmax,
+// after head_lane_softmax; pm: their largest per lane): head h's codes are p_h,t / pm_h times
+// vT[j][t] (the V scales times 32767 / vmax_j, as the codes by head), paired (2k, 2k + 1) into
+// words[k][j][16] (a row past n weighs 0); sig[j][16] = pm_h vmax_j / 32767.
+KVX_INLINE void int_weights_by_token(const float* pt, int pt_stride, int n, __m512 pm, const float* vT, int nb, const float* vmax,
                                      int32_t* words, float* sig) {
-  __m512 pm = _mm512_setzero_ps();
-  for (int t = 0; t < n; ++t) pm = _mm512_max_ps(pm, _mm512_loadu_ps(pt + t * pt_stride));
   const __mmask16 live = _mm512_cmp_ps_mask(pm, _mm512_setzero_ps(), _CMP_GT_OQ);
   const __m512 pinv = _mm512_maskz_div_ps(live, _mm512_set1_ps(1.0f), pm);
   for (int j = 0; j < nb; ++j) _mm512_storeu_ps(sig + 16 * j, _mm512_mul_ps(_mm512_mul_ps(pm, _mm512_set1_ps(vmax[j])), _mm512_set1_ps(1.0f / 32767.0f)));
@@ -1582,8 +1580,9 @@ KVX_INLINE void head_lane_scores(const float* qt, int d, const uint8_t* kb, size
 
 // The online softmax of a tile's n score vectors at pt (heads in lanes; G heads): m (the G running
 // maxima) and l (16 lanes) updated, acc (G x d) and acc_r (G x r) rescaled where a head's max
-// rises, pt replaced by the numerators e^(s - m).
-KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float* m, float* l, float* acc, int d, float* acc_r, int r) {
+// rises, pt replaced by the numerators e^(s - m); pmax (if given): each lane's largest numerator.
+KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float* m, float* l, float* acc, int d, float* acc_r, int r,
+                                  __m512* pmax = nullptr) {
   const __mmask16 heads = G >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << G) - 1);
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   __m512 mv = _mm512_maskz_loadu_ps(heads, m);  // lanes past G: scores 0, max 0 (finite numerators, unused)
@@ -1606,13 +1605,16 @@ KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float*
     mv = mt;
     _mm512_mask_storeu_ps(m, heads, mv);
   }
+  __m512 pm = _mm512_setzero_ps();
   for (int t = 0; t < n; ++t) {
     float* s = pt + t * pt_stride;
     const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(s), mv));
     _mm512_storeu_ps(s, p);
     lv = _mm512_add_ps(lv, p);
+    if (pmax) pm = _mm512_max_ps(pm, p);
   }
   _mm512_storeu_ps(l, lv);
+  if (pmax) *pmax = pm;
 }
 
 // LRKV bf16 latents with heads in lanes (r = 2..16: a row's G r values in 32-value blocks that
@@ -1897,7 +1899,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
     if (codes_by_token)
       for (int t0 = 0; t0 < n; t0 += 16) transpose_block(sc.s + t0, kRow, G, sc.pt + t0 * sc.pt_stride, sc.pt_stride, n - t0);
-    if (hl || codes_by_token) head_lane_softmax(sc.pt, sc.pt_stride, n, G, m, sc.l, acc, d, acc_r, r);
+    __m512 pmax;  // (codes_by_token: the tile's largest numerator per head)
+    if (hl || codes_by_token) head_lane_softmax(sc.pt, sc.pt_stride, n, G, m, sc.l, acc, d, acc_r, r, codes_by_token ? &pmax : nullptr);
     if (n > 32 && !hl)  // f32 MHA, bf16 pair values (tile_rows, LRKV rows of 1-1.25 KB): float weights
       for (int g = 0; g < G; ++g)
         wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d,
@@ -1920,7 +1923,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       }
     if constexpr (R::kIntValues)
       if (codes_by_token) {
-        int_weights_by_token(sc.pt, sc.pt_stride, n, sc.vT, nb, vmax, reinterpret_cast<int32_t*>(sc.w), wsig);
+        int_weights_by_token(sc.pt, sc.pt_stride, n, pmax, sc.vT, nb, vmax, reinterpret_cast<int32_t*>(sc.w), wsig);
         if (!latent_straddle) {  // r = 32, 64: wr[t][j][h] = p_h,t times the V scale of head h's block j, from the row
           const __mmask32 scales = static_cast<__mmask32>((1ull << nbr) - 1);
           const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
