@@ -353,7 +353,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   // bandwidth drifts between phases minutes long).
   // q8/q4 scores are int8 dot products (the query quantised too), and bf16 scores bf16 dot
   // products where the back end has them (decode_dots_bf16), so their multiply-adds count against
-  // that instruction's own peak; so do q8 values where the back end weighs them in int16
+  // that instruction's own peak; so do q8/q4 values where the back end weighs them in int16
   // (decode_weighs_values_in_int16).
   std::map<kernels::DecodeIsa, double> peak_gmacs, int8_peak_gmacs, bf16_peak_gmacs, int16_peak_gmacs;
   auto measure_peak = [&](kernels::DecodeIsa isa) {
@@ -375,7 +375,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     if (verbose)
       std::fprintf(stderr,
                    "bench decode: %s multiply-add peak %.1f G MAC/s (f32), %.1f (int8 dot products), %.1f (bf16 scores), "
-                   "%.1f (int16 dot products: q8 values)\n",
+                   "%.1f (int16 dot products: q8/q4 values)\n",
                    kernels::decode_isa_name(isa).c_str(), peak_gmacs[isa], int8_peak_gmacs[isa], bf16_peak_gmacs[isa],
                    int16_peak_gmacs[isa]);
   };
@@ -646,7 +646,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     // the bf16 one (the f32 peak where the back end widens them, and for the LRKV latents it
     // widens: lrkv_latent_scores_in_bf16), and the values there too where the kernel rounds their
     // weights to bf16 (LRKV's V_s and the latents it dots in bf16: lrkv_rounds_value_weights; dense
-    // from 8 queries a KV head: decode_rounds_value_weights), q8
+    // from 8 queries a KV head: decode_rounds_value_weights), q8/q4
     // values (dense, and LRKV's V_s) at the int16 one where the back end weighs them in int16
     // (decode_weighs_values_in_int16), the rest at the f32 multiply-add peak.
     const int width = o.head_dim + std::max(t.rank, 0);

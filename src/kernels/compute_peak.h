@@ -19,7 +19,7 @@ double measure_int8_dot_peak_gmacs(int lanes, int threads = 0, double seconds = 
 double measure_bf16_dot_peak_gmacs(int threads = 0, double seconds = 0.5);
 
 // The same for int16 dot products (AVX-512 VNNI's vpdpwssd, 32 multiply-adds each), what the
-// AVX-512 decode kernel weighs q8 values with (decode_weighs_values_in_int16).
+// AVX-512 decode kernel weighs q8/q4 values with (decode_weighs_values_in_int16).
 double measure_int16_dot_peak_gmacs(int threads = 0, double seconds = 0.5);
 
 }  // namespace kvx::kernels

@@ -1521,7 +1521,9 @@ bool decode_rounds_query(DecodeIsa isa, KVType type, int head_dim) {
 
 bool decode_dots_bf16(DecodeIsa isa) { return isa == DecodeIsa::Avx512 && detail::avx512_bf16_dot(); }
 
-bool decode_weighs_values_in_int16(DecodeIsa isa, KVType type) { return isa == DecodeIsa::Avx512 && type == KVType::Q8; }
+bool decode_weighs_values_in_int16(DecodeIsa isa, KVType type) {
+  return isa == DecodeIsa::Avx512 && (type == KVType::Q8 || type == KVType::Q4);
+}
 
 bool decode_rounds_value_weights(DecodeIsa isa, KVType type, int group) {
   return isa == DecodeIsa::Avx512 && detail::avx512_pair_values(type, group, false);

@@ -8,7 +8,7 @@
 // registers: q8/q4 dot each 32-block in code space and scale the block sum, q . k =
 // sum_b d_b (q_b . code_b) (with 4 queries, codes * d_b once per vector instead), and fold the
 // V block scales into the softmax weights (bf16 and q4 unpack into permuted lanes; the query is
-// permuted to match; the AVX-512 back end rounds q8's to 15-bit codes, decode_weighs_values_in_int16,
+// permuted to match; the AVX-512 back end rounds q8/q4's to 15-bit codes, decode_weighs_values_in_int16,
 // and from 8 queries a KV head bf16's numerators to bf16, decode_rounds_value_weights). It is one
 // pass with an online softmax over tiles of 24-64 rows (running max m, running sum l, accumulator
 // rescaled by e^(m_old - m_new)); only a tile's scores are held. The (KV head, token range) work
@@ -74,12 +74,12 @@ bool decode_rounds_query(DecodeIsa isa, KVType type, int head_dim);
 // bench decode charges them at), rather than fp32 multiply-adds.
 bool decode_dots_bf16(DecodeIsa isa);
 
-// Whether a resolved back end weighs q8 values in integers (AVX-512): per tile, query head and
-// 32-value block, the softmax numerators times the rows' block scales d_t as 15-bit codes against
-// the bound max_t p_t max_t d_t / 32767, summed exactly with the int8 values by vpdpwssd (half the
-// multiply instructions of f32). A weight is then off by up to max_t a_t max_t d_t / 65534 (a: the
-// normalised weights), so out_i by up to that times sum_t |code_t,i| (the tests' bound); the
-// denominators sum the unrounded numerators.
+// Whether a resolved back end weighs q8/q4 values in integers (AVX-512): per tile, query head and
+// 32-value block, the softmax numerators (<= 1) times the rows' block scales d_t as 15-bit codes
+// against the bound max_t |d_t| / 32767, summed exactly with the int8 values (q4: nibble - 8) by
+// vpdpwssd (half the multiply instructions of f32). A weight is then off by up to max_t a_t max_t
+// |d_t| / 65534 (a: the normalised weights), so out_i by up to that times sum_t |code_t,i| (the
+// tests' bound); the denominators sum the unrounded numerators.
 bool decode_weighs_values_in_int16(DecodeIsa isa, KVType type);
 
 // Whether a resolved back end weighs bf16 values with the softmax numerators rounded to bf16, at

@@ -19,7 +19,7 @@
 // Values: rows read 32 values at a time (a "group"; a q8/q4 block): f32 and q8 as two vectors
 // in natural order, bf16 and q4 as (even | odd) positions (one load, shift/mask, no shuffles);
 // the query is permuted to match and the V accumulator un-permuted at the end of a piece. q8/q4
-// codes are read unscaled, the V block scales folded into the weights (p_t d_b); q8 weights become
+// codes are read unscaled, the V block scales folded into the weights (p_t d_b); q8/q4 weights become
 // 15-bit codes per tile, dotted with pairs of rows in int16 by vpdpwssd (int_value_pass).
 // Zen 5, measured with loops of independent instructions of one or two kinds: FMAs and vpdpbusd
 // share two pipes; vpermps and vpmovsx/zx share two shuffle pipes (vshufi32x4, vpermt2q: also two
@@ -87,7 +87,7 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece with
 // 8 or more queries per row; f32 takes it only for LRKV latents wider than the shared rows.
 // kHeadLanes: LRKV scores may run with heads in lanes (head_lane_scores: f32, and bf16 by vdpbf16ps).
-// kIntValues: values weighed in integers (int_value_pass; q8).
+// kIntValues: values weighed in integers (int_value_pass; q8, q4).
 struct F32Row {
   static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false,
                         kMhaKeyPrefetch = false, kGroupFarPrefetch = false,
@@ -125,9 +125,9 @@ struct BF16FmaRow : BF16Row {
   static constexpr bool kDotBF16 = false, kHeadLanes = false;
 };
 
-// q8/q4 values: codes as floats, without the block scale (folded into the attention weights);
-// q8 (kIntValues) in int16 instead, against 15-bit weight codes (int_value_pass). q8/q4 keys are
-// read by token_scores below, in integers.
+// q8/q4 values: codes as floats, without the block scale (folded into the attention weights), for
+// LRKV's latents; V rows (kIntValues) in int16 instead, against 15-bit weight codes (int_value_pass).
+// q8/q4 keys are read by token_scores below, in integers.
 struct Q8Row {
   static constexpr bool kQuant = true, kPerm = false, kNibbles = false, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kMhaKeyPrefetch = true, kGroupFarPrefetch = false,
@@ -145,7 +145,7 @@ KVX_INLINE __m512 q4_values() { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2
 struct Q4Row {
   static constexpr bool kQuant = true, kPerm = true, kNibbles = true, kWideResidualGroups = false, kMhaValuePrefetch = true,
                         kMhaKeyPrefetch = true, kGroupFarPrefetch = false,
-                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = false, kDotBF16 = false, kHeadLanes = false, kIntValues = false;
+                        kUnrolledValuePass = false, kMhaValuePrefetchSteps = false, kDotBF16 = false, kHeadLanes = false, kIntValues = true;
   // even positions, odd positions
   static KVX_INLINE void val(const uint8_t* row, int j, __m512& a, __m512& b) {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
@@ -956,13 +956,18 @@ KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes,
     pair_value_pass_of<GB, JB, false, false>(v0, rb, 0, n, pw.words, acc, as, j0, pf, pf_lo, pf_hi);
 }
 
-// q8 values in integers: per tile, query g and block j, the weights w_t = p_t d_t,j (numerator
-// times the row's block scale) as 15-bit codes c_t = round(w_t / sig), sig = max_t p_t max_t d_t,j
-// / 32767 (IntWeights, written by the softmax), so acc[g][j] += sig sum_t c_t v_t with the int8
-// codes v_t summed exactly in int32 by vpdpwssd, two rows per lane (half the multiply
-// instructions of f32 FMAs, and no int -> float conversion per value). Each weight is off by up to
-// sig / 2 = max_t a_t max_t d_t,j / 65534 in units of the normalised weights a_t: out is off by up
-// to that times sum_t |v_t| (the tests' bound; decode_weighs_values_in_int16).
+// q8/q4 values in integers: per tile, query g and block j, the weights w_t = p_t d_t,j (numerator
+// times the row's block scale) as 15-bit codes c_t = round(w_t / sig), sig = max_t |d_t,j| / 32767
+// (p_t <= 1: the running max; by token, sig also takes the tile's max_t p_t) (IntWeights, written by
+// the softmax), so acc[g][j] += sig sum_t c_t v_t with the int8 codes (q4: nibble - 8) v_t summed
+// exactly in int32 by vpdpwssd, two rows per lane (half the multiply instructions of f32 FMAs, and
+// no int -> float conversion per value). Each weight is off by up to sig / 2, i.e. max_t |d_t,j| /
+// (65534 l) <= max_t a_t max_t |d_t,j| / 65534 in units of the normalised weights a_t = p_t / l (a
+// later rise of the max scales it down): out is off by up to that times sum_t |v_t| (the tests'
+// bound; decode_weighs_values_in_int16). Without the tile's max_t p_t the codes by head need no
+// horizontal max a query and tile (H = 16, 16K, caches emptied, A/B in one process both ways round:
+// q8 GQA 1.05x, MHA 1.09x); q4 moved from f32 FMAs to these passes at the same time (GQA 1.10x,
+// MHA 1.13x, LRKV r = 8 1.09x, r = 32 1.04x).
 // 8-bit codes by vpdpbusd over four rows interleaved bytewise (half the multiply instructions)
 // measured 0.95-1.05x (GQA, MHA, LRKV r = 8 and 32; in L2 and cold at 16K) with outputs off by up
 // to 0.6% of their largest value, so the codes stay 15-bit. In L2 the V_s passes are ~28% of a q8
@@ -1015,9 +1020,36 @@ KVX_INLINE void int_weights_by_token(const float* pt, int pt_stride, int n, __m5
   }
 }
 
-// acc[g][group j] += sig_g,j sum_t c_g,j,t v_t[group j] for groups j0 .. j0 + JB - 1 (q8 codes at
+// acc (even | odd positions, as Q4Row::val) += sig * the int32 sums of the even and odd values.
+KVX_INLINE void add_int_sums_split(__m512i even, __m512i odd, float sig, float* acc) {
+  const __m512 sv = _mm512_set1_ps(sig);
+  _mm512_storeu_ps(acc, _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(even), _mm512_loadu_ps(acc)));
+  _mm512_storeu_ps(acc + 16, _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(odd), _mm512_loadu_ps(acc + 16)));
+}
+
+// Block j of two rows as int16 pairs (row a's value in the low half): q8 (lo, hi) the unpacks of
+// the sign-extended codes (values 8c + i in lo's lane 4c + i, 8c + 4 + i in hi's, add_int_sums);
+// q4 (lo, hi) the even and odd positions, lane k from byte k of each row (its low and high
+// nibble), minus 8 (add_int_sums_split).
+template <class R>
+KVX_INLINE void int_value_pairs(const uint8_t* ra, const uint8_t* rb, int j, __m512i& lo, __m512i& hi) {
+  if constexpr (R::kNibbles) {
+    const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ra + 16 * j)));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rb + 16 * j)));
+    const __m512i ab = _mm512_or_si512(a, _mm512_slli_epi32(b, 16)), nib = _mm512_set1_epi16(0x0f), eight = _mm512_set1_epi16(8);
+    lo = _mm512_sub_epi16(_mm512_and_si512(ab, nib), eight);
+    hi = _mm512_sub_epi16(_mm512_and_si512(_mm512_srli_epi16(ab, 4), nib), eight);
+  } else {
+    const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + 32 * j)));
+    const __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + 32 * j)));
+    lo = _mm512_unpacklo_epi16(x, y);
+    hi = _mm512_unpackhi_epi16(x, y);
+  }
+}
+
+// acc[g][group j] += sig_g,j sum_t c_g,j,t v_t[group j] for groups j0 .. j0 + JB - 1 (q8/q4 codes at
 // v0, rb bytes a row; past n the last row again, its code 0). pf: as value_pass's.
-template <int GB, int JB, bool kByToken>
+template <class R, int GB, int JB, bool kByToken>
 KVX_INLINE void int_value_pass(const uint8_t* v0, size_t rb, int n, const IntWeights& iw, float* acc, int d, int j0,
                                const Prefetch* pf, size_t pf_lo, size_t pf_hi) {
   static_assert(GB * 2 * JB <= 16, "int_value_pass holds up to 16 accumulators");
@@ -1030,9 +1062,8 @@ KVX_INLINE void int_value_pass(const uint8_t* v0, size_t rb, int n, const IntWei
 #pragma GCC unroll 8
     for (int jj = 0; jj < JB; ++jj) {
       const int j = j0 + jj;
-      const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + 32 * j)));
-      const __m512i y = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb1 + 32 * j)));
-      const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+      __m512i lo, hi;
+      int_value_pairs<R>(ra, rb1, j, lo, hi);
 #pragma GCC unroll 16
       for (int g = 0; g < GB; ++g) {
         const __m512i w = _mm512_set1_epi32(kByToken ? iw.words[(static_cast<size_t>(k) * iw.nb + j) * 16 + g]
@@ -1045,9 +1076,14 @@ KVX_INLINE void int_value_pass(const uint8_t* v0, size_t rb, int n, const IntWei
 #pragma GCC unroll 16
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 8
-    for (int jj = 0; jj < JB; ++jj)
-      add_int_sums(a[g][2 * jj], a[g][2 * jj + 1], kByToken ? iw.sig[(j0 + jj) * 16 + g] : iw.sig[g * iw.nb + j0 + jj],
-                   acc + static_cast<size_t>(g) * d + 32 * (j0 + jj));
+    for (int jj = 0; jj < JB; ++jj) {
+      const float sig = kByToken ? iw.sig[(j0 + jj) * 16 + g] : iw.sig[g * iw.nb + j0 + jj];
+      float* ag = acc + static_cast<size_t>(g) * d + 32 * (j0 + jj);
+      if constexpr (R::kNibbles)
+        add_int_sums_split(a[g][2 * jj], a[g][2 * jj + 1], sig, ag);
+      else
+        add_int_sums(a[g][2 * jj], a[g][2 * jj + 1], sig, ag);
+    }
 }
 
 // LRKV latents: acc_r[g] += sum_t w(g, t, j) R_{h0+g},t for GB heads, each reading its own
@@ -1188,10 +1224,11 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
       pair_value_pass<GB, B>(v0, rb, 0, n, *pairs, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else if (R::kIntValues && iw) {  // 15-bit weight codes (IntWeights), not w
       // one query: the pass prefetches its share in steps; more: all of it at the start
-      const Prefetch* step_pf = GB == 1 ? pf : nullptr;
+      const bool steps = GB == 1 && R::kMhaValuePrefetchSteps;
+      const Prefetch* step_pf = steps ? pf : nullptr;
       const size_t lo = bytes * j / nj, hi = bytes * (j + B) / nj;
-      if (GB > 1 && pf) pf->range(lo, hi);
-      int_value_pass<GB, B, kCodesByToken>(v0, rb, n, *iw, acc, d, j, step_pf, lo, hi);
+      if (!steps && pf) pf->range(lo, hi);
+      int_value_pass<R, GB, B, kCodesByToken>(v0, rb, n, *iw, acc, d, j, step_pf, lo, hi);
     } else if constexpr (R::kUnrolledValuePass || (GB == 1 && R::kMhaValuePrefetchSteps)) {
       value_pass<R, GB, B>(v0, rb, n, w, wg, ws, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else {
@@ -1907,7 +1944,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
                           acc_r + static_cast<size_t>(g) * r, r, n);
     const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? 0xffff : static_cast<__mmask16>((1u << (n - 16)) - 1);
-    // q8 integer values (IntWeights): each block's largest V scale in the tile; vT becomes d_t,j 32767 / that
+    // q8/q4 integer values (IntWeights): each block's largest |V scale| in the tile; vT becomes d_t,j 32767 / that
     int16_t* const wcodes = reinterpret_cast<int16_t*>(sc.w);
     // (by token: words [kMaxTile / 2][nb][16], then sig [nb][16]; G > 8 leaves room for them and vmax)
     float* const wsig = sc.w + static_cast<size_t>(codes_by_token ? 16 : G) * nb * kMaxTile / 2;
@@ -1916,7 +1953,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       for (int b = 0; b < nb; ++b) {
         float* x = sc.vT + static_cast<size_t>(b) * kMaxTile;
         const __m512 x0 = _mm512_maskz_loadu_ps(lo, x), x1 = _mm512_maskz_loadu_ps(hi, x + 16);
-        vmax[b] = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+        vmax[b] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));  // (q4 scales take either sign)
         const __m512 k = _mm512_set1_ps(vmax[b] > 0.0f ? 32767.0f / vmax[b] : 0.0f);
         _mm512_storeu_ps(x, _mm512_mul_ps(x0, k));
         _mm512_storeu_ps(x + 16, _mm512_mul_ps(x1, k));
@@ -1967,17 +2004,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       }
       _mm512_storeu_ps(lg, _mm512_add_ps(_mm512_loadu_ps(lg), n > 16 ? _mm512_add_ps(p0, p1) : p0));
       if constexpr (R::kIntValues) {  // the V weights as codes of the numerators times the scales (IntWeights)
-        const float pm = _mm512_reduce_max_ps(_mm512_max_ps(p0, p1));
-        const __m512 pinv = _mm512_set1_ps(pm > 0.0f ? 1.0f / pm : 0.0f);
-        const __m512 q0 = _mm512_mul_ps(p0, pinv), q1 = _mm512_mul_ps(p1, pinv);
         for (int b = 0; b < nb; ++b) {
           int16_t* c = wcodes + (static_cast<size_t>(g) * nb + b) * kMaxTile;
           const float* x = sc.vT + static_cast<size_t>(b) * kMaxTile;
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(q0, _mm512_loadu_ps(x)))));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(p0, _mm512_loadu_ps(x)))));
           if (n > 16)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 16),
-                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(q1, _mm512_loadu_ps(x + 16)))));
-          wsig[g * nb + b] = pm * vmax[b] * (1.0f / 32767.0f);
+                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(p1, _mm512_loadu_ps(x + 16)))));
+          wsig[g * nb + b] = vmax[b] * (1.0f / 32767.0f);
         }
       }
       if constexpr (R::kQuant)  // value weights: the numerators times the V rows' block scales

@@ -146,9 +146,9 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
     const bool int8_latents = rank > 0 && kernels::lrkv_latent_scores_in_int8(kernels::parse_decode_isa(r["isa"].get<std::string>()),
                                                                               kernels::KVType::Q8, rank);
     const double int8_macs = r["cache"] == "q8" ? rows_scored * (32 + (int8_latents ? rank : 0)) : 0.0;
-    // q8 values (V_s for LRKV) in int16 where the back end weighs them so
-    const bool int16_values = r["cache"] == "q8" && kernels::decode_weighs_values_in_int16(
-                                                       kernels::parse_decode_isa(r["isa"].get<std::string>()), kernels::KVType::Q8);
+    // q8/q4 values (V_s for LRKV) in int16 where the back end weighs them so
+    const bool int16_values = kernels::decode_weighs_values_in_int16(kernels::parse_decode_isa(r["isa"].get<std::string>()),
+                                                                     kernels::parse_kv_type(r["cache"].get<std::string>()));
     const double int16_macs = int16_values ? rows_scored * 32 : 0.0;
     EXPECT_EQ(macs, 2 * rows_scored * (32 + rank));
     const double fma_us = (int8_macs / peak.int8 + int16_macs / peak.int16 + (macs - int8_macs - int16_macs) / peak.f32) / 1e3;

@@ -11,9 +11,9 @@
 
 namespace kvx::testing {
 
-// q8 values weighed with 15-bit codes (decode_weighs_values_in_int16): out (heads rows of width
-// kv.head_dim(), head h reading KV head h / (heads / kv_heads)) within largest[h] * max_t d_t,b(i) *
-// sum_t |code_t,i| / 65534 of ref, plus 1e-5 of the head's largest |ref|. largest: each head's
+// q8/q4 values weighed with 15-bit codes (decode_weighs_values_in_int16): out (heads rows of width
+// kv.head_dim(), head h reading KV head h / (heads / kv_heads)) within largest[h] * max_t |d_t,b(i)| *
+// sum_t |code_t,i| / 65534 of ref (q4's code: its nibble - 8), plus 1e-5 of the head's largest |ref|. largest: each head's
 // largest softmax weight (the references' largest_weight). Returns the worst error over its
 // allowance (<= 1 passes).
 inline double worst_over_int16_weights(const std::vector<float>& out, const std::vector<float>& ref, const std::vector<float>& largest,
@@ -29,8 +29,10 @@ inline double worst_over_int16_weights(const std::vector<float>& out, const std:
         std::memcpy(&h, row + 2 * b, 2);
         scale_max[b] = std::max(scale_max[b], std::fabs(static_cast<double>(kernels::fp16_to_float(h))));
       }
-      const int8_t* codes = reinterpret_cast<const int8_t*>(row + 2 * nb);
-      for (int i = 0; i < d; ++i) code_sum[i] += std::abs(static_cast<int>(codes[i]));
+      const uint8_t* codes = row + 2 * nb;
+      for (int i = 0; i < d; ++i)
+        code_sum[i] += kv.type() == kernels::KVType::Q4 ? std::abs(((codes[i / 2] >> (4 * (i % 2))) & 15) - 8)
+                                                         : std::abs(static_cast<int>(static_cast<int8_t>(codes[i])));
     }
     for (int h = kh * G; h < (kh + 1) * G; ++h) {
       double mag = 1e-30;
