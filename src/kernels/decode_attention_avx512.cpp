@@ -1264,8 +1264,9 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 // - float rows with several queries: 16 rows of up to 256 bytes (bf16 GQA: 0-19%, mostly 8-10%,
 //   faster than 32 when slow, the same when fast; 8 rows lost 8% when fast), 8 rows wider (f32
 //   GQA: 9-10% faster than 16 when slow, the same when fast; 4 no better);
-// - q8/q4 with several queries: 32 rows of up to 256 bytes (16 were 10-20% slower), else 16 (one
-//   transpose);
+// - q8/q4 with several queries: 32 rows of up to 256 bytes (16 were 10-20% slower; 64, once their
+//   values were int16 passes, H = 16 Hkv = 4, caches emptied, A/B both ways round: q8 0.79x, q4 1.01x),
+//   else 16 (one transpose);
 // - bf16 values by row pairs (avx512_pair_values) at 16+ queries a KV head: 64 rows, over which each pair
 //   pass spreads its accumulator loads and stores (MQA, H = 16, before 9-16 queries took heads in
 //   lanes: against 16 rows 1.03-1.14x with the caches emptied, 16K and 64K; 1.17-1.23x in cache).
@@ -1354,10 +1355,10 @@ struct Scratch {
 // a block is whole row words (q8: 4 values a word, q4: 8), else from dequantised columns.
 KVX_INLINE bool latent_words(KVType type, int r) { return r % (type == KVType::Q4 ? 8 : 4) == 0; }
 
-// q8 LRKV at 9-16 heads with latents that straddle heads (r % 32 != 0) or of one or two blocks a head (r = 32, 64)
-// takes its softmax and value weights with heads in lanes (run_piece).
-KVX_INLINE bool q8_weights_by_token(KVType type, int G, int r) {
-  return type == KVType::Q8 && G > 8 && G <= 16 && r > 0 && (r % 32 != 0 || r == 32 || r == 64);
+// q8/q4 LRKV at 9-16 heads with latents that straddle heads (r % 32 != 0) or of one or two blocks a head (r = 32,
+// 64) takes its softmax and value weights with heads in lanes (run_piece).
+KVX_INLINE bool quant_weights_by_token(KVType type, int G, int r) {
+  return (type == KVType::Q8 || type == KVType::Q4) && G > 8 && G <= 16 && r > 0 && (r % 32 != 0 || r == 32 || r == 64);
 }
 
 // Float scores of the GB queries at q (d floats apart) against rows kb, TB at a time, into
@@ -1757,18 +1758,20 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const bool latent_straddle = rst && r % 32 != 0;
   const bool latent_int = R::kQuant && latent_straddle && latent_words(kv.type(), r);
   const int lb = latent_straddle ? (G * r + 31) / 32 : 0;
-  // q8_weights_by_token: the softmax and the V weight codes with heads in lanes (the scores transposed
+  // quant_weights_by_token: the softmax and the V weight codes with heads in lanes (the scores transposed
   // to pt, which straddling latents' values read by token anyway; int_weights_by_token), r = 32 and
   // 64's latent weights by token too: no per-head maxima, branches or scalar scales. H = 16, A/B in one process
   // against the codes by head: r = 8 1.13-1.15x in L2, 1.13-1.14x at 16K and 64K with the caches
   // emptied; r = 16 1.07-1.11x / 1.06-1.11x; r = 32 1.03-1.07x / 1.00-1.03x; r = 64 1.16-1.22x /
   // 1.11-1.15x (64K 1.06x); q8 GQA and MHA unchanged (0.99-1.02x; GQA's code, the same bytes, read
   // 0.93x or 0.97-0.995x in a build with r = 64's change depending on the link order: layout). q4
-  // (float weights by token) measured 0.97-1.00x at r = 8 and 16: keeps them by head.
+  // with float weights by token measured 0.97-1.00x at r = 8 and 16; since its V_s weights became codes too,
+  // by token against by head (16K, caches emptied / in L2, A/B both ways round): r = 8 1.02x / 1.06x,
+  // r = 16 1.05x / 1.05x, r = 32 1.02x / 1.04x, r = 64 1.06x / 1.03x.
   // Straddling q8 latents weighed by 15-bit codes from these numerators (vpdpwssd on row pairs, each
   // lane's code permuted from its head's) ran r = 8 1.03-1.10x in L2 but 0.99-1.04x with the caches
   // emptied, and missed the latents' 1e-5 bound (1e-4 off), so latent_row_values stays f32.
-  const bool codes_by_token = kLrkv && rst && q8_weights_by_token(kv.type(), G, r);
+  const bool codes_by_token = kLrkv && rst && quant_weights_by_token(kv.type(), G, r);
   FlatLatents flat;  // f32/bf16 scores; every type's latent_row_values (q8/q4 rows end on a block: H r % 32 == 0)
   if (latent_straddle) {
     flat.r = r;
@@ -2275,7 +2278,7 @@ void avx512_prepare_latent_queries(const float* qb, int heads, int r, float scal
 size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width, bool lrkv) {
   const bool quant = type == KVType::Q8 || type == KVType::Q4;
   const int latent_blocks = (residual_width + 31) / 32;  // the most a straddling row has
-  const bool by_token = latent_blocks > 0 || (lrkv ? head_lanes(type, G, residual_width / G) || q8_weights_by_token(type, G, residual_width / G)
+  const bool by_token = latent_blocks > 0 || (lrkv ? head_lanes(type, G, residual_width / G) || quant_weights_by_token(type, G, residual_width / G)
                                                    : dense_head_lanes(type, G));
   const bool pairs = avx512_pair_values(type, G, lrkv);  // run_piece's
   return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks, by_token, pairs);

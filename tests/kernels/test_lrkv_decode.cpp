@@ -231,16 +231,19 @@ TEST(LrkvDecode, LongContextsAndEviction) {
   check(KVType::Q8, 4, 64, 32, 515, 100, {}, 51);
   check(KVType::BF16, 3, 64, 16, 300, 32, {4, 37}, 52);  // sink + window in both stores
   check(KVType::Q4, 16, 128, 32, 515, 100, {4, 200}, 53);  // integer scores across pages and eviction
-  // q8 latents that straddle heads, or r = 32 or 64, at 9-16 heads (AVX-512: softmax and V weight codes with
-  // heads in lanes, int_weights_by_token): pages that end tiles at odd rows, groups of 8 + 2 and
+  // q8/q4 latents that straddle heads, or r = 32 or 64, at 9-16 heads (AVX-512: softmax and V weight codes
+  // with heads in lanes, int_weights_by_token): pages that end tiles at odd rows, groups of 8 + 2 and
   // 8 + 4 + 2 heads, eviction
-  check(KVType::Q8, 16, 128, 8, 515, 100, {}, 59);
-  check(KVType::Q8, 10, 64, 16, 301, 45, {3, 120}, 60);
-  check(KVType::Q8, 14, 96, 16, 77, 33, {}, 61);
-  check(KVType::Q8, 16, 128, 32, 515, 100, {}, 62);  // r = 32: latent weights by token too
-  check(KVType::Q8, 12, 64, 32, 301, 45, {3, 120}, 63);
-  check(KVType::Q8, 16, 128, 64, 301, 100, {}, 64);  // r = 64: two latent blocks a head, 16-row tiles
-  check(KVType::Q8, 10, 64, 64, 77, 33, {2, 40}, 65);
+  for (KVType t : {KVType::Q8, KVType::Q4}) {
+    const uint32_t seed = t == KVType::Q8 ? 59 : 159;
+    check(t, 16, 128, 8, 515, 100, {}, seed);
+    check(t, 10, 64, 16, 301, 45, {3, 120}, seed + 1);
+    check(t, 14, 96, 16, 77, 33, {}, seed + 2);
+    check(t, 16, 128, 32, 515, 100, {}, seed + 3);  // r = 32: latent weights by token too
+    check(t, 12, 64, 32, 301, 45, {3, 120}, seed + 4);
+    check(t, 16, 128, 64, 301, 100, {}, seed + 5);  // r = 64: two latent blocks a head, 16-row tiles
+    check(t, 10, 64, 64, 77, 33, {2, 40}, seed + 6);
+  }
 }
 
 TEST(LrkvDecode, MismatchedStoresAreClearErrors) {
