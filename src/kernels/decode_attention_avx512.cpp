@@ -962,8 +962,8 @@ KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes,
 
 // q8/q4 values in integers: per tile, query g and block j, the weights w_t = p_t d_t,j (numerator
 // times the row's block scale) as 15-bit codes c_t = round(w_t / sig), sig = max_t |d_t,j| / 32767
-// (p_t <= 1: the running max; by token, sig also takes the tile's max_t p_t) (IntWeights, written by
-// the softmax), so acc[g][j] += sig sum_t c_t v_t with the int8 codes (q4: nibble - 8) v_t summed
+// (p_t <= 1: the running max; one sig a block for every query) (IntWeights, written by the
+// softmax), so acc[g][j] += sig sum_t c_t v_t with the int8 codes (q4: nibble - 8) v_t summed
 // exactly in int32 by vpdpwssd, two rows per lane (half the multiply instructions of f32 FMAs, and
 // no int -> float conversion per value). Each weight is off by up to sig / 2, i.e. max_t |d_t,j| /
 // (65534 l) <= max_t a_t max_t |d_t,j| / 65534 in units of the normalised weights a_t = p_t / l (a
@@ -971,7 +971,10 @@ KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes,
 // bound; decode_weighs_values_in_int16). Without the tile's max_t p_t the codes by head need no
 // horizontal max a query and tile (H = 16, 16K, caches emptied, A/B in one process both ways round:
 // q8 GQA 1.05x, MHA 1.09x); q4 moved from f32 FMAs to these passes at the same time (GQA 1.10x,
-// MHA 1.13x, LRKV r = 8 1.09x, r = 32 1.04x).
+// MHA 1.13x, LRKV r = 8 1.09x, r = 32 1.04x). The codes by token dropped it later (the same speed
+// within 1-2%: q8/q4 LRKV r = 8 and 16 in L2, q8 r = 8 and q4 r = 16 at 16K). The weight broadcast folded into vpdpwssd
+// ({1to16} from memory: two loads for the row pair's two halves instead of one broadcast) ran
+// 0.94x (q8, q4 GQA) and 0.96x (q8 LRKV r = 8) in L2.
 // 8-bit codes by vpdpbusd over four rows interleaved bytewise (half the multiply instructions)
 // measured 0.95-1.05x (GQA, MHA, LRKV r = 8 and 32; in L2 and cold at 16K) with outputs off by up
 // to 0.6% of their largest value, so the codes stay 15-bit. In L2 the V_s passes are ~28% of a q8
@@ -979,8 +982,8 @@ KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes,
 // ~8%, latent scores ~8%.
 struct IntWeights {
   const int32_t* words;  // [g][j][kMaxTile / 2]: codes of rows (2k, 2k + 1), the first in the low half
-  const float* sig;      // [g][j]
-  int nb;  // (by token: words [k][j][16], sig [j][16]; int_weights_by_token)
+  const float* sig;      // [j]: max_t |d_t,j| / 32767, the same for every query
+  int nb;  // (by token: words [k][j][16]; int_weights_by_token)
 };
 
 // acc + the dot products of x's and w's signed 16-bit pairs in each lane (vpdpwssd; as an
@@ -1002,18 +1005,14 @@ KVX_INLINE void add_int_sums(__m512i lo, __m512i hi, float sig, float* acc) {
 }
 
 // IntWeights by token from a tile's numerators with heads in lanes (pt[t * pt_stride + h], n rows,
-// after head_lane_softmax; pm: their largest per lane): head h's codes are p_h,t / pm_h times
-// vT[j][t] (the V scales times 32767 / vmax_j, as the codes by head), paired (2k, 2k + 1) into
-// words[k][j][16] (a row past n weighs 0); sig[j][16] = pm_h vmax_j / 32767.
-KVX_INLINE void int_weights_by_token(const float* pt, int pt_stride, int n, __m512 pm, const float* vT, int nb, const float* vmax,
-                                     int32_t* words, float* sig) {
-  const __mmask16 live = _mm512_cmp_ps_mask(pm, _mm512_setzero_ps(), _CMP_GT_OQ);
-  const __m512 pinv = _mm512_maskz_div_ps(live, _mm512_set1_ps(1.0f), pm);
-  for (int j = 0; j < nb; ++j) _mm512_storeu_ps(sig + 16 * j, _mm512_mul_ps(_mm512_mul_ps(pm, _mm512_set1_ps(vmax[j])), _mm512_set1_ps(1.0f / 32767.0f)));
+// after head_lane_softmax; each <= 1, as the codes by head): head h's codes are p_h,t times
+// vT[j][t] (the V scales times 32767 / vmax_j), paired (2k, 2k + 1) into words[k][j][16] (a row
+// past n weighs 0).
+KVX_INLINE void int_weights_by_token(const float* pt, int pt_stride, int n, const float* vT, int nb, int32_t* words) {
   for (int k = 0; 2 * k < n; ++k) {
     const float* x = pt + 2 * k * pt_stride;
-    const __m512 p0 = _mm512_mul_ps(_mm512_loadu_ps(x), pinv);
-    const __m512 p1 = 2 * k + 1 < n ? _mm512_mul_ps(_mm512_loadu_ps(x + pt_stride), pinv) : _mm512_setzero_ps();
+    const __m512 p0 = _mm512_loadu_ps(x);
+    const __m512 p1 = 2 * k + 1 < n ? _mm512_loadu_ps(x + pt_stride) : _mm512_setzero_ps();
     for (int j = 0; j < nb; ++j) {
       const float* v = vT + static_cast<size_t>(j) * kMaxTile + 2 * k;
       const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(p0, _mm512_set1_ps(v[0])));
@@ -1081,7 +1080,7 @@ KVX_INLINE void int_value_pass(const uint8_t* v0, size_t rb, int n, const IntWei
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 8
     for (int jj = 0; jj < JB; ++jj) {
-      const float sig = kByToken ? iw.sig[(j0 + jj) * 16 + g] : iw.sig[g * iw.nb + j0 + jj];
+      const float sig = iw.sig[j0 + jj];
       float* ag = acc + static_cast<size_t>(g) * d + 32 * (j0 + jj);
       if constexpr (R::kNibbles)
         add_int_sums_split(a[g][2 * jj], a[g][2 * jj + 1], sig, ag);
@@ -1622,9 +1621,8 @@ KVX_INLINE void head_lane_scores(const float* qt, int d, const uint8_t* kb, size
 
 // The online softmax of a tile's n score vectors at pt (heads in lanes; G heads): m (the G running
 // maxima) and l (16 lanes) updated, acc (G x d) and acc_r (G x r) rescaled where a head's max
-// rises, pt replaced by the numerators e^(s - m); pmax (if given): each lane's largest numerator.
-KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float* m, float* l, float* acc, int d, float* acc_r, int r,
-                                  __m512* pmax = nullptr) {
+// rises, pt replaced by the numerators e^(s - m).
+KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float* m, float* l, float* acc, int d, float* acc_r, int r) {
   const __mmask16 heads = G >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << G) - 1);
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   __m512 mv = _mm512_maskz_loadu_ps(heads, m);  // lanes past G: scores 0, max 0 (finite numerators, unused)
@@ -1647,16 +1645,13 @@ KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float*
     mv = mt;
     _mm512_mask_storeu_ps(m, heads, mv);
   }
-  __m512 pm = _mm512_setzero_ps();
   for (int t = 0; t < n; ++t) {
     float* s = pt + t * pt_stride;
     const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(s), mv));
     _mm512_storeu_ps(s, p);
     lv = _mm512_add_ps(lv, p);
-    if (pmax) pm = _mm512_max_ps(pm, p);
   }
   _mm512_storeu_ps(l, lv);
-  if (pmax) *pmax = pm;
 }
 
 // LRKV bf16 latents with heads in lanes (r = 2..16: a row's G r values in 32-value blocks that
@@ -1943,31 +1938,31 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
     if (codes_by_token)
       for (int t0 = 0; t0 < n; t0 += 16) transpose_block(sc.s + t0, kRow, G, sc.pt + t0 * sc.pt_stride, sc.pt_stride, n - t0);
-    __m512 pmax;  // (codes_by_token: the tile's largest numerator per head)
-    if (hl || codes_by_token) head_lane_softmax(sc.pt, sc.pt_stride, n, G, m, sc.l, acc, d, acc_r, r, codes_by_token ? &pmax : nullptr);
+    if (hl || codes_by_token) head_lane_softmax(sc.pt, sc.pt_stride, n, G, m, sc.l, acc, d, acc_r, r);
     if (n > 32 && !hl)  // f32 MHA, bf16 pair values (tile_rows, LRKV rows of 1-1.25 KB): float weights
       for (int g = 0; g < G; ++g)
         wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d,
                           acc_r + static_cast<size_t>(g) * r, r, n);
     const __mmask16 lo = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
     const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? 0xffff : static_cast<__mmask16>((1u << (n - 16)) - 1);
-    // q8/q4 integer values (IntWeights): each block's largest |V scale| in the tile; vT becomes d_t,j 32767 / that
+    // q8/q4 integer values (IntWeights): each block's largest |V scale| in the tile, vmax; vT becomes
+    // d_t,j 32767 / vmax and sig vmax / 32767
     int16_t* const wcodes = reinterpret_cast<int16_t*>(sc.w);
-    // (by token: words [kMaxTile / 2][nb][16], then sig [nb][16]; G > 8 leaves room for them and vmax)
+    // (by token: words [kMaxTile / 2][nb][16]; G > 8 leaves room for them and sig)
     float* const wsig = sc.w + static_cast<size_t>(codes_by_token ? 16 : G) * nb * kMaxTile / 2;
-    float* const vmax = wsig + static_cast<size_t>(codes_by_token ? 16 : G) * nb;
     if constexpr (R::kIntValues)
       for (int b = 0; b < nb; ++b) {
         float* x = sc.vT + static_cast<size_t>(b) * kMaxTile;
         const __m512 x0 = _mm512_maskz_loadu_ps(lo, x), x1 = _mm512_maskz_loadu_ps(hi, x + 16);
-        vmax[b] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));  // (q4 scales take either sign)
-        const __m512 k = _mm512_set1_ps(vmax[b] > 0.0f ? 32767.0f / vmax[b] : 0.0f);
+        const float vmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));  // (q4 scales take either sign)
+        wsig[b] = vmax * (1.0f / 32767.0f);
+        const __m512 k = _mm512_set1_ps(vmax > 0.0f ? 32767.0f / vmax : 0.0f);
         _mm512_storeu_ps(x, _mm512_mul_ps(x0, k));
         _mm512_storeu_ps(x + 16, _mm512_mul_ps(x1, k));
       }
     if constexpr (R::kIntValues)
       if (codes_by_token) {
-        int_weights_by_token(sc.pt, sc.pt_stride, n, pmax, sc.vT, nb, vmax, reinterpret_cast<int32_t*>(sc.w), wsig);
+        int_weights_by_token(sc.pt, sc.pt_stride, n, sc.vT, nb, reinterpret_cast<int32_t*>(sc.w));
         if (!latent_straddle) {  // r = 32, 64: wr[t][j][h] = p_h,t times the V scale of head h's block j, from the row
           const __mmask32 scales = static_cast<__mmask32>((1ull << nbr) - 1);
           const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -2018,7 +2013,6 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           if (n > 16)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 16),
                                 _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(p1, _mm512_loadu_ps(x + 16)))));
-          wsig[g * nb + b] = vmax[b] * (1.0f / 32767.0f);
         }
       }
       if constexpr (R::kQuant)  // value weights: the numerators times the V rows' block scales
@@ -2052,8 +2046,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       const PairWords pw{sc.pairs + g0 * (hl ? 1 : kMaxTile / 2), hl};
       const PairWords* pwp = pairs ? &pw : nullptr;
       const IntWeights iw = codes_by_token
-                                ? IntWeights{reinterpret_cast<const int32_t*>(sc.w) + g0, wsig + g0, nb}
-                                : IntWeights{reinterpret_cast<const int32_t*>(wcodes + static_cast<size_t>(g0) * nb * kMaxTile), wsig + g0 * nb, nb};
+                                ? IntWeights{reinterpret_cast<const int32_t*>(sc.w) + g0, wsig, nb}
+                                : IntWeights{reinterpret_cast<const int32_t*>(wcodes + static_cast<size_t>(g0) * nb * kMaxTile), wsig, nb};
       const IntWeights* iwp = R::kIntValues ? &iw : nullptr;
       auto values = [&](auto by_token) {
         constexpr bool kByToken = decltype(by_token)::value != 0;
