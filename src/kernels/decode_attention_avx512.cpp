@@ -1802,7 +1802,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // its time in L2), later ran faster without it: H = 16, 16K, caches emptied, A/B in one process over
   // 12 rounds (flush reads 59-88 GB/s), time with / without: r = 8 1.02-1.17, r = 32 1.03-1.09, r = 64
   // 1.10-1.19 (64K 1.27; in L2 1.10: each prefetch instruction costs issue slots, ~1.6 cycles a line
-  // in L2), while q8 GQA, which never took it, read 0.94-1.07.
+  // in L2), while q8 GQA, which never took it, read 0.94-1.07. f32 took it nowhere else: with it
+  // f32 GQA at 4 queries a KV head ran 0.95x, and f32 MHA with it alone (no next-tile prefetch)
+  // 0.81x (16K, caches emptied, A/B both ways round), though a synthetic loop of MHA's streams with
+  // ~30 cycles of FMAs a row read 10-15% faster with an L2 prefetch 16-32 KB ahead.
   constexpr int kFarTiles = 3;
   const bool far = !R::kQuant && G > 1 && !hl && ((R::kGroupFarPrefetch && G >= 8) || rrb > rb);
   float* m = part;
