@@ -1278,6 +1278,10 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 //   lanes: against 16 rows 1.03-1.14x with the caches emptied, 16K and 64K; 1.17-1.23x in cache).
 //   At 8 queries 64 and 32 rows were 0-6% slower with the caches emptied (1.11-1.22x faster in
 //   cache), so 8 keeps 16.
+// Wider float tiles run much faster in cache and slower cold: f32 GQA at 4 queries a KV head on 64 rows
+// with no software prefetch 1.56x in L2 but 0.86-0.88x at 16K with the caches emptied; 32 or 64 rows with the
+// prefetch 8-16 rows ahead instead of a tile ahead 1.28-1.44x in L2 but 0.73-0.81x cold (bf16 1.10-1.22x
+// and 0.82-0.94x); with the tile's own prefetch 1.25x and 0.91-0.94x (A/B in one process).
 int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
   if (G == 1) return quant || rb <= 256 ? 32 : kMaxTile;
   if (quant) return rb <= 256 ? 32 : 16;
@@ -2148,6 +2152,10 @@ void run_pieces(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, co
 
 }  // namespace
 
+// Wherever the CPU has AVX-512 BF16. On an Intel Xeon (Emerald Rapids, KVM, 2 threads; the one other
+// machine measured) the widened path (KVX_NO_AVX512_BF16) ran bf16 LRKV 1.08-1.21x faster at r = 8-64
+// and dense GQA 0.91-0.97x, two runs at 16K (16 threads: LRKV 0.90-1.12x); not gated by vendor on one
+// machine's numbers.
 bool avx512_bf16_dot() {
   static const bool dot = __builtin_cpu_supports("avx512bf16") && !getenv("KVX_NO_AVX512_BF16");
   return dot;
