@@ -279,9 +279,13 @@ void print_decode_table(const nlohmann::json& rows) {
                   r["isa"].get<std::string>().c_str(), r["lanes"].get<int>(), r["fma_peak_gmacs"].get<double>(),
                   r["int8_dot_peak_gmacs"].get<double>(), r["bf16_dot_peak_gmacs"].get<double>(),
                   r["int16_dot_peak_gmacs"].get<double>());
-  std::printf("\nattention only, H=16, d_h=128, fastest call with the caches emptied before each; of BW: vs the better\n"
+  size_t evict = 0;  // bytes read between calls (ReadBandwidthProbe::evict_bytes)
+  for (const auto& r : rows)
+    if (r.contains("evict_bytes")) evict = r["evict_bytes"].get<size_t>();
+  std::printf("\nattention only, H=16, d_h=128, fastest call with the caches emptied before each (%zu MiB read); of BW: vs the better\n"
               "probe either side of that kernel's calls in its round (probe); roofline = max(bytes / probe, multiply-adds / peak),\n"
-              "q8/q4 scores at the int8 peak, bf16 scores at the bf16 one, q8 values at the int16 one; roof/f32, roof/MHA: the speed-up a kernel at this row's roofline would reach\n");
+              "q8/q4 scores at the int8 peak, bf16 scores at the bf16 one, q8 values at the int16 one; roof/f32, roof/MHA: the speed-up a kernel at this row's roofline would reach\n",
+              evict >> 20);
   std::printf("%-6s %-5s %4s %8s %11s %8s %7s %7s %8s %9s %8s %10s %11s\n", "isa", "cache", "hkv", "context", "us/step", "GB/s",
               "probe", "of BW", "bound", "of roof", "vs f32", "roof/f32", "vs libtorch");
   for (const auto& r : rows) {

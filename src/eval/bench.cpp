@@ -490,7 +490,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   shared.clear();
   residual.clear();
   const double stream = *std::max_element(probes.begin(), probes.end());
-  rows.push_back({{"stream_gbps", stream}, {"stream_probes_gbps", probes}, {"threads", threads}});
+  rows.push_back({{"stream_gbps", stream}, {"stream_probes_gbps", probes}, {"threads", threads}, {"evict_bytes", probe.evict_bytes()}});
 
   // GDN: a whole layer's decode step (projections, convolutions, state update) at each context.
   if (o.gdn_rows) {

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <string>
 
+#include <unistd.h>
+
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -46,6 +48,15 @@ float read_chunk(const float* a, size_t n) {
 #endif
 }
 
+// The largest data cache the OS reports (L3, else L2; glibc reads CPUID), 0 if none.
+size_t last_level_cache_bytes() {
+  long bytes = 0;
+#if defined(_SC_LEVEL3_CACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+  bytes = std::max(sysconf(_SC_LEVEL3_CACHE_SIZE), sysconf(_SC_LEVEL2_CACHE_SIZE));
+#endif
+  return bytes > 0 ? static_cast<size_t>(bytes) : 0;
+}
+
 // 256-float aligned range of thread t of T over n floats.
 void thread_range(size_t n, int t, int T, size_t& lo, size_t& hi) {
   lo = n / 256 * t / T * 256;
@@ -55,7 +66,8 @@ void thread_range(size_t n, int t, int T, size_t& lo, size_t& hi) {
 
 ReadBandwidthProbe::ReadBandwidthProbe(size_t bytes, int threads) {
   constexpr size_t kAlign = size_t{2} << 20;
-  bytes = std::max<size_t>(bytes, size_t{1} << 30);
+  evict_bytes_ = std::max(size_t{128} << 20, 2 * last_level_cache_bytes());
+  bytes = std::max({bytes, size_t{1} << 30, evict_bytes_});
   bytes_ = (bytes + kAlign - 1) / kAlign * kAlign;
   threads_ = threads <= 0 ? omp_get_max_threads() : threads;
   void* mem = nullptr;
@@ -90,8 +102,8 @@ double ReadBandwidthProbe::read(size_t bytes) const {
   return total;
 }
 
-void ReadBandwidthProbe::evict_caches(size_t bytes) const {
-  if (read(bytes) < 0) std::abort();  // keeps the sums live; never true (all ones)
+void ReadBandwidthProbe::evict_caches() const {
+  if (read(evict_bytes_) < 0) std::abort();  // keeps the sums live; never true (all ones)
 }
 
 double ReadBandwidthProbe::measure(double seconds, size_t bytes) const {
