@@ -73,7 +73,8 @@ ReadBandwidthProbe::ReadBandwidthProbe(size_t bytes, int threads) {
   void* mem = nullptr;
   if (posix_memalign(&mem, kAlign, bytes_) != 0 || mem == nullptr)
     throw Error("ReadBandwidthProbe: cannot allocate " + std::to_string(bytes_ >> 20) +
-                " MiB; free memory or pass a smaller size (>= 1 GiB)");
+                " MiB (at least 1 GiB and twice the last-level cache, " + std::to_string(evict_bytes_ >> 20) +
+                " MiB here, so that caches do not count); free memory");
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   madvise(mem, bytes_, MADV_HUGEPAGE);
 #endif
