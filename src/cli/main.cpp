@@ -263,8 +263,10 @@ std::string times(const nlohmann::json& r, const char* key) {
 }
 
 void print_decode_table(const nlohmann::json& rows) {
+  size_t evict = 0;  // bytes read between calls (ReadBandwidthProbe::evict_bytes)
   for (const auto& r : rows)
     if (r.contains("stream_probes_gbps")) {
+      evict = r["evict_bytes"].get<size_t>();
       std::vector<double> p;
       for (const auto& x : r["stream_probes_gbps"]) p.push_back(x.get<double>());
       std::sort(p.begin(), p.end());
@@ -279,9 +281,6 @@ void print_decode_table(const nlohmann::json& rows) {
                   r["isa"].get<std::string>().c_str(), r["lanes"].get<int>(), r["fma_peak_gmacs"].get<double>(),
                   r["int8_dot_peak_gmacs"].get<double>(), r["bf16_dot_peak_gmacs"].get<double>(),
                   r["int16_dot_peak_gmacs"].get<double>());
-  size_t evict = 0;  // bytes read between calls (ReadBandwidthProbe::evict_bytes)
-  for (const auto& r : rows)
-    if (r.contains("evict_bytes")) evict = r["evict_bytes"].get<size_t>();
   std::printf("\nattention only, H=16, d_h=128, fastest call with the caches emptied before each (%zu MiB read); of BW: vs the better\n"
               "probe either side of that kernel's calls in its round (probe); roofline = max(bytes / probe, multiply-adds / peak),\n"
               "q8/q4 scores at the int8 peak, bf16 scores at the bf16 one, q8 values at the int16 one; roof/f32, roof/MHA: the speed-up a kernel at this row's roofline would reach\n",
