@@ -213,8 +213,9 @@ KVX_INLINE __m512 exp512(__m512 x) {
 // One line an iteration: unrolled to 4 lines, calls ran 0.85-0.93x (16K, caches emptied, A/B in
 // one process: f32, bf16 and q8 GQA, f32 LRKV r = 8), the prefetches issued in tighter bursts.
 // LRKV depends on it: f32 r = 8 (16K, caches emptied, two threads) ran 0.49-0.50x with no software
-// prefetch (the hardware prefetcher alone, which f32 MHA prefers) and no faster with prefetchnta
-// (0.85-0.93x). Its cold time, ~126-130 ns a row and thread, is its in-cache ~90 ns plus about
+// prefetch (the hardware prefetcher alone, which f32 MHA prefers), no faster with prefetchnta
+// (0.85-0.93x), and slower with the next tile fetched to L2 only (prefetcht1: f32 r = 8 0.89x,
+// f32 GQA 0.86x; 0.99x in L2). Its cold time, ~126-130 ns a row and thread, is its in-cache ~90 ns plus about
 // what a synthetic loop of the same four 512-byte streams and ~100 ns of register FMAs a row
 // loses at its best prefetch distance (125-137 ns): memory is hidden as well as it gets here.
 struct Prefetch {
@@ -1515,6 +1516,11 @@ struct HeadLaneResidual {
   }
 };
 
+// A rank-major latent row ([r][H]: lane h of vector k is R_h[k]) would make both residual passes
+// plain lane-wise FMAs, no head-group sums or permutes: that arithmetic alone (f32 r = 8, H = 16,
+// the layout faked, A/B in one process) ran 1.04-1.06x in L2 and 1.005x at 16K with the caches
+// emptied. The latents cost their memory (r = 8 adds 1 KB a row to r = 0's), not their sums; the
+// one head-major layout stays.
 // Lane h = the sum of head h's L lanes of the flat product x[0 .. L) (L <= 16; vector v holds heads
 // v 16 / L on, in order), by halving: each level sums the first and second halves of every
 // group of two vectors side by side, so the heads stay in order. L at compile time keeps x in
