@@ -770,8 +770,8 @@ KVX_INLINE void latent_column_scores(const Rows& rows, size_t offset, int blocks
 
 // ---------------------------------------------------------------------------------------------
 // Values: acc[g][group j] += sum_t w(g, t, j) v_t[group j] for groups j0 .. j0 + JB - 1, GB * 2 JB
-// <= 16 accumulators in registers across the n rows. Weights: f32/bf16 w[g * wg + t * ws] (the
-// softmax numerators; ws = 1, or the row stride of numerators by token with heads in lanes);
+// <= 16 accumulators in registers across the n rows. Weights: f32/bf16 w[g * wg + t] (the
+// softmax numerators; f32 with heads in lanes takes head_lane_values instead);
 // q8/q4 w[g * wg + j * kMaxTile + t], the numerators times the rows' block scales (the codes are
 // read unscaled); kByToken: w[g * wg + j * 16 + t * ws] (heads in lanes: run_piece's q8 r = 32, 64 latents).
 template <class R, bool kByToken = false>
@@ -806,7 +806,7 @@ KVX_INLINE void store_accumulators(const __m512 (&a)[GB][V], float* base, int st
 // 16 L1-resident rows: 23 cycles a row, 17 unrolled and stepped). pf: the pass prefetches
 // [pf_lo, pf_hi) of it in steps of 8 rows (value_tile).
 template <class R, int GB, int JB>
-KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, size_t ws, float* acc, int d, int j0,
+KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d, int j0,
                            const Prefetch* pf = nullptr, size_t pf_lo = 0, size_t pf_hi = 0) {
   static_assert(GB * 2 * JB <= 16, "value_pass holds up to 16 accumulators");
   __m512 a[GB][2 * JB];
@@ -837,7 +837,7 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
   if constexpr (R::kUnrolledValuePass) {
     const uint8_t* row = v0;
     const float* wt = w0;
-    for (int t = 0; t < n; ++t, row += rb, wt += ws) {
+    for (int t = 0; t < n; ++t, row += rb, ++wt) {
       prefetch_step(t);
       add_row(row, wt);
     }
@@ -849,7 +849,7 @@ KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, 
         __m512 va, vb;
         R::val(row, j0 + jj, va, vb);
         for (int g = 0; g < GB; ++g) {
-          const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, ws, g, j0 + jj, t));
+          const __m512 wv = _mm512_set1_ps(weight<R>(w, wg, 1, g, j0 + jj, t));
           a[g][2 * jj] = _mm512_fmadd_ps(wv, va, a[g][2 * jj]);
           a[g][2 * jj + 1] = _mm512_fmadd_ps(wv, vb, a[g][2 * jj + 1]);
         }
@@ -1219,7 +1219,7 @@ KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const flo
 // q4 MHA 12-14% and q8/q4 GQA slower, so they keep the share at the start).
 // kCodesByToken: iw laid out by token (int_weights_by_token).
 template <class R, int GB, bool kCodesByToken = false>
-KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, size_t ws, float* acc, int d,
+KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d,
                            const Prefetch* pf, const PairWords* pairs = nullptr, const IntWeights* iw = nullptr) {
   constexpr int JB = 8 / GB;
   const int nj = d / 32;
@@ -1237,10 +1237,10 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
       if (!steps && pf) pf->range(lo, hi);
       int_value_pass<R, GB, B, kCodesByToken>(v0, rb, n, *iw, acc, d, j, step_pf, lo, hi);
     } else if constexpr (R::kUnrolledValuePass || (GB == 1 && R::kMhaValuePrefetchSteps)) {
-      value_pass<R, GB, B>(v0, rb, n, w, wg, ws, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
+      value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else {
       if (pf) pf->range(bytes * j / nj, bytes * (j + B) / nj);
-      value_pass<R, GB, B>(v0, rb, n, w, wg, ws, acc, d, j);
+      value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j);
     }
     j += B;
   };
@@ -1344,21 +1344,23 @@ struct Scratch {
   float* cols;
   int32_t *idx, *head0, *seg_bias;
   int pt_stride;
+  float* acc_cols;  // f32 heads in lanes: the value accumulators by column, [d][16] (head_lane_values)
   Scratch(float* base, int G, int nb, int nbr, int lb, bool by_token, bool with_pairs)
       : s(base), l(s + G * kRow), kT(l + 16 * G), vT(kT + kMaxTile * (nb + nbr)), w(vT + kMaxTile * (nb + nbr)),
         wr(w + kMaxTile * G * nb), latent_codes(reinterpret_cast<uint8_t*>(wr + kMaxTile * nbr)),
         pt(wr + kMaxTile * nbr + (nbr ? 256 : 0)), pairs(reinterpret_cast<uint32_t*>(pt + (by_token ? kMaxTile * pt_floats(G) : 0))),
         cols(reinterpret_cast<float*>(pairs + (with_pairs ? pair_words(G) : 0))),
         idx(reinterpret_cast<int32_t*>(cols + (nbr ? 32 * 16 : 0))), head0(idx + 32 * lb), seg_bias(head0 + lb),
-        pt_stride(pt_floats(G)) {}
+        pt_stride(pt_floats(G)), acc_cols(base + (floats(G, nb, nbr, lb, by_token, with_pairs) + 15) / 16 * 16) {}
   // a row of pt: room for a 32-float load from any head
   static int pt_floats(int G) { return (G + 15) / 16 * 16 + 32; }
   // a tile's pairs of every head (16 words a pair with heads in lanes)
   static int pair_words(int G) { return kMaxTile / 2 * (G > 16 ? G : 16); }
-  static size_t floats(int G, int nb, int nbr, int lb, bool by_token, bool with_pairs) {
+  // column_floats: acc_cols' (16 d where the values take heads in lanes, else 0)
+  static size_t floats(int G, int nb, int nbr, int lb, bool by_token, bool with_pairs, int column_floats = 0) {
     return static_cast<size_t>(G) * (kRow + 16) + static_cast<size_t>(kMaxTile) * (2 * (nb + nbr) + G * nb + nbr) +
            (nbr ? 256 + 32 * 16 + 10 * nbr : 0) + (by_token ? kMaxTile * pt_floats(G) : 0) + (with_pairs ? pair_words(G) : 0) +
-           33 * lb + 16;
+           33 * lb + 16 + (column_floats ? column_floats + 16 : 0);
   }
 };
 
@@ -1633,9 +1635,10 @@ KVX_INLINE void head_lane_scores(const float* qt, int d, const uint8_t* kb, size
 }
 
 // The online softmax of a tile's n score vectors at pt (heads in lanes; G heads): m (the G running
-// maxima) and l (16 lanes) updated, acc (G x d) and acc_r (G x r) rescaled where a head's max
-// rises, pt replaced by the numerators e^(s - m).
-KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float* m, float* l, float* acc, int d, float* acc_r, int r) {
+// maxima) and l (16 lanes) updated, acc (G x d; by_column: d x 16, head_lane_values) and acc_r
+// (G x r) rescaled where a head's max rises, pt replaced by the numerators e^(s - m).
+KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float* m, float* l, float* acc, int d, float* acc_r, int r,
+                                  bool by_column) {
   const __mmask16 heads = G >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << G) - 1);
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   __m512 mv = _mm512_maskz_loadu_ps(heads, m);  // lanes past G: scores 0, max 0 (finite numerators, unused)
@@ -1649,9 +1652,13 @@ KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float*
     alignas(64) float a[16], mo[16];
     _mm512_store_ps(a, alpha);
     _mm512_store_ps(mo, mv);
+    for (int c = 0; c < d && by_column; ++c) {  // lanes that rise only (where m was -inf, alpha is 0 and so is acc)
+      const __m512 x = _mm512_loadu_ps(acc + 16 * c);
+      _mm512_storeu_ps(acc + 16 * c, _mm512_mask_mul_ps(x, rise, x, alpha));
+    }
     for (int h = 0; h < G; ++h)
       if ((rise >> h & 1) && mo[h] != kNegInf) {
-        scale_vec(acc + static_cast<size_t>(h) * d, d, a[h]);
+        if (!by_column) scale_vec(acc + static_cast<size_t>(h) * d, d, a[h]);
         if (r > 0) scale_vec(acc_r + static_cast<size_t>(h) * r, r, a[h]);
       }
     lv = _mm512_mask_mul_ps(lv, rise, lv, alpha);
@@ -1665,6 +1672,35 @@ KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float*
     lv = _mm512_add_ps(lv, p);
   }
   _mm512_storeu_ps(l, lv);
+}
+
+// f32 values with heads in lanes: acc_cols[c][16] (lane h: head h's value c) += sum_t pt[t][h] v_t[c]
+// for the n rows at v0 (rb bytes apart), each value broadcast against its row's 16 numerators, no
+// per-head weight broadcasts; 16 columns a pass, their accumulators in registers over the tile; pf:
+// the next V tile, a share a pass (in steps of 8 rows, as value_pass: MQA 1.00x cold, not 1.12x).
+// Against value_tile's head groups with per-head weight broadcasts (H = 16, d_h = 128, A/B in one
+// process both ways round, 16K with the caches emptied, two threads / 512 tokens in L2, one):
+// MQA (dense_head_lanes) 1.12-1.15x / 1.01-1.06x; LRKV r = 8 1.01-1.10x / 1.02-1.035x, r = 16
+// 0.99-1.09x / 0.98-1.035x, r = 32 0.95-0.99x / 0.97x, r = 64 1.015-1.02x / 1.01-1.07x.
+KVX_INLINE void head_lane_values(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, float* acc_cols, int d,
+                                 const Prefetch* pf) {
+  const size_t bytes = static_cast<size_t>(n) * rb;
+  const int passes = d / 16;
+  for (int c = 0; c < passes; ++c) {
+    if (pf) pf->range(bytes * c / passes, bytes * (c + 1) / passes);
+    float* base = acc_cols + 256 * c;
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_loadu_ps(base + 16 * i);
+    for (int t = 0; t < n; ++t) {
+      const __m512 p = _mm512_loadu_ps(pt + t * pt_stride);
+      const int32_t* row = reinterpret_cast<const int32_t*>(v0 + t * rb) + 16 * c;
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) a[i] = fmadd_broadcast(a[i], p, row + i);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(base + 16 * i, a[i]);
+  }
 }
 
 // LRKV bf16 latents with heads in lanes (r = 2..16: a row's G r values in 32-value blocks that
@@ -1800,6 +1836,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const int tile = rst || (hl && R::kDotBF16) ? lrkv_tile_rows(rb + rrb, kv.type(), R::kQuant, pairs, hl) : tile_rows(rb, G, R::kQuant, pairs);
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl || codes_by_token, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
+  const bool lane_values = hl && !R::kQuant && !R::kDotBF16;  // f32: head_lane_values into sc.acc_cols
+  float* const acc_cols = lane_values ? sc.acc_cols : nullptr;
   // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, and f32 LRKV whose latent
   // rows are wider than the shared ones (H r > d). Zen 5, 16K, time without it / with, A/B over
   // both bandwidth phases: q8 r = 32 1.07-1.10 (since dropped for q8, below), f32 r = 32 1.02; whole bench runs alternating
@@ -1828,6 +1866,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   for (int g = 0; g < G; ++g) m[g] = kNegInf;
   for (int i = 0; i < 16 * G; ++i) sc.l[i] = 0.0f;
   for (int i = 0; i < G * (d + r); ++i) acc[i] = 0.0f;
+  for (int i = 0; i < 16 * d && lane_values; ++i) acc_cols[i] = 0.0f;
   const size_t codes = 2 * static_cast<size_t>(nb);  // bytes of scales before the codes
   const size_t rcodes = 2 * static_cast<size_t>(nbr);
   // Byte offset of head h's latent within a residual row's codes (r % 32 == 0).
@@ -1954,7 +1993,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     // Online softmax: m' = max(m, max_t s_t); l = l e^(m - m') + sum_t e^(s_t - m'); acc *= e^(m - m').
     if (codes_by_token)
       for (int t0 = 0; t0 < n; t0 += 16) transpose_block(sc.s + t0, kRow, G, sc.pt + t0 * sc.pt_stride, sc.pt_stride, n - t0);
-    if (hl || codes_by_token) head_lane_softmax(sc.pt, sc.pt_stride, n, G, m, sc.l, acc, d, acc_r, r);
+    if (hl || codes_by_token) head_lane_softmax(sc.pt, sc.pt_stride, n, G, m, sc.l, lane_values ? acc_cols : acc, d, acc_r, r, lane_values);
     if (n > 32 && !hl)  // f32 MHA, bf16 pair values (tile_rows, LRKV rows of 1-1.25 KB): float weights
       for (int g = 0; g < G; ++g)
         wide_tile_softmax(sc.s + g * kRow, sc.l + 16 * g, m[g], acc + static_cast<size_t>(g) * d, d,
@@ -2046,15 +2085,16 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     }
 
     // Values; the first group's passes prefetch the next V tile (MHA: where R::kMhaValuePrefetch).
-    const float* w = R::kQuant ? sc.w : hl ? sc.pt : sc.s;
-    const size_t wg = R::kQuant ? static_cast<size_t>(nb) * kMaxTile : hl ? 1 : kRow, ws = hl ? sc.pt_stride : 1;
+    const float* w = R::kQuant ? sc.w : sc.s;  // (f32 heads in lanes: head_lane_values; bf16: pair words)
+    const size_t wg = R::kQuant ? static_cast<size_t>(nb) * kMaxTile : kRow;
     if (pairs) {
       if (hl)
         pair_weights(sc.pt, sc.pt_stride, n, sc.pairs);
       else
         pair_weights_by_head(sc.s, G, n, sc.pairs);
     }
-    for (int g0 = 0, gb; g0 < G; g0 += gb) {
+    if (lane_values) head_lane_values(vb, rb, n, sc.pt, sc.pt_stride, acc_cols, d, &vpf);
+    for (int g0 = 0, gb; g0 < G && !lane_values; g0 += gb) {
       gb = G - g0 >= 8 ? 8 : group_size(G - g0);
       const Prefetch* pf = g0 == 0 && (G > 1 || R::kMhaValuePrefetch) ? &vpf : nullptr;
       float* ag = acc + static_cast<size_t>(g0) * d;
@@ -2068,10 +2108,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       auto values = [&](auto by_token) {
         constexpr bool kByToken = decltype(by_token)::value != 0;
         switch (gb) {
-          case 8: value_tile<R, 8, kByToken>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pwp, iwp); break;
-          case 4: value_tile<R, 4, kByToken>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pwp, iwp); break;
-          case 2: value_tile<R, 2, kByToken>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pwp, iwp); break;
-          default: value_tile<R, 1, kByToken>(vb + codes, rb, n, wgp, wg, ws, ag, d, pf, pwp, iwp); break;
+          case 8: value_tile<R, 8, kByToken>(vb + codes, rb, n, wgp, wg, ag, d, pf, pwp, iwp); break;
+          case 4: value_tile<R, 4, kByToken>(vb + codes, rb, n, wgp, wg, ag, d, pf, pwp, iwp); break;
+          case 2: value_tile<R, 2, kByToken>(vb + codes, rb, n, wgp, wg, ag, d, pf, pwp, iwp); break;
+          default: value_tile<R, 1, kByToken>(vb + codes, rb, n, wgp, wg, ag, d, pf, pwp, iwp); break;
         }
       };
       with_flag<kLrkv && R::kIntValues>(codes_by_token, values);  // (the dense kernel compiles only the codes by head)
@@ -2135,6 +2175,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   }
 
   for (int g = 0; g < G; ++g) l[g] = hl || codes_by_token ? sc.l[g] : _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l + 16 * g));
+  for (int c0 = 0; c0 < d && lane_values; c0 += 16) transpose_block(acc_cols + 16 * c0, 16, 16, acc + c0, d, G);  // [d][16] -> [G][d]
   if constexpr (R::kPerm) {  // whole groups only (straddling latents, read as flat rows, are in natural order)
     unpermute(acc, G * d);
     for (int g = 0; g < G && rblocks > 0 && !latent_straddle; ++g) unpermute(acc_r + static_cast<size_t>(g) * r, 32 * rblocks);
@@ -2299,7 +2340,9 @@ size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width, bool
   const bool by_token = latent_blocks > 0 || (lrkv ? head_lanes(type, G, residual_width / G) || quant_weights_by_token(type, G, residual_width / G)
                                                    : dense_head_lanes(type, G));
   const bool pairs = avx512_pair_values(type, G, lrkv);  // run_piece's
-  return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks, by_token, pairs);
+  const bool lanes = lrkv ? head_lanes(type, G, residual_width / G) : dense_head_lanes(type, G);
+  return Scratch::floats(G, quant ? d / 32 : 0, quant ? residual_width / 32 : 0, latent_blocks, by_token, pairs,
+                         lanes && type == KVType::F32 ? 16 * d : 0);
 }
 
 void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const DecodePiece* pieces, int p0, int p1,
