@@ -1607,7 +1607,9 @@ KVX_INLINE void head_lane_block(const float* qt, int chunks, const uint8_t* kb, 
 
 // pt[t * pt_stride + h] = q_h . K_s,t (+ qb_h . R_h,t) for the n rows at kb (rb bytes apart; the
 // residual's at rkb, rrb apart). qt: [words of a K_s row][16] (lane h of word i: q_h's value i,
-// or its pair i). kpf/rkpf: the next tile's K_s / latent rows, fetched a share per step. Rows
+// or its pair i). kpf/rkpf: the next tile's K_s / latent rows, fetched a share per step. (f32 with
+// both next latent tiles spread over the K_s steps and head_lane_values' passes instead, as one even
+// stream: r = 8 1.01x with the caches emptied, 0.98x in L2; r = 16 0.91x cold.) Rows
 // in blocks of 16, or 8 for a tile's last 8 or fewer (f32 and wide latents tile by 8 rows).
 template <class R>
 KVX_INLINE void head_lane_scores(const float* qt, int d, const uint8_t* kb, size_t rb, int n, const HeadLaneResidual* hr,
@@ -1856,7 +1858,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // in L2), while q8 GQA, which never took it, read 0.94-1.07. f32 took it nowhere else: with it
   // f32 GQA at 4 queries a KV head ran 0.95x, and f32 MHA with it alone (no next-tile prefetch)
   // 0.81x (16K, caches emptied, A/B both ways round), though a synthetic loop of MHA's streams with
-  // ~30 cycles of FMAs a row read 10-15% faster with an L2 prefetch 16-32 KB ahead.
+  // ~30 cycles of FMAs a row read 10-15% faster with an L2 prefetch 16-32 KB ahead. f32 heads in lanes
+  // (LRKV r = 8, H = 16) with it 2 or 3 tiles ahead ran 0.93x / 0.89x (16K, caches emptied, A/B in one process).
   constexpr int kFarTiles = 3;
   const bool far = !R::kQuant && G > 1 && !hl && ((R::kGroupFarPrefetch && G >= 8) || rrb > rb);
   float* m = part;
