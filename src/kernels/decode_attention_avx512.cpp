@@ -1679,7 +1679,8 @@ KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float*
 // f32 values with heads in lanes: acc_cols[c][16] (lane h: head h's value c) += sum_t pt[t][h] v_t[c]
 // for the n rows at v0 (rb bytes apart), each value broadcast against its row's 16 numerators, no
 // per-head weight broadcasts; 16 columns a pass, their accumulators in registers over the tile; pf:
-// the next V tile, a share a pass (in steps of 8 rows, as value_pass: MQA 1.00x cold, not 1.12x).
+// the next V tile, a share at each pass's start (stepped every 8 rows as value_pass steps it, MQA ran
+// 1.00x cold instead of 1.12x).
 // Against value_tile's head groups with per-head weight broadcasts (H = 16, d_h = 128, A/B in one
 // process both ways round, 16K with the caches emptied, two threads / 512 tokens in L2, one):
 // MQA (dense_head_lanes) 1.12-1.15x / 1.01-1.06x; LRKV r = 8 1.01-1.10x / 1.02-1.035x, r = 16
