@@ -154,6 +154,12 @@ struct Q4Row {
   }
 };
 
+// The line `ahead` bytes on from p, to L1: a stream fetched at a fixed distance in rows as it is
+// read, one prefetch per line read (run_piece's `ahead`: f32 heads in lanes, latents of r % 32 != 0). A stream's
+// pages lie back to back in a KVStore chunk, so past a tile's or a page's end it fetches the next
+// rows; past a chunk's or the piece's end, lines nobody reads (a prefetch never faults).
+KVX_INLINE void prefetch_ahead(const void* p, size_t ahead) { __builtin_prefetch(static_cast<const char*>(p) + ahead, 0, 3); }
+
 // ---------------------------------------------------------------------------------------------
 // Vector helpers.
 
@@ -1161,7 +1167,7 @@ KVX_INLINE void latent_block_values(const uint8_t* row, int b, __m512& a, __m512
 // lanes in the row are fl.mask.
 template <class R, int B, bool kWhole>
 KVX_INLINE void latent_row_pass(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, const float* vT,
-                                const int32_t* idx, const int32_t* head0, float* acc, int b0, const FlatLatents& fl) {
+                                const int32_t* idx, const int32_t* head0, float* acc, int b0, const FlatLatents& fl, size_t ahead) {
   __m512 a[2 * B];
   __mmask16 m[2 * B];
   for (int i = 0; i < 2 * B; ++i) m[i] = fl.mask(2 * b0 + i);
@@ -1189,6 +1195,10 @@ KVX_INLINE void latent_row_pass(const uint8_t* v0, size_t rb, int n, const float
         wb = _mm512_mul_ps(wb, dv);
       }
       __m512 va, vb;
+      if (ahead) {  // f32: a block is two lines
+        prefetch_ahead(row + 128 * b, ahead);
+        if (m[2 * i + 1]) prefetch_ahead(row + 128 * b + 64, ahead);
+      }
       latent_block_values<R>(row, b, va, vb, m[2 * i], m[2 * i + 1]);
       a[2 * i] = _mm512_fmadd_ps(wa, va, a[2 * i]);
       a[2 * i + 1] = _mm512_fmadd_ps(wb, vb, a[2 * i + 1]);
@@ -1197,15 +1207,17 @@ KVX_INLINE void latent_row_pass(const uint8_t* v0, size_t rb, int n, const float
   for (int i = 0; i < 2 * B; ++i) _mm512_mask_storeu_ps(acc + 32 * b0 + 16 * i, m[i], a[i]);
 }
 
+// ahead: f32 rows fetched that many bytes on as they are read (0: none, the caller fetches).
 template <class R>
 KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, const float* vT,
-                                  const int32_t* idx, const int32_t* head0, int blocks, float* acc, const FlatLatents& fl) {
+                                  const int32_t* idx, const int32_t* head0, int blocks, float* acc, const FlatLatents& fl,
+                                  size_t ahead = 0) {
   auto passes = [&](auto whole) {
     constexpr bool kWhole = decltype(whole)::value != 0;
     int b = 0;
-    for (; b + 4 <= blocks; b += 4) latent_row_pass<R, 4, kWhole>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, fl);
-    for (; b + 2 <= blocks; b += 2) latent_row_pass<R, 2, kWhole>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, fl);
-    for (; b < blocks; ++b) latent_row_pass<R, 1, kWhole>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, fl);
+    for (; b + 4 <= blocks; b += 4) latent_row_pass<R, 4, kWhole>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, fl, ahead);
+    for (; b + 2 <= blocks; b += 2) latent_row_pass<R, 2, kWhole>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, fl, ahead);
+    for (; b < blocks; ++b) latent_row_pass<R, 1, kWhole>(v0, rb, n, pt, pt_stride, vT, idx, head0, acc, b, fl, ahead);
   };
   with_flag<true>(fl.r % 16 == 0, passes);
 }
@@ -1541,9 +1553,9 @@ KVX_INLINE __m512 sum_head_groups(__m512* x, const HeadLaneResidual& hr) {
 // pt[t * pt_stride + h] += qb_h . R_h,t for the n latent rows at rkb (rrb bytes apart), L words a
 // head (L = 32, 64: each head's 2 or 4 vectors added first, bf16 by chained vdpbf16ps, then summed as L = 16); rkpf: the next tile's
 // latent rows, a share every 4 rows.
-template <class R, int L>
+template <class R, int L, bool kAhead>
 KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rkb, size_t rrb, int n, float* pt, int pt_stride,
-                                   const Prefetch& rkpf) {
+                                   const Prefetch& rkpf, size_t ahead) {
   constexpr int T = L > 16 ? 16 : L, P = L / T;  // the tree's width; vectors a head pre-added (f32 r = 32: 2, 64: 4)
   const size_t rbytes = static_cast<size_t>(n) * rrb;
   __mmask16 lanes[L];
@@ -1556,12 +1568,13 @@ KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rk
 #pragma GCC unroll 16
   for (int v = 0; v < T && P == 1; ++v) qbv[v] = _mm512_loadu_ps(hr.qb + 16 * v);
   for (int t = 0; t < n; ++t) {
-    if (t % 4 == 0) rkpf.range(rbytes * t / n, rbytes * imin(t + 4, n) / n);
+    if (t % 4 == 0 && !kAhead) rkpf.range(rbytes * t / n, rbytes * imin(t + 4, n) / n);
     const uint8_t* row = rkb + t * rrb;
     __m512 x[T];
 #pragma GCC unroll 16
     for (int v = 0; v < T; ++v) {
       if constexpr (P == 1) {
+        if (kAhead && lanes[v]) prefetch_ahead(row + 64 * v, ahead);
         const __m512 w = _mm512_maskz_loadu_ps(lanes[v], row + 64 * v);
         x[v] = R::kDotBF16 ? _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qbv[v], (__m512bh)w) : _mm512_mul_ps(qbv[v], w);
       } else {  // head v's P vectors (bf16: of pairs)
@@ -1580,9 +1593,9 @@ KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rk
 
 // K_s scores of TB rows from row t0 of the tile (rows past n repeat its last), prefetching
 // steps [step0, step0 + chunks) of `steps` shares of the next tile's K_s.
-template <class R, int TB>
+template <class R, int TB, bool kAhead>
 KVX_INLINE void head_lane_block(const float* qt, int chunks, const uint8_t* kb, size_t rb, int n, int t0, float* pt,
-                                int pt_stride, const Prefetch& kpf, size_t kbytes, int step0, int steps) {
+                                int pt_stride, const Prefetch& kpf, size_t kbytes, int step0, int steps, size_t ahead) {
   const int32_t* rows[TB];
   for (int t = 0; t < TB; ++t) rows[t] = reinterpret_cast<const int32_t*>(kb + imin(t0 + t, n - 1) * rb);
   // TB accumulators in registers (GCC 12 left the loops rolled, one chain through memory)
@@ -1591,7 +1604,12 @@ KVX_INLINE void head_lane_block(const float* qt, int chunks, const uint8_t* kb, 
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
   for (int c = 0; c < chunks; ++c) {
     const int step = step0 + c;
-    kpf.range(kbytes * step / steps, kbytes * (step + 1) / steps);
+    if constexpr (!kAhead) {
+      kpf.range(kbytes * step / steps, kbytes * (step + 1) / steps);
+    } else if (c % 2 == 0) {  // chunks c, c + 1: the rows' line 32 c .. 32 c + 63
+#pragma GCC unroll 16
+      for (int t = 0; t < TB; ++t) prefetch_ahead(rows[t] + 8 * c, ahead);
+    }
     __m512 q[8];
 #pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) q[k] = _mm512_loadu_ps(qt + 16 * (8 * c + k));
@@ -1609,30 +1627,31 @@ KVX_INLINE void head_lane_block(const float* qt, int chunks, const uint8_t* kb, 
 // residual's at rkb, rrb apart). qt: [words of a K_s row][16] (lane h of word i: q_h's value i,
 // or its pair i). kpf/rkpf: the next tile's K_s / latent rows, fetched a share per step. (f32 with
 // both next latent tiles spread over the K_s steps and head_lane_values' passes instead, as one even
-// stream: r = 8 1.01x with the caches emptied, 0.98x in L2; r = 16 0.91x cold.) Rows
-// in blocks of 16, or 8 for a tile's last 8 or fewer (f32 and wide latents tile by 8 rows).
-template <class R>
+// stream: r = 8 1.01x with the caches emptied, 0.98x in L2; r = 16 0.91x cold.) ahead > 0: instead,
+// each line read fetches the one `ahead` rows on (prefetch_ahead). Rows in blocks of 16, or 8 for a
+// tile's last 8 or fewer (f32 and wide latents tile by 8 rows).
+template <class R, bool kAhead>
 KVX_INLINE void head_lane_scores(const float* qt, int d, const uint8_t* kb, size_t rb, int n, const HeadLaneResidual* hr,
                                  const uint8_t* rkb, size_t rrb, float* pt, int pt_stride, const Prefetch& kpf,
-                                 const Prefetch* rkpf) {
+                                 const Prefetch* rkpf, int ahead) {
   const int chunks = (R::kDotBF16 ? d / 2 : d) / 8;  // 8 words of QT held at a time
   const size_t kbytes = static_cast<size_t>(n) * rb;
   const int blocks = (n + 15) / 16, steps = blocks * chunks;
   for (int t0 = 0, b = 0; t0 < n; t0 += 16, ++b) {
     if (n - t0 > 8)
-      head_lane_block<R, 16>(qt, chunks, kb, rb, n, t0, pt, pt_stride, kpf, kbytes, b * chunks, steps);
+      head_lane_block<R, 16, kAhead>(qt, chunks, kb, rb, n, t0, pt, pt_stride, kpf, kbytes, b * chunks, steps, ahead * rb);
     else
-      head_lane_block<R, 8>(qt, chunks, kb, rb, n, t0, pt, pt_stride, kpf, kbytes, b * chunks, steps);
+      head_lane_block<R, 8, kAhead>(qt, chunks, kb, rb, n, t0, pt, pt_stride, kpf, kbytes, b * chunks, steps, ahead * rb);
   }
   if (!hr) return;
   switch (hr->L) {
-    case 1: head_lane_residual<R, 1>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
-    case 2: head_lane_residual<R, 2>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
-    case 4: head_lane_residual<R, 4>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
-    case 8: head_lane_residual<R, 8>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
-    case 16: head_lane_residual<R, 16>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
-    case 32: head_lane_residual<R, 32>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
-    default: head_lane_residual<R, 64>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf); break;
+    case 1: head_lane_residual<R, 1, kAhead>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf, ahead * rrb); break;
+    case 2: head_lane_residual<R, 2, kAhead>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf, ahead * rrb); break;
+    case 4: head_lane_residual<R, 4, kAhead>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf, ahead * rrb); break;
+    case 8: head_lane_residual<R, 8, kAhead>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf, ahead * rrb); break;
+    case 16: head_lane_residual<R, 16, kAhead>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf, ahead * rrb); break;
+    case 32: head_lane_residual<R, 32, kAhead>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf, ahead * rrb); break;
+    default: head_lane_residual<R, 64, kAhead>(*hr, rkb, rrb, n, pt, pt_stride, *rkpf, ahead * rrb); break;
   }
 }
 
@@ -1685,12 +1704,13 @@ KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float*
 // process both ways round, 16K with the caches emptied, two threads / 512 tokens in L2, one):
 // MQA (dense_head_lanes) 1.12-1.15x / 1.01-1.06x; LRKV r = 8 1.01-1.10x / 1.02-1.035x, r = 16
 // 0.99-1.09x / 0.98-1.035x, r = 32 0.95-0.99x / 0.97x, r = 64 1.015-1.02x / 1.01-1.07x.
+template <bool kAhead>
 KVX_INLINE void head_lane_values(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, float* acc_cols, int d,
-                                 const Prefetch* pf) {
+                                 const Prefetch* pf, size_t ahead) {
   const size_t bytes = static_cast<size_t>(n) * rb;
   const int passes = d / 16;
   for (int c = 0; c < passes; ++c) {
-    if (pf) pf->range(bytes * c / passes, bytes * (c + 1) / passes);
+    if (pf && !kAhead) pf->range(bytes * c / passes, bytes * (c + 1) / passes);
     float* base = acc_cols + 256 * c;
     __m512 a[16];
 #pragma GCC unroll 16
@@ -1698,6 +1718,7 @@ KVX_INLINE void head_lane_values(const uint8_t* v0, size_t rb, int n, const floa
     for (int t = 0; t < n; ++t) {
       const __m512 p = _mm512_loadu_ps(pt + t * pt_stride);
       const int32_t* row = reinterpret_cast<const int32_t*>(v0 + t * rb) + 16 * c;
+      if (kAhead) prefetch_ahead(row, ahead);
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) a[i] = fmadd_broadcast(a[i], p, row + i);
     }
@@ -1840,6 +1861,16 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl || codes_by_token, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
   const bool lane_values = hl && !R::kQuant && !R::kDotBF16;  // f32: head_lane_values into sc.acc_cols
+  // ahead: f32 heads in lanes with latents of r % 32 != 0 fetch each stream (K_s, V_s, both latents)
+  // `ahead` rows on, a line per line read (prefetch_ahead), instead of the next tile's ranges spread
+  // over the passes: no bookkeeping a step (in L2 the ranges' address arithmetic alone, with no
+  // prefetch issued, cost ~13 ns a row of MQA's when nothing else ran). H = 16, d_h = 128, 16K with
+  // the caches emptied, two threads, A/B in one process, against the ranges: r = 8 (8-row tiles) at 8
+  // rows 1.15-1.18x, at 16 1.06-1.12x; r = 16 (32-row tiles) at 8 0.92x, 16 1.03-1.34x (median
+  // 1.08x), 32 1.02-1.04x, and in a later run at 16 0.99-1.02x; r = 4 (32-row tiles) at 16 0.98x.
+  // MQA (r = 0) ran 0.98-1.04x at 8 and 16 rows, and r = 32 (latents pre-added per head) without its
+  // latent scores fetched this way 0.84x. So only 8-row tiles (r = 8 at H = 16) fetch this way.
+  const int ahead = lane_values && latent_straddle && tile <= 8 ? tile : 0;
   float* const acc_cols = lane_values ? sc.acc_cols : nullptr;
   // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, and f32 LRKV whose latent
   // rows are wider than the shared ones (H r > d). Zen 5, 16K, time without it / with, A/B over
@@ -1974,7 +2005,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           rows16(Int<1>{}, t0);
       }
     } else if (hl) {
-      head_lane_scores<R>(q, d, kb, rb, n, rst ? &hlr : nullptr, rkb, rrb, sc.pt, sc.pt_stride, kpf, &rkpf);
+      auto scores = [&](auto by_rows) {
+        head_lane_scores<R, decltype(by_rows)::value != 0>(q, d, kb, rb, n, rst ? &hlr : nullptr, rkb, rrb, sc.pt, sc.pt_stride, kpf, &rkpf, ahead);
+      };
+      with_flag<R::kHeadLanes && !R::kDotBF16>(ahead > 0, scores);
     } else {
       for (int g0 = 0, gb; g0 < G; g0 += gb) {
         gb = group_size(G - g0);
@@ -2097,7 +2131,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       else
         pair_weights_by_head(sc.s, G, n, sc.pairs);
     }
-    if (lane_values) head_lane_values(vb, rb, n, sc.pt, sc.pt_stride, acc_cols, d, &vpf);
+    if (lane_values && ahead) head_lane_values<true>(vb, rb, n, sc.pt, sc.pt_stride, acc_cols, d, &vpf, ahead * rb);
+    if (lane_values && !ahead) head_lane_values<false>(vb, rb, n, sc.pt, sc.pt_stride, acc_cols, d, &vpf, 0);
     for (int g0 = 0, gb; g0 < G && !lane_values; g0 += gb) {
       gb = G - g0 >= 8 ? 8 : group_size(G - g0);
       const Prefetch* pf = g0 == 0 && (G > 1 || R::kMhaValuePrefetch) ? &vpf : nullptr;
@@ -2137,8 +2172,9 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           default: pair_latent_values<8>(v0, rrb, n, sc.pairs, r, G * r, acc_r, rvpf); break;
         }
       } else {
-        rvpf.range(0, rtile);
-        latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, flat);
+        if (!ahead) rvpf.range(0, rtile);
+        latent_row_values<R>(rvb + rcodes, rrb, n, sc.pt, sc.pt_stride, sc.vT + nb * kMaxTile, sc.idx, sc.head0, lb, acc_r, flat,
+                             ahead * rrb);
       }
     } else if (rst) {  // + a_h R_h^V, heads in groups of up to 4
       const uint32_t* head_pairs = sc.pairs;

@@ -187,6 +187,8 @@ TEST(LrkvDecode, HeadsInLanesMatchReference) {
   check(KVType::F32, 9, 64, 32, 150, 40, {3, 60}, seed++);
   check(KVType::F32, 16, 128, 64, 90, 64, {}, seed++);  // 8-row tiles
   check(KVType::F32, 11, 32, 64, 77, 16, {2, 25}, seed++);
+  // r = 8 at H = 16, d_h = 128 (8-row tiles, each stream fetched rows ahead): short pages, eviction
+  check(KVType::F32, 16, 128, 8, 171, 24, {3, 60}, seed++);
   // bf16 latents of 16 and 32 pair words a head (r = 32, 64: 64-row tiles, whose latent values take
   // the numerators' pair words transposed to heads)
   check(KVType::BF16, 16, 128, 32, 203, 64, {}, seed++);
