@@ -1310,7 +1310,9 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
 //   and 64 (1.25-2.25 KB rows) against 64: 32 rows 0.95-1.00x, 16 rows 0.89-0.96x in cache, no faster cold). f32 with
 //   heads in lanes ran 10% faster on 64 rows than on 8 when memory was slow but 5-12% slower when fast,
 //   so keeps 8 up to 1 KB rows (r <= 8), 32 past them (r = 16, 32: head_lanes) and 8 again past 4 KB
-//   (r = 64 at H = 16: against 32 rows 1.13-1.15x, 16 rows 1.15-1.19x; 16K, caches emptied);
+//   (r = 64 at H = 16: against 32 rows 1.13-1.15x, 16 rows 1.15-1.19x; 16K, caches emptied); those
+//   whose latents straddle heads (r % 32 != 0) now take 8 rows and fetch rows ahead (run_piece's
+//   `straddle_lanes`), not this;
 // - bf16 pair values with score blocks (latents too wide for heads in lanes) and rows of 1-1.25 KB: 64
 //   rows (H = 16, d_h = 128, caches emptied, A/B in one process against 8: r = 32 1.15-1.33x at 16K,
 //   1.32-1.41x at 64K, 1.36-1.54x in cache; r = 24 1.00-1.13x at 16K); r = 40 and 48 (1.5-1.75 KB) were
@@ -1857,20 +1859,24 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // bf16 with vdpbf16ps, LRKV and dense of 8+ queries a KV head: values two rows at a time against bf16
   // numerator pairs (pair_weights; avx512_pair_values)
   const bool pairs = avx512_pair_values(kv.type(), G, kLrkv);
-  const int tile = rst || (hl && R::kDotBF16) ? lrkv_tile_rows(rb + rrb, kv.type(), R::kQuant, pairs, hl) : tile_rows(rb, G, R::kQuant, pairs);
+  const bool lane_values = hl && !R::kQuant && !R::kDotBF16;  // f32: head_lane_values into sc.acc_cols
+  // f32 heads in lanes with latents of r % 32 != 0: 8-row tiles, each stream (K_s, V_s, both latents)
+  // fetched `ahead` = 8 rows on, a line per line read (prefetch_ahead), instead of the next tile's
+  // ranges spread over the passes: no bookkeeping a step (in L3 the ranges' address arithmetic
+  // alone, every FMA and prefetch compiled out, took ~13 ns of MQA's ~20 ns a row). H = 16, d_h = 128,
+  // 16K with the caches emptied, two threads, A/B in one process against 32- (r = 2, 4, 16) or 8-row
+  // (r = 8) tiles with the ranges: r = 2 1.22-1.36x, r = 4 1.26-1.31x, r = 8 1.17-1.20x (in L2
+  // 1.07-1.09x), r = 16 1.26-1.30x (64K 1.18-1.25x, in L2 1.00-1.02x). Rows 16 ahead: r = 8 1.06-1.12x;
+  // r = 16 on 32-row tiles 8 ahead 0.92x, 16 ahead 0.99-1.08x. MQA (r = 0) ran 0.98-1.04x with rows
+  // ahead, and r = 32 (latents pre-added per head, whose latent scores did not fetch this way) 0.84x:
+  // both keep the ranges.
+  const bool straddle_lanes = lane_values && latent_straddle;
+  const int ahead = straddle_lanes ? 8 : 0;
+  const int tile = straddle_lanes ? 8
+                   : rst || (hl && R::kDotBF16) ? lrkv_tile_rows(rb + rrb, kv.type(), R::kQuant, pairs, hl)
+                                                : tile_rows(rb, G, R::kQuant, pairs);
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl || codes_by_token, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
-  const bool lane_values = hl && !R::kQuant && !R::kDotBF16;  // f32: head_lane_values into sc.acc_cols
-  // ahead: f32 heads in lanes with latents of r % 32 != 0 fetch each stream (K_s, V_s, both latents)
-  // `ahead` rows on, a line per line read (prefetch_ahead), instead of the next tile's ranges spread
-  // over the passes: no bookkeeping a step (in L2 the ranges' address arithmetic alone, with no
-  // prefetch issued, cost ~13 ns a row of MQA's when nothing else ran). H = 16, d_h = 128, 16K with
-  // the caches emptied, two threads, A/B in one process, against the ranges: r = 8 (8-row tiles) at 8
-  // rows 1.15-1.18x, at 16 1.06-1.12x; r = 16 (32-row tiles) at 8 0.92x, 16 1.03-1.34x (median
-  // 1.08x), 32 1.02-1.04x, and in a later run at 16 0.99-1.02x; r = 4 (32-row tiles) at 16 0.98x.
-  // MQA (r = 0) ran 0.98-1.04x at 8 and 16 rows, and r = 32 (latents pre-added per head) without its
-  // latent scores fetched this way 0.84x. So only 8-row tiles (r = 8 at H = 16) fetch this way.
-  const int ahead = lane_values && latent_straddle && tile <= 8 ? tile : 0;
   float* const acc_cols = lane_values ? sc.acc_cols : nullptr;
   // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, and f32 LRKV whose latent
   // rows are wider than the shared ones (H r > d). Zen 5, 16K, time without it / with, A/B over
