@@ -1594,7 +1594,8 @@ KVX_INLINE void head_lane_residual(const HeadLaneResidual& hr, const uint8_t* rk
 }
 
 // K_s scores of TB rows from row t0 of the tile (rows past n repeat its last), prefetching
-// steps [step0, step0 + chunks) of `steps` shares of the next tile's K_s.
+// steps [step0, step0 + chunks) of `steps` shares of the next tile's K_s (kAhead: instead, for
+// each line of the rows, the line `ahead` bytes on).
 template <class R, int TB, bool kAhead>
 KVX_INLINE void head_lane_block(const float* qt, int chunks, const uint8_t* kb, size_t rb, int n, int t0, float* pt,
                                 int pt_stride, const Prefetch& kpf, size_t kbytes, int step0, int steps, size_t ahead) {
@@ -2014,7 +2015,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       auto scores = [&](auto by_rows) {
         head_lane_scores<R, decltype(by_rows)::value != 0>(q, d, kb, rb, n, rst ? &hlr : nullptr, rkb, rrb, sc.pt, sc.pt_stride, kpf, &rkpf, ahead);
       };
-      with_flag<R::kHeadLanes && !R::kDotBF16>(ahead > 0, scores);
+      with_flag<kLrkv && R::kHeadLanes && !R::kDotBF16>(ahead > 0, scores);
     } else {
       for (int g0 = 0, gb; g0 < G; g0 += gb) {
         gb = group_size(G - g0);
