@@ -218,12 +218,14 @@ KVX_INLINE __m512 exp512(__m512 x) {
 // piece. The next tile goes to L1; with `far`, the same share of a tile further on to L2.
 // One line an iteration: unrolled to 4 lines, calls ran 0.85-0.93x (16K, caches emptied, A/B in
 // one process: f32, bf16 and q8 GQA, f32 LRKV r = 8), the prefetches issued in tighter bursts.
-// LRKV depends on it: f32 r = 8 (16K, caches emptied, two threads) ran 0.49-0.50x with no software
-// prefetch (the hardware prefetcher alone, which f32 MHA prefers), no faster with prefetchnta
-// (0.85-0.93x), and slower with the next tile fetched to L2 only (prefetcht1: f32 r = 8 0.89x,
-// f32 GQA 0.86x; 0.99x in L2). Its cold time, ~126-130 ns a row and thread, is its in-cache ~90 ns plus about
-// what a synthetic loop of the same four 512-byte streams and ~100 ns of register FMAs a row
-// loses at its best prefetch distance (125-137 ns): memory is hidden as well as it gets here.
+// The kernels depend on software prefetch: with none (the hardware prefetcher alone, which f32 MHA
+// prefers), f32 LRKV r = 8 ran 0.49-0.50x, f32 GQA 0.64-0.70x, q8 GQA 0.54-0.61x, q4 GQA 0.54-0.58x
+// (16K, caches emptied, two threads); no faster with prefetchnta (0.85-0.93x), and slower with the
+// next tile fetched to L2 only (prefetcht1: f32 r = 8 0.89x, f32 GQA 0.86x; 0.99x in L2). (f32 r = 8,
+// before it took prefetch_ahead: its cold ~126-130 ns a row and thread was its in-cache ~90 ns
+// plus about what a synthetic loop of the same four 512-byte streams and ~100 ns of register FMAs
+// a row lost at its best prefetch distance.) The bounds' integer divisions cost nothing that shows:
+// taken out of the per-step shares (heads in lanes), bf16 r = 8-64 and MQA ran 0.99-1.02x.
 struct Prefetch {
   const uint8_t *base, *next;
   size_t end, next_end;
@@ -1156,6 +1158,9 @@ KVX_INLINE void latent_block_values(const uint8_t* row, int b, __m512& a, __m512
   }
 }
 
+// (f32 heads in lanes, r = 1-16: a pass of one permute of the row's 16 numerators a vector, its
+// accumulators in registers over the tile, ran 1.02-1.05x in L2 but 0.93-1.04x at 16K and 0.89-0.99x
+// at 64K with the caches emptied, so these passes stay.)
 // Latents whose blocks straddle heads (r % 32 != 0), values: acc_r (the flat [H][r], i.e. the
 // row's columns) += sum_t p_{head(c)}(t) dv_t,b v_t[c], whole rows in natural order, blocks
 // b0 .. b0 + B - 1 (2 B accumulators across the rows). A block's lane weights come from the
@@ -1294,7 +1299,9 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 // Wider float tiles run much faster in cache and slower cold: f32 GQA at 4 queries a KV head on 64 rows
 // with no software prefetch 1.56x in L2 but 0.86-0.88x at 16K with the caches emptied; 32 or 64 rows with the
 // prefetch 8-16 rows ahead instead of a tile ahead 1.28-1.44x in L2 but 0.73-0.81x cold (bf16 1.10-1.22x
-// and 0.82-0.94x); with the tile's own prefetch 1.25x and 0.91-0.94x (A/B in one process).
+// and 0.82-0.94x); with the tile's own prefetch 1.25x and 0.91-0.94x (A/B in one process). On its 8-row
+// tiles f32 GQA fetched each line 8 rows ahead as it reads it (prefetch_ahead) instead of the next
+// tile's shares ran 0.85-1.02x cold, 16 or 24 rows ahead 0.95x.
 int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
   if (G == 1) return quant || rb <= 256 ? 32 : kMaxTile;
   if (quant) return rb <= 256 ? 32 : 16;
@@ -1870,7 +1877,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // 1.07-1.09x), r = 16 1.26-1.30x (64K 1.18-1.25x, in L2 1.00-1.02x). Rows 16 ahead: r = 8 1.06-1.12x;
   // r = 16 on 32-row tiles 8 ahead 0.92x, 16 ahead 0.99-1.08x. MQA (r = 0) ran 0.98-1.04x with rows
   // ahead, and r = 32 (latents pre-added per head, whose latent scores did not fetch this way) 0.84x:
-  // both keep the ranges.
+  // both keep the ranges. At r = 8, 8 rows ahead on 8-row tiles is a narrow optimum (measured with
+  // the latent pass noted at latent_row_pass, against this; the four streams' fetched rows likely
+  // have to fit L1 beside QT and acc_cols, 16 KB): 6 rows ahead ran 0.76-0.95x, 12 rows 0.84-0.87x,
+  // 16-row tiles 16 rows ahead 0.80-0.82x and 8 ahead 0.59-0.78x (though 1.10x and 1.16x in L2), the
+  // same to L2 (prefetcht1) 8-24 rows ahead 0.63-0.73x. bf16 heads in lanes fetched this way (pair
+  // values and latents too) against its 64-row tiles: 8-row tiles 8 ahead r = 4 0.95x, r = 8 0.96x
+  // (0.74x in L2), r = 16 1.06x; 16-row tiles 16 ahead 0.96-0.98x, 8 ahead 0.71-0.81x; 32-row 16
+  // ahead 0.93-1.00x: it keeps the ranges.
   const bool straddle_lanes = lane_values && latent_straddle;
   const int ahead = straddle_lanes ? 8 : 0;
   const int tile = straddle_lanes ? 8
