@@ -1310,7 +1310,11 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 // prefetch 8-16 rows ahead instead of a tile ahead 1.28-1.44x in L2 but 0.73-0.81x cold (bf16 1.10-1.22x
 // and 0.82-0.94x); with the tile's own prefetch 1.25x and 0.91-0.94x (A/B in one process). On its 8-row
 // tiles f32 GQA fetched each line 8 rows ahead as it reads it (prefetch_ahead) instead of the next
-// tile's shares ran 0.85-1.02x cold, 16 or 24 rows ahead 0.95x.
+// tile's shares ran 0.85-1.02x cold, 16 or 24 rows ahead 0.95x. With the page touch (run_piece), one
+// store read both ways, 16K, caches emptied: bf16 GQA (Hkv = 4) on 32 / 64 rows against 16 0.97x /
+// 0.92x in the slow phase and 0.96x for 64 in the fast one (1.27x / 1.40x in one run whose 16-row
+// calls took 1024 us instead of 630-930, not reproduced); f32 GQA on 16 / 32 / 64 against 8 0.88x /
+// 0.89x / 0.80x.
 int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
   if (G == 1) return quant || rb <= 256 ? 32 : kMaxTile;
   if (quant) return rb <= 256 ? 32 : 16;
@@ -1439,6 +1443,9 @@ KVX_INLINE void scores_for(const float* q, int gb, int d, const uint8_t* kb, siz
     // K rows with no far prefetch (MHA, f32 and bf16 GQA) spread the next tile's over the block: Zen 5,
     // 16K, caches emptied, A/B in one process: f32 GQA 8-16%, bf16 MHA 3-9% faster; with the far
     // prefetch too (bf16 MQA and LRKV) 1-17% slower, so those keep the share before the block
+    // (bf16 at 2-8 queries with tokens in lanes, token_scores' layout: 16 rows transposed to words,
+    // each query's word broadcast into vdpbf16ps, no horizontal sums: Hkv = 4 1.01x in L2, 0.94x at
+    // 16K with the caches emptied, Hkv = 8 0.71x, Hkv = 2 0.99x; not kept.)
     const Prefetch* spread = pf && !pf->far && !flat ? pf : nullptr;
     if (pf && !spread) pf->range(lo, hi);
     float* sg = s + t0;
@@ -1955,7 +1962,11 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // 0.96-1.31x (one early sweep 0.73-0.81x, not reproduced in five since), LRKV bf16 1.00-1.11x,
   // q8 1.04-1.25x. Left out: f32 LRKV 0.92-0.99x, q4 LRKV 0.96-1.06x, q8 MHA 0.83-1.09x, q8 GQA
   // 0.80-0.99x (FMA-bound: the touches cost issue slots), q4 MHA 0.96-1.18x, q4 GQA 0.88-1.17x.
-  // With the touch, MHA's rows fetched 8 ahead into L1 (score and value passes) measured 0.96-0.97x.
+  // Again reading one store both ways (no allocation bias between the sides), slow phase (probes
+  // 44-53 GB/s), with / without: MHA f32 1.09x (64K 1.12x), bf16 1.08x, GQA f32 1.08x, bf16 1.12x,
+  // LRKV bf16 r = 8 1.09x, q8 r = 8 1.00x; 8, 32 or 64 KB ahead within 3% of 16 but for bf16 r = 8
+  // (0.93x, 0.99x, 0.95x). With the touch, MHA's rows fetched 4, 8 or 16 ahead into L1 (score and
+  // value passes) measured 0.94-1.03x, and f32 MHA's next-tile K / V prefetch 0.91-0.95x / 0.86-0.92x.
   const bool touch = kLrkv ? R::kDotBF16 || (R::kQuant && !R::kNibbles) : !R::kQuant;
   constexpr size_t kTouchAhead = 16384;
   for (int64_t row = pc.r0; row < pc.r1;) {
