@@ -1967,7 +1967,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // LRKV bf16 r = 8 1.09x, q8 r = 8 1.00x; 8, 32 or 64 KB ahead within 3% of 16 but for bf16 r = 8
   // (0.93x, 0.99x, 0.95x). With the touch, MHA's rows fetched 4, 8 or 16 ahead into L1 (score and
   // value passes) measured 0.94-1.03x, and f32 MHA's next-tile K / V prefetch 0.91-0.95x / 0.86-0.92x.
-  const bool touch = kLrkv ? R::kDotBF16 || (R::kQuant && !R::kNibbles) : !R::kQuant;
+  constexpr bool kTouch = kLrkv ? R::kDotBF16 || (R::kQuant && !R::kNibbles) : !R::kQuant;
   constexpr size_t kTouchAhead = 16384;
   for (int64_t row = pc.r0; row < pc.r1;) {
     const int64_t page = row / P;
@@ -2001,7 +2001,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     const Prefetch rvfar = rst ? prefetcher(rvb, has_next ? rst->v_rows(page + 1, 0) : nullptr, rrb, kFarTiles) : Prefetch{};
     if (rst && far) rkpf.far = &rkfar, rvpf.far = &rvfar;
     const size_t rtile = static_cast<size_t>(n) * rrb;
-    if (touch) {
+    if constexpr (kTouch) {
       touch_pages(kb, static_cast<size_t>(n) * rb, kTouchAhead);
       touch_pages(vb, static_cast<size_t>(n) * rb, kTouchAhead);
       if (rst) touch_pages(rkb, rtile, kTouchAhead), touch_pages(rvb, rtile, kTouchAhead);
