@@ -1314,7 +1314,12 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 // store read both ways, 16K, caches emptied: bf16 GQA (Hkv = 4) on 32 / 64 rows against 16 0.97x /
 // 0.92x in the slow phase and 0.96x for 64 in the fast one (1.27x / 1.40x in one run whose 16-row
 // calls took 1024 us instead of 630-930, not reproduced); f32 GQA on 16 / 32 / 64 against 8 0.88x /
-// 0.89x / 0.80x.
+// 0.89x / 0.80x; bf16 MHA on 64 rows against 32 0.96x (0.88-1.00x, probes 49-83 GB/s). bf16 GQA
+// prefetching two tiles ahead instead of one: 0.95-0.97x.
+// bf16 GQA (Hkv = 4) reads do not overlap its compute when memory is slow: at a 44 GB/s probe, 16K,
+// it took 1200-1370 us, about its fast-phase time (~600 us, where it is compute-bound: 640 us of
+// compute against 450 of reads) plus its 33.5 MB at the probe's rate (760 us); f32 GQA, with half the
+// compute a byte, read 80% of the same probe.
 int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
   if (G == 1) return quant || rb <= 256 ? 32 : kMaxTile;
   if (quant) return rb <= 256 ? 32 : 16;
@@ -1499,6 +1504,12 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 // 1.06 (16K); r = 32 (L = 16, 32: a reduce16 a row for the residual, which the score blocks share
 // with K_s) 0.87 in cache in 8-row tiles; f32 r = 16, 32 and 64 have since taken heads in lanes
 // (head_lanes).
+// Where bf16 LRKV r = 8 (H = 16) spends a row, one thread, each part compiled out in turn: in L2
+// (128-256 tokens) the K_s and latent scores ~18 ns (~64 cycles against the 32 its 68 vdpbf16ps
+// take at the measured peak, which a loop of these instructions with {1to16} operands reaches
+// in either order, row- or word-major), the values ~10.5 ns (~37 cycles, near peak); at 1024 tokens
+// (1 MB: L2's size) 23-27 and ~17 ns; the rest (softmax, pair words, latent values) 6-9 ns. K_s
+// rows at a fixed 256-byte stride off one base register (no spilled row pointers) ran no faster.
 // Against a GEMM-style kernel with rows in lanes over K_s stored as transposed 32-48-row panels
 // (standalone, 16 heads x 128 values in L1/L2): 18.8-20.7 against 21.6-23.9 ns a row, the heads
 // in lanes already at ~85% of the register multiply-add rate; panels would save at most ~15% of
@@ -1929,6 +1940,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // 0.81x (16K, caches emptied, A/B both ways round), though a synthetic loop of MHA's streams with
   // ~30 cycles of FMAs a row read 10-15% faster with an L2 prefetch 16-32 KB ahead. f32 heads in lanes
   // (LRKV r = 8, H = 16) with it 2 or 3 tiles ahead ran 0.93x / 0.89x (16K, caches emptied, A/B in one process).
+  // With the page touch, bf16 GQA (Hkv = 4) with the far prefetch against without: 1.00x (0.89-1.04x,
+  // one store read both ways, 16K, caches emptied).
   constexpr int kFarTiles = 3;
   const bool far = !R::kQuant && G > 1 && !hl && ((R::kGroupFarPrefetch && G >= 8) || rrb > rb);
   float* m = part;
