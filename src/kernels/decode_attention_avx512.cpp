@@ -1338,6 +1338,15 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
 //   (r = 64 at H = 16: against 32 rows 1.13-1.15x, 16 rows 1.15-1.19x; 16K, caches emptied); those
 //   whose latents straddle heads (r % 32 != 0) now take 8 rows and fetch rows ahead (run_piece's
 //   `straddle_lanes`), not this;
+// - with the page touch (run_piece), heads in lanes take K tiles (K_s and latent rows) of ~24-36 KB:
+//   bf16 64 rows up to 512 bytes a row (r <= 8 at H = 16), 32 up to 1 KB (r = 16), 16 past it (r = 32,
+//   64); f32 16 rows of 2-4 KB (r = 32). H = 16, one store read both ways, caches emptied, medium /
+//   fast bandwidth phase (probes ~60 / ~85 GB/s), against the tiles before: bf16 r = 64 on 16 rows
+//   1.20x / 1.15x at 16K, 1.14x at 64K (8 rows 1.19x, 32 1.14x); r = 32 on 16 rows 1.21x / 1.04x, 64K
+//   1.06x (32 rows 1.07x / 1.04x); r = 16 on 32 rows 1.13x / 1.05x, 64K 1.03x (16 rows 1.05x); r = 8 on 32
+//   rows 1.01x, 16 rows 0.92x; f32 r = 32 on 16 rows 1.12x (8 rows 1.02x), in cache 1.005x; f32 r = 16
+//   on 16 rows 1.01x, r = 64 on 16 rows 0.90x. In cache (1K tokens, not emptied) the smaller bf16 tiles
+//   lose 7-12% (r = 64 0.90x, r = 32 0.88x, r = 16 0.93x): decode at long context reads its cache cold;
 // - bf16 pair values with score blocks (latents too wide for heads in lanes) and rows of 1-1.25 KB: 64
 //   rows (H = 16, d_h = 128, caches emptied, A/B in one process against 8: r = 32 1.15-1.33x at 16K,
 //   1.32-1.41x at 64K, 1.36-1.54x in cache; r = 24 1.00-1.13x at 16K); r = 40 and 48 (1.5-1.75 KB) were
@@ -1346,9 +1355,9 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
 //   1.11-1.32x at 16K, 1.17x at 64K, 1.09-1.12x in cache; r = 24 1.15x; H = 8 r = 32 1.11x); 2.5 KB rows
 //   (H = 16, r = 32) ran 0.88-0.99x (64 rows 0.84-0.95x), 4.5 KB (r = 64) 1.03-1.12x, left at 8.
 int lrkv_tile_rows(size_t row_bytes, KVType type, bool quant, bool pair_values, bool hl) {
-  if (hl && type == KVType::BF16) return kMaxTile;
+  if (hl && type == KVType::BF16) return row_bytes <= 512 ? kMaxTile : row_bytes <= 1024 ? 32 : 16;
   if (row_bytes < 1024) return 32;
-  if (hl) return row_bytes > 1024 && row_bytes <= 4096 ? 32 : 8;
+  if (hl) return row_bytes > 1024 && row_bytes < 2048 ? 32 : row_bytes <= 4096 ? 16 : 8;
   if (pair_values && row_bytes <= 1280) return kMaxTile;
   if (quant) return 16;
   return type == KVType::F32 && row_bytes >= 1536 && row_bytes <= 2048 ? 16 : 8;

@@ -180,7 +180,7 @@ TEST(LrkvDecode, HeadsInLanesMatchReference) {
     check(t, 16, 96, 4, 150, 40, {3, 60}, seed++);
     check(t, 9, 32, 2, 77, 16, {2, 25}, seed++);
   }
-  // f32 latents of 16, 32 and 64 words a head (r = 16, 32: 32-row tiles; 64)
+  // f32 latents of 16, 32 and 64 words a head (rows under 2 KB: 32-row tiles; H = 16 r = 32: 16; 64: 8)
   check(KVType::F32, 16, 128, 16, 203, 64, {}, seed++);
   check(KVType::F32, 12, 64, 16, 150, 40, {3, 60}, seed++);
   check(KVType::F32, 16, 128, 32, 203, 64, {}, seed++);
@@ -189,8 +189,8 @@ TEST(LrkvDecode, HeadsInLanesMatchReference) {
   check(KVType::F32, 11, 32, 64, 77, 16, {2, 25}, seed++);
   // r = 8 at H = 16, d_h = 128 (8-row tiles, each stream fetched rows ahead): short pages, eviction
   check(KVType::F32, 16, 128, 8, 171, 24, {3, 60}, seed++);
-  // bf16 latents of 16 and 32 pair words a head (r = 32, 64: 64-row tiles, whose latent values take
-  // the numerators' pair words transposed to heads)
+  // bf16 latents of 16 and 32 pair words a head (r = 32, 64: 16- or 32-row tiles, whose latent values
+  // take the numerators' pair words transposed to heads)
   check(KVType::BF16, 16, 128, 32, 203, 64, {}, seed++);
   check(KVType::BF16, 9, 64, 32, 150, 40, {3, 60}, seed++);
   check(KVType::BF16, 16, 128, 64, 139, 256, {}, seed++);
