@@ -314,6 +314,9 @@ KVX_INLINE __m512 dot_bf16(__m512 acc, __m512i k, const uint8_t* q) {
 // one per 32 values of d, instead of all of it before the block (scores_for).
 // f32: the queries' 32 values held in registers across the TB rows (GCC folds some into memory
 // operands) measured 0.97x in L2 at 4 queries a KV head and 0.83-1.04x cold, so they stay loads.
+// The scores stored as one 16-float vector per query a 16-row block (4 x 4 transpose of 128-bit
+// lanes; the softmax's loads then forward from single stores) measured 1.00-1.03x (bf16 GQA-4 and
+// GQA-2, one store read both ways, 16K with the caches emptied and 2K in cache): not kept.
 template <class R, int GB, int TB, bool kFlat = false, bool kSpread = false>
 KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const* rows, float* s,
                             const ResidualRows* res = nullptr, const Prefetch* pf = nullptr, size_t pf_lo = 0, size_t pf_hi = 0) {
