@@ -1992,7 +1992,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // LRKV bf16 r = 8 1.09x, q8 r = 8 1.00x; 8, 32 or 64 KB ahead within 3% of 16 but for bf16 r = 8
   // (0.93x, 0.99x, 0.95x). With the touch, MHA's rows fetched 4, 8 or 16 ahead into L1 (score and
   // value passes) measured 0.94-1.03x, and f32 MHA's next-tile K / V prefetch 0.91-0.95x / 0.86-0.92x.
+  // Later, one store read both ways, 16K / 64K, caches emptied, with / without: q8 MHA 1.09x / 1.12x
+  // (again 1.09x), f32 LRKV with heads in lanes r = 32 1.06-1.08x / 1.07x (r = 64 0.99-1.00x; both
+  // 0.99x in cache, 1K tokens), so they touch too; not the f32 latents that straddle heads, fetched rows ahead (r = 8 0.91x, r = 16 0.99x);
+  // q8 GQA 0.97-1.04x, q4 GQA 0.90x, q4 MHA 1.00x, q4 LRKV r = 8 1.02x.
   constexpr bool kTouch = kLrkv ? R::kDotBF16 || (R::kQuant && !R::kNibbles) : !R::kQuant;
+  constexpr bool kF32 = !R::kQuant && !R::kPerm;  // F32Row
+  const bool touch = kTouch || (!kLrkv && R::kQuant && !R::kNibbles && G == 1) ||
+                     (kLrkv && kF32 && rst && hl && !straddle_lanes);
   constexpr size_t kTouchAhead = 16384;
   for (int64_t row = pc.r0; row < pc.r1;) {
     const int64_t page = row / P;
@@ -2026,7 +2033,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     const Prefetch rvfar = rst ? prefetcher(rvb, has_next ? rst->v_rows(page + 1, 0) : nullptr, rrb, kFarTiles) : Prefetch{};
     if (rst && far) rkpf.far = &rkfar, rvpf.far = &rvfar;
     const size_t rtile = static_cast<size_t>(n) * rrb;
-    if constexpr (kTouch) {
+    if (touch) {
       touch_pages(kb, static_cast<size_t>(n) * rb, kTouchAhead);
       touch_pages(vb, static_cast<size_t>(n) * rb, kTouchAhead);
       if (rst) touch_pages(rkb, rtile, kTouchAhead), touch_pages(rvb, rtile, kTouchAhead);
