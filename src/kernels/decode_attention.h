@@ -19,7 +19,8 @@
 // end leaves f32 MHA's to the hardware prefetcher, measured faster); it also fetches the tile 3
 // ahead into L2 where that measured faster (f32/bf16 with several query heads per row, f32/bf16
 // LRKV). The AVX-512 back end also touches each 4 KiB page 16 KB before its stream reaches it
-// (f32/bf16 dense, bf16/q8 LRKV: the hardware prefetchers stop at page ends here). Each split's
+// (f32/bf16 dense, q8 MHA, bf16/q8 LRKV, f32 LRKV with heads in lanes: the hardware prefetchers
+// stop at page ends here). Each split's
 // partial results and scratch sit in their own 4 KiB pages (a prefetcher running along one
 // thread's must not pull in another's).
 // Speed on an AVX2 core with 2 FMA pipes: f32/bf16 and MHA q8/q4 are bound by memory
