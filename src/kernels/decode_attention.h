@@ -10,7 +10,7 @@
 // V block scales into the softmax weights (bf16 and q4 unpack into permuted lanes; the query is
 // permuted to match; the AVX-512 back end rounds q8/q4's to 15-bit codes, decode_weighs_values_in_int16,
 // and from 8 queries a KV head bf16's numerators to bf16, decode_rounds_value_weights). It is one
-// pass with an online softmax over tiles of 24-64 rows (running max m, running sum l, accumulator
+// pass with an online softmax over tiles of 8-64 rows (running max m, running sum l, accumulator
 // rescaled by e^(m_old - m_new)); only a tile's scores are held. The (KV head, token range) work
 // is cut into `splits` chunks shared by the threads, and the partial (m, l, acc) of each chunk are
 // merged by log-sum-exp:
