@@ -20,9 +20,8 @@
 // ahead into L2 where that measured faster (f32/bf16 with several query heads per row, f32/bf16
 // LRKV). The AVX-512 back end also touches each 4 KiB page 16 KB before its stream reaches it
 // (f32/bf16 dense, q8 MHA, bf16/q8 LRKV, f32 LRKV with heads in lanes: the hardware prefetchers
-// stop at page ends here). Each split's
-// partial results and scratch sit in their own 4 KiB pages (a prefetcher running along one
-// thread's must not pull in another's).
+// stop at page ends here). Each split's partial results and scratch sit in their own 4 KiB pages
+// (a prefetcher running along one thread's must not pull in another's).
 // Speed on an AVX2 core with 2 FMA pipes: f32/bf16 and MHA q8/q4 are bound by memory
 // bandwidth; with 4+ query heads per KV head q8/q4 are bound by FMA throughput (2 * G * d
 // multiply-adds per row pair, the same as f32), so they gain less than their size ratio.

@@ -1347,9 +1347,9 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
 //   fast bandwidth phase (probes ~60 / ~85 GB/s), against the tiles before: bf16 r = 64 on 16 rows
 //   1.20x / 1.15x at 16K, 1.14x at 64K (8 rows 1.19x, 32 1.14x); r = 32 on 16 rows 1.21x / 1.04x, 64K
 //   1.06x (32 rows 1.07x / 1.04x); r = 16 on 32 rows 1.13x / 1.05x, 64K 1.03x (16 rows 1.05x); r = 8 on 32
-//   rows 1.01x, 16 rows 0.92x; f32 r = 32 on 16 rows 1.12-1.13x, 64K 1.09x (8 rows 1.02x), in cache 1.005x; f32 r = 64
-//   on 16 rows 0.90x. In cache (1K tokens, not emptied) the smaller bf16 tiles
-//   lose 7-12% (r = 64 0.90x, r = 32 0.88x, r = 16 0.93x): decode at long context reads its cache cold;
+//   rows 1.01x, 16 rows 0.92x; f32 r = 32 on 16 rows 1.12-1.13x, 64K 1.09x (8 rows 1.02x), in cache
+//   1.005x; f32 r = 64 on 16 rows 0.90x. In cache (1K tokens, not emptied) the smaller bf16 tiles lose
+//   7-12% (r = 64 0.90x, r = 32 0.88x, r = 16 0.93x): decode at long context reads its cache cold;
 // - bf16 pair values with score blocks (latents too wide for heads in lanes) and rows of 1-1.25 KB: 64
 //   rows (H = 16, d_h = 128, caches emptied, A/B in one process against 8: r = 32 1.15-1.33x at 16K,
 //   1.32-1.41x at 64K, 1.36-1.54x in cache; r = 24 1.00-1.13x at 16K); r = 40 and 48 (1.5-1.75 KB) were
@@ -1994,12 +1994,11 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // value passes) measured 0.94-1.03x, and f32 MHA's next-tile K / V prefetch 0.91-0.95x / 0.86-0.92x.
   // Later, one store read both ways, 16K / 64K, caches emptied, with / without: q8 MHA 1.09x / 1.12x
   // (again 1.09x), f32 LRKV with heads in lanes r = 32 1.06-1.08x / 1.07x (r = 64 0.99-1.00x; both
-  // 0.99x in cache, 1K tokens), so they touch too; not the f32 latents that straddle heads, fetched rows ahead (r = 8 0.91x, r = 16 0.99x);
-  // q8 GQA 0.97-1.04x, q4 GQA 0.90x, q4 MHA 1.00x, q4 LRKV r = 8 1.02x.
+  // 0.99x in cache, 1K tokens), so they touch too; not the f32 latents that straddle heads, fetched
+  // rows ahead (r = 8 0.91x, r = 16 0.99x); q8 GQA 0.97-1.04x, q4 GQA 0.90x, q4 MHA 1.00x, q4 LRKV
+  // r = 8 1.02x.
   constexpr bool kTouch = kLrkv ? R::kDotBF16 || (R::kQuant && !R::kNibbles) : !R::kQuant;
-  constexpr bool kF32 = !R::kQuant && !R::kPerm;  // F32Row
-  const bool touch = kTouch || (!kLrkv && R::kQuant && !R::kNibbles && G == 1) ||
-                     (kLrkv && kF32 && rst && hl && !straddle_lanes);
+  const bool touch = kTouch || (!kLrkv && R::kQuant && !R::kNibbles && G == 1) || (rst && lane_values && !latent_straddle);
   constexpr size_t kTouchAhead = 16384;
   for (int64_t row = pc.r0; row < pc.r1;) {
     const int64_t page = row / P;
