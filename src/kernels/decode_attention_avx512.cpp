@@ -164,6 +164,8 @@ KVX_INLINE void prefetch_ahead(const void* p, size_t ahead) { __builtin_prefetch
 // project's machine (a Firecracker VM) the hardware prefetchers stop at every 4 KiB page and each
 // new page costs a nested table walk; touching a page 16 KB before the stream reaches it starts
 // that walk early (measured: a synthetic two-stream scan went from ~75% to ~95-110% of the probe).
+// Three lines a page instead of one (to train the hardware's stream sooner), 16K, caches emptied,
+// one store read both ways: bf16 GQA 1.01x, f32 MHA 0.98x, q8 LRKV r = 8 0.99x, bf16 r = 8 1.03x.
 KVX_INLINE void touch_pages(const uint8_t* base, size_t bytes, size_t far) {
   const uintptr_t lo = reinterpret_cast<uintptr_t>(base) + far, hi = lo + bytes;
   for (uintptr_t a = (lo + 4095) & ~uintptr_t{4095}; a < hi; a += 4096) __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 1);
@@ -1000,7 +1002,12 @@ KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes,
 // measured 0.95-1.05x (GQA, MHA, LRKV r = 8 and 32; in L2 and cold at 16K) with outputs off by up
 // to 0.6% of their largest value, so the codes stay 15-bit. In L2 the V_s passes are ~28% of a q8
 // LRKV r = 8 call (compiled out: 1.33-1.39x), its K_s scores ~15%, latent values ~10%, these codes
-// ~8%, latent scores ~8%.
+// ~8%, latent scores ~8%. q8 GQA (H = 16, Hkv = 4, 512 tokens in L2, one thread, 29.8 us a call;
+// each part compiled out in turn): K scores 7.0 us (of which the code transposes 0.8), V passes 5.6,
+// softmax and weight codes 4.0, scale transposes 2.8, next-tile prefetch 2.0, vmax 0.9; the call's
+// fixed cost ~4.4 (64 tokens' time), tile bookkeeping and value epilogues ~3. Its 8 vpdpbusd and 16
+// vpdpwssd a row take ~1.2 + 2.3 ns at two a cycle of the ~12.4 ns a row; with the store cold at 16K,
+// two threads, ~15.6 ns a row and thread.
 struct IntWeights {
   const int32_t* words;  // [g][j][kMaxTile / 2]: codes of rows (2k, 2k + 1), the first in the low half
   const float* sig;      // [j]: max_t |d_t,j| / 32767, the same for every query
@@ -1301,7 +1308,9 @@ KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; 
 //   faster than 32 when slow, the same when fast; 8 rows lost 8% when fast), 8 rows wider (f32
 //   GQA: 9-10% faster than 16 when slow, the same when fast; 4 no better);
 // - q8/q4 with several queries: 32 rows of up to 256 bytes (16 were 10-20% slower; 64, once their
-//   values were int16 passes, H = 16 Hkv = 4, caches emptied, A/B both ways round: q8 0.79x, q4 1.01x),
+//   values were int16 passes, H = 16 Hkv = 4, caches emptied, A/B both ways round: q8 0.79x, q4 1.01x;
+//   again later with a softmax of four score vectors writing the weight codes, one store read both
+//   ways, 16K: q8 0.84x (in L2, 512 tokens: 1.00x), q4 1.04x),
 //   else 16 (one transpose);
 // - bf16 values by row pairs (avx512_pair_values) at 16+ queries a KV head: 64 rows, over which each pair
 //   pass spreads its accumulator loads and stores (MQA, H = 16, before 9-16 queries took heads in
@@ -1947,7 +1956,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // its time in L2), later ran faster without it: H = 16, 16K, caches emptied, A/B in one process over
   // 12 rounds (flush reads 59-88 GB/s), time with / without: r = 8 1.02-1.17, r = 32 1.03-1.09, r = 64
   // 1.10-1.19 (64K 1.27; in L2 1.10: each prefetch instruction costs issue slots, ~1.6 cycles a line
-  // in L2), while q8 GQA, which never took it, read 0.94-1.07. f32 took it nowhere else: with it
+  // in L2), while q8 GQA, which never took it, read 0.94-1.07 (again later, q8 r = 8 with it 2, 3 or 6
+  // tiles ahead against without: 0.94x, 0.94x, 0.88x). f32 took it nowhere else: with it
   // f32 GQA at 4 queries a KV head ran 0.95x, and f32 MHA with it alone (no next-tile prefetch)
   // 0.81x (16K, caches emptied, A/B both ways round), though a synthetic loop of MHA's streams with
   // ~30 cycles of FMAs a row read 10-15% faster with an L2 prefetch 16-32 KB ahead. f32 heads in lanes
