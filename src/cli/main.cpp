@@ -273,6 +273,14 @@ void print_decode_table(const nlohmann::json& rows) {
       std::printf("read bandwidth (STREAM-like probe, all threads): best %.1f GB/s; %zu probes (at the start, then before "
                   "each context and after each kernel's calls): min %.1f, median %.1f (all in --json)\n",
                   r["stream_gbps"].get<double>(), p.size(), p.front(), p[p.size() / 2]);
+      std::vector<double> c;
+      for (const auto& x : r["compute_probes_gmacs"]) c.push_back(x.get<double>());
+      std::sort(c.begin(), c.end());
+      const double peak = r["compute_peak_gmacs"].get<double>();
+      std::printf("compute (f32 multiply-add probe beside each bandwidth probe, %s): min %.1f, median %.1f G MAC/s, %.0f%% / %.0f%% of "
+                  "the peak at the start (cpu: the better probe around a row's fastest call, which scales its compute floor)\n",
+                  r["compute_probe_isa"].get<std::string>().c_str(), c.front(), c[c.size() / 2], 100 * c.front() / peak,
+                  100 * c[c.size() / 2] / peak);
     }
   for (const auto& r : rows)
     if (r.contains("fma_peak_gmacs"))
@@ -283,17 +291,17 @@ void print_decode_table(const nlohmann::json& rows) {
                   r["int16_dot_peak_gmacs"].get<double>());
   std::printf("\nattention only, H=16, d_h=128, fastest call with the caches emptied before each (%zu MiB read); of BW: vs the better\n"
               "probe either side of that kernel's calls in its round (probe); roofline = max(bytes / probe, multiply-adds / peak),\n"
-              "q8/q4 scores at the int8 peak, bf16 scores at the bf16 one, q8 values at the int16 one; roof/f32, roof/MHA: the speed-up a kernel at this row's roofline would reach\n",
+              "q8/q4 scores at the int8 peak, bf16 scores at the bf16 one, q8 values at the int16 one, each times cpu; roof/f32, roof/MHA: the speed-up a kernel at this row's roofline would reach\n",
               evict >> 20);
-  std::printf("%-6s %-5s %4s %8s %11s %8s %7s %7s %8s %9s %8s %10s %11s\n", "isa", "cache", "hkv", "context", "us/step", "GB/s",
-              "probe", "of BW", "bound", "of roof", "vs f32", "roof/f32", "vs libtorch");
+  std::printf("%-6s %-5s %4s %8s %11s %8s %7s %7s %5s %8s %9s %8s %10s %11s\n", "isa", "cache", "hkv", "context", "us/step", "GB/s",
+              "probe", "of BW", "cpu", "bound", "of roof", "vs f32", "roof/f32", "vs libtorch");
   for (const auto& r : rows) {
     if (!r.contains("us_per_step") || r.contains("family")) continue;
     const std::string vs = r["cache"] == "f32" ? times(r, "fused_speedup_vs_torch") : "";
-    std::printf("%-6s %-5s %4d %8lld %11.1f %8.1f %7.1f %6.0f%% %8s %8.0f%% %8s %10s %11s\n", r["isa"].get<std::string>().c_str(),
+    std::printf("%-6s %-5s %4d %8lld %11.1f %8.1f %7.1f %6.0f%% %4.0f%% %8s %8.0f%% %8s %10s %11s\n", r["isa"].get<std::string>().c_str(),
                 r["cache"].get<std::string>().c_str(), r["hkv"].get<int>(), static_cast<long long>(r["context"].get<int64_t>()),
                 r["us_per_step"].get<double>(), r["gbps"].get<double>(), r["probe_gbps"].get<double>(), 100 * r["bw_ratio"].get<double>(),
-                r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(), times(r, "speedup_vs_f32").c_str(),
+                100 * r["compute_ratio"].get<double>(), r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(), times(r, "speedup_vs_f32").c_str(),
                 times(r, "roofline_speedup_vs_f32").c_str(), vs.c_str());
   }
   bool lrkv_header = false;
@@ -301,13 +309,13 @@ void print_decode_table(const nlohmann::json& rows) {
     if (!r.contains("family") || r["family"] != "lrkv") continue;
     if (!lrkv_header)
       std::printf("\nLRKV factored decode, H=16, d_h=128 (K_s, V_s and per-head latents); vs MHA: the dense kernel, same type, timed in the same rounds\n"
-                  "%-6s %-5s %4s %8s %9s %11s %8s %7s %7s %8s %9s %8s %9s %8s\n", "isa", "cache", "r", "context", "cache/MHA", "us/step", "GB/s",
-                  "probe", "of BW", "bound", "of roof", "vs MHA", "roof/MHA", "target");
+                  "%-6s %-5s %4s %8s %9s %11s %8s %7s %7s %5s %8s %9s %8s %9s %8s\n", "isa", "cache", "r", "context", "cache/MHA", "us/step",
+                  "GB/s", "probe", "of BW", "cpu", "bound", "of roof", "vs MHA", "roof/MHA", "target");
     lrkv_header = true;
-    std::printf("%-6s %-5s %4d %8lld %8.1f%% %11.1f %8.1f %7.1f %6.0f%% %8s %8.0f%% %8s %9s %8s\n", r["isa"].get<std::string>().c_str(),
+    std::printf("%-6s %-5s %4d %8lld %8.1f%% %11.1f %8.1f %7.1f %6.0f%% %4.0f%% %8s %8.0f%% %8s %9s %8s\n", r["isa"].get<std::string>().c_str(),
                 r["cache"].get<std::string>().c_str(), r["rank"].get<int>(), static_cast<long long>(r["context"].get<int64_t>()),
                 100 * r["cache_vs_mha"].get<double>(), r["us_per_step"].get<double>(), r["gbps"].get<double>(), r["probe_gbps"].get<double>(),
-                100 * r["bw_ratio"].get<double>(), r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(),
+                100 * r["bw_ratio"].get<double>(), 100 * r["compute_ratio"].get<double>(), r["bound"].get<std::string>().c_str(), 100 * r["of_roofline"].get<double>(),
                 times(r, "speedup_vs_mha").c_str(), times(r, "roofline_speedup_vs_mha").c_str(), times(r, "target_speedup_vs_mha").c_str());
   }
   bool gdn_header = false;

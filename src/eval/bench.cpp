@@ -392,6 +392,15 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   if (verbose) std::cerr << "bench decode: measuring read bandwidth ...\n";
   const kernels::ReadBandwidthProbe probe(size_t{1} << 30, threads);
   std::vector<double> probes = {probe.measure(1.0)};
+  // The compute the machine had, probed beside each bandwidth probe: this VM's compute rate also
+  // drifts (its f32 peak read 204-264 G MAC/s across runs, and compute-bound calls of one run took
+  // 1.5-1.7x their time in another at the same bandwidth). A short f32 multiply-add probe (three
+  // passes, ~30 ms) at the widest back end's lanes; a row's compute floor is scaled by the better of
+  // the two around its fastest call, as a share of the peak measured at the start (compute_ratio).
+  const kernels::DecodeIsa probe_isa =
+      std::find(isas.begin(), isas.end(), kernels::DecodeIsa::Avx512) != isas.end() ? kernels::DecodeIsa::Avx512 : isas.front();
+  auto compute_probe = [&] { return kernels::measure_fma_peak_gmacs(probe_isa == kernels::DecodeIsa::Avx512 ? 16 : 8, threads, 0.0); };
+  std::vector<double> compute_probes = {compute_probe()};
   auto cold = [&](auto&& f, double seconds) { return cold_seconds_per_call(f, seconds, [&] { probe.evict_caches(); }); };
 
   // Per context, every timed kernel (back end, cache type, Hkv; LRKV ranks) runs in interleaved
@@ -409,6 +418,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     int rank = -1;        // LRKV rows: the residual rank (hkv = heads); dense rows: -1
     kernels::DecodeIsa dense_isa = kernels::DecodeIsa::Auto;  // LRKV rows: the dense rows' back end of the same request
     double stream = 0.0;  // GB/s, the better probe either side of this kernel's calls in the round of its fastest
+    double compute = 0.0;  // G MAC/s, the same for the compute probe
   };
   std::vector<Timing> timings;
   std::vector<std::vector<kernels::KVStore>> dense(o.kv_heads.size());  // [hkv][type]
@@ -462,11 +472,18 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     // Short probes (3 passes over 256 MiB, ~20 ms) keep them from costing more than the calls.
     auto short_probe = [&] { return probe.measure(0.0, size_t{256} << 20); };
     probes.push_back(short_probe());
+    compute_probes.push_back(compute_probe());
     for (int round = 0; round < kRounds; ++round)
       for (size_t k = first; k < timings.size(); ++k) {
-        const double before = probes.back(), seconds = cold([&] { run(timings[k]); }, o.seconds_per_point / kRounds);
+        const double before = probes.back(), compute_before = compute_probes.back();
+        const double seconds = cold([&] { run(timings[k]); }, o.seconds_per_point / kRounds);
         probes.push_back(short_probe());
-        if (seconds < timings[k].seconds) timings[k].seconds = seconds, timings[k].stream = std::max(before, probes.back());
+        compute_probes.push_back(compute_probe());
+        if (seconds < timings[k].seconds) {
+          timings[k].seconds = seconds;
+          timings[k].stream = std::max(before, probes.back());
+          timings[k].compute = std::max(compute_before, compute_probes.back());
+        }
       }
     // The libtorch reference path on each dense f32 shape: scores, softmax, weighted sum.
     for (int hkv : o.kv_heads) {
@@ -490,7 +507,9 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   shared.clear();
   residual.clear();
   const double stream = *std::max_element(probes.begin(), probes.end());
-  rows.push_back({{"stream_gbps", stream}, {"stream_probes_gbps", probes}, {"threads", threads}, {"evict_bytes", probe.evict_bytes()}});
+  rows.push_back({{"stream_gbps", stream}, {"stream_probes_gbps", probes}, {"threads", threads}, {"evict_bytes", probe.evict_bytes()},
+                  {"compute_probes_gmacs", compute_probes}, {"compute_probe_isa", kernels::decode_isa_name(probe_isa)},
+                  {"compute_peak_gmacs", peak_gmacs[probe_isa]}});
 
   // GDN: a whole layer's decode step (projections, convolutions, state update) at each context.
   if (o.gdn_rows) {
@@ -663,9 +682,12 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                                          : kernels::decode_rounds_value_weights(t.isa, type, o.heads / t.hkv);
     const double bf16_macs = scored_rows * bf16_row * (bf16_values ? 2 : 1);
     const double int16_macs = kernels::decode_weighs_values_in_int16(t.isa, type) ? scored_rows * o.head_dim : 0.0;
-    const double fma_floor = int8_macs / (int8_peak_gmacs[t.isa] * 1e9) + bf16_macs / (bf16_peak_gmacs[t.isa] * 1e9) +
-                             int16_macs / (int16_peak_gmacs[t.isa] * 1e9) +
-                             (macs - int8_macs - bf16_macs - int16_macs) / (peak_gmacs[t.isa] * 1e9);
+    // every peak scaled by the compute the machine had around the row's fastest call (at most the start's)
+    const double compute_ratio = std::min(1.0, t.compute / peak_gmacs[probe_isa]);
+    const double fma_floor = (int8_macs / (int8_peak_gmacs[t.isa] * 1e9) + bf16_macs / (bf16_peak_gmacs[t.isa] * 1e9) +
+                              int16_macs / (int16_peak_gmacs[t.isa] * 1e9) +
+                              (macs - int8_macs - bf16_macs - int16_macs) / (peak_gmacs[t.isa] * 1e9)) /
+                             compute_ratio;
     const double bw_floor = t.bytes / (t.stream * 1e9);
     const double floor = std::max(bw_floor, fma_floor), s = t.seconds;
     nlohmann::json row = {{"cache", o.types[t.type]},
@@ -679,6 +701,8 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                           {"gbps", t.bytes / s / 1e9},
                           {"bw_ratio", t.bytes / s / 1e9 / t.stream},
                           {"probe_gbps", t.stream},
+                          {"compute_probe_gmacs", t.compute},
+                          {"compute_ratio", compute_ratio},
                           {"macs", macs},
                           {"bw_floor_us", bw_floor * 1e6},
                           {"fma_floor_us", fma_floor * 1e6},

@@ -62,7 +62,9 @@ struct DecodeBenchOptions {
 };
 // Rows: one {"stream_gbps"} (the best read-bandwidth probe, with every probe); per (cache,
 // context, hkv) the fused kernel's time per step, bytes read, GB/s, its ratio ("bw_ratio") to
-// the better of the probes either side of its calls in the round of its fastest call ("probe_gbps") and its
+// the better of the probes either side of its calls in the round of its fastest call ("probe_gbps"; the
+// same for an f32 multiply-add probe beside each, "compute_probe_gmacs", as a share of the start's
+// peak "compute_ratio", which scales the row's compute floor "fma_floor_us") and its
 // speed-up over f32 at the same shape and back end ("isa"; f32 rows also time the libtorch
 // reference); LRKV rows ("family": "lrkv") per (rank, cache, context), with their speed-up over
 // the dense MHA kernel timed in the same rounds (on the back end auto picks for the rank, against

@@ -103,14 +103,24 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
       EXPECT_DOUBLE_EQ(r["stream_gbps"].get<double>(), best_probe);
     }
   // One at the start; per context, one before its rounds and one after each kernel's calls in
-  // each of 5 rounds (2 types x 2 Hkv dense kernels, 2 types x 2 ranks LRKV).
+  // each of 5 rounds (2 types x 2 Hkv dense kernels, 2 types x 2 ranks LRKV); a compute probe beside each.
   constexpr size_t kPerContext = 1 + 5 * 8;
   EXPECT_EQ(probes.size(), 1 + kPerContext * o.contexts.size());
+  std::vector<double> compute;
+  double compute_peak = 0;
+  for (const auto& r : rows)
+    if (r.contains("compute_probes_gmacs")) {
+      for (const auto& p : r["compute_probes_gmacs"]) compute.push_back(p.get<double>());
+      compute_peak = r["compute_peak_gmacs"].get<double>();
+    }
+  ASSERT_EQ(compute.size(), probes.size());
+  ASSERT_GT(compute_peak, 0);
   // A row's probe is the better of the two around its calls: adjacent probes of its context.
-  auto around_calls = [&](double probe, int64_t context) {
+  auto around_calls = [&](double probe, int64_t context, const std::vector<double>& of = {}) {
+    const std::vector<double>& v = of.empty() ? probes : of;
     const size_t c = std::find(o.contexts.begin(), o.contexts.end(), context) - o.contexts.begin();
     for (size_t i = 1 + kPerContext * c; i + 1 < 1 + kPerContext * (c + 1); ++i)
-      if (probe == std::max(probes[i], probes[i + 1])) return true;
+      if (probe == std::max(v[i], v[i + 1])) return true;
     return false;
   };
   // Roofline: q8 scores count against the int8 dot-product peak, bf16 scores against the bf16
@@ -151,7 +161,13 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
                                                                      kernels::parse_kv_type(r["cache"].get<std::string>()));
     const double int16_macs = int16_values ? rows_scored * 32 : 0.0;
     EXPECT_EQ(macs, 2 * rows_scored * (32 + rank));
-    const double fma_us = (int8_macs / peak.int8 + int16_macs / peak.int16 + (macs - int8_macs - int16_macs) / peak.f32) / 1e3;
+    // the peaks scaled by the compute probe around the row's fastest call
+    const double cpu = r["compute_ratio"].get<double>();
+    EXPECT_TRUE(around_calls(r["compute_probe_gmacs"].get<double>(), r["context"].get<int64_t>(), compute)) << r.dump();
+    EXPECT_DOUBLE_EQ(cpu, std::min(1.0, r["compute_probe_gmacs"].get<double>() / compute_peak));
+    EXPECT_GT(cpu, 0);
+    const double fma_us =
+        (int8_macs / peak.int8 + int16_macs / peak.int16 + (macs - int8_macs - int16_macs) / peak.f32) / 1e3 / cpu;
     EXPECT_NEAR(r["fma_floor_us"].get<double>(), fma_us, 1e-9 * fma_us) << r.dump();
     EXPECT_NEAR(r["of_roofline"].get<double>(), roof_us(r) / r["us_per_step"].get<double>(), 1e-9) << r.dump();
     const double probe = r["probe_gbps"].get<double>();
