@@ -1358,7 +1358,8 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
 //   1.06x (32 rows 1.07x / 1.04x); r = 16 on 32 rows 1.13x / 1.05x, 64K 1.03x (16 rows 1.05x); r = 8 on 32
 //   rows 1.01x, 16 rows 0.92x; f32 r = 32 on 16 rows 1.12-1.13x, 64K 1.09x (8 rows 1.02x), in cache
 //   1.005x; f32 r = 64 on 16 rows 0.90x. In cache (1K tokens, not emptied) the smaller bf16 tiles lose
-//   7-12% (r = 64 0.90x, r = 32 0.88x, r = 16 0.93x): decode at long context reads its cache cold;
+//   7-12% (r = 64 0.90x, r = 32 0.88x, r = 16 0.93x): decode at long context reads its cache cold
+//   (later, slow phase, against these 16 rows: 8 rows r = 64 1.01x, r = 32 0.91x);
 // - bf16 pair values with score blocks (latents too wide for heads in lanes) and rows of 1-1.25 KB: 64
 //   rows (H = 16, d_h = 128, caches emptied, A/B in one process against 8: r = 32 1.15-1.33x at 16K,
 //   1.32-1.41x at 64K, 1.36-1.54x in cache; r = 24 1.00-1.13x at 16K); r = 40 and 48 (1.5-1.75 KB) were
