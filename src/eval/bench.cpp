@@ -392,11 +392,12 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   if (verbose) std::cerr << "bench decode: measuring read bandwidth ...\n";
   const kernels::ReadBandwidthProbe probe(size_t{1} << 30, threads);
   std::vector<double> probes = {probe.measure(1.0)};
-  // The compute the machine had, probed beside each bandwidth probe: this VM's compute rate also
-  // drifts (its f32 peak read 204-264 G MAC/s across runs, and compute-bound calls of one run took
-  // 1.5-1.7x their time in another at the same bandwidth). A short f32 multiply-add probe (three
-  // passes, ~30 ms) at the widest back end's lanes; a row's compute floor is scaled by the better of
-  // the two around its fastest call, as a share of the peak measured at the start (compute_ratio).
+  // The compute the machine had, probed beside each bandwidth probe: this VM's multiply-add rate
+  // also drifts (its f32 peak read 204-264 G MAC/s across runs). A short f32 multiply-add probe
+  // (three passes, ~30 ms) at the widest back end's lanes; a row's compute floor is scaled by the
+  // better of the two around its fastest call, as a share of the peak measured at the start
+  // (compute_ratio). (Compute-bound calls have also run 1.3-1.7x slower for minutes with this probe
+  // at 98-100%: README.)
   const kernels::DecodeIsa probe_isa =
       std::find(isas.begin(), isas.end(), kernels::DecodeIsa::Avx512) != isas.end() ? kernels::DecodeIsa::Avx512 : isas.front();
   auto compute_probe = [&] { return kernels::measure_fma_peak_gmacs(probe_isa == kernels::DecodeIsa::Avx512 ? 16 : 8, threads, 0.0); };
