@@ -396,7 +396,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   // also drifts (its f32 peak read 204-264 G MAC/s across runs). A short f32 multiply-add probe
   // (three passes, ~30 ms) at the widest back end's lanes; a row's compute floor is scaled by the
   // better of the two around its fastest call, as a share of the peak measured at the start
-  // (compute_ratio). (Compute-bound calls have also run 1.3-1.7x slower for minutes with this probe
+  // (compute_ratio). (Compute-bound calls have also run 1.5-1.8x slower for minutes with this probe
   // at 98-100%: README.)
   const kernels::DecodeIsa probe_isa =
       std::find(isas.begin(), isas.end(), kernels::DecodeIsa::Avx512) != isas.end() ? kernels::DecodeIsa::Avx512 : isas.front();
