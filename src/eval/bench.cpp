@@ -356,9 +356,10 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   // that instruction's own peak; so do q8/q4 values where the back end weighs them in int16
   // (decode_weighs_values_in_int16).
   std::map<kernels::DecodeIsa, double> peak_gmacs, int8_peak_gmacs, bf16_peak_gmacs, int16_peak_gmacs;
+  auto lanes_of = [](kernels::DecodeIsa isa) { return isa == kernels::DecodeIsa::Avx512 ? 16 : 8; };
   auto measure_peak = [&](kernels::DecodeIsa isa) {
     if (peak_gmacs.count(isa)) return;
-    const int lanes = isa == kernels::DecodeIsa::Avx512 ? 16 : 8;
+    const int lanes = lanes_of(isa);
     peak_gmacs[isa] = kernels::measure_fma_peak_gmacs(lanes, threads, 0.5);
     int8_peak_gmacs[isa] = kernels::measure_int8_dot_peak_gmacs(lanes, threads, 0.5);
     bf16_peak_gmacs[isa] = kernels::decode_dots_bf16(isa) ? kernels::measure_bf16_dot_peak_gmacs(threads, 0.5) : peak_gmacs[isa];
@@ -400,7 +401,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   // at 98-100%: README.)
   const kernels::DecodeIsa probe_isa =
       std::find(isas.begin(), isas.end(), kernels::DecodeIsa::Avx512) != isas.end() ? kernels::DecodeIsa::Avx512 : isas.front();
-  auto compute_probe = [&] { return kernels::measure_fma_peak_gmacs(probe_isa == kernels::DecodeIsa::Avx512 ? 16 : 8, threads, 0.0); };
+  auto compute_probe = [&] { return kernels::measure_fma_peak_gmacs(lanes_of(probe_isa), threads, 0.0); };
   std::vector<double> compute_probes = {compute_probe()};
   auto cold = [&](auto&& f, double seconds) { return cold_seconds_per_call(f, seconds, [&] { probe.evict_caches(); }); };
 
