@@ -39,7 +39,8 @@ void LrkvCache::clear() {
 LrkvFusedCache::LrkvFusedCache(int64_t batch, int64_t heads, int64_t head_dim, int64_t rank, const CacheOptions& o)
     : threads_(o.threads > 0 ? o.threads : torch::get_num_threads()) {
   for (int64_t b = 0; b < batch; ++b) {
-    shared_.emplace_back(o.type, 1, static_cast<int>(head_dim), o.evict);
+    shared_.emplace_back(o.type, 1, static_cast<int>(head_dim), o.evict, 256, false,
+                         kernels::decode_kv_layout(o.type, static_cast<int>(head_dim)));
     if (rank > 0) residual_.emplace_back(o.type, 1, static_cast<int>(heads * rank), o.evict);  // [R_0 | .. | R_{H-1}] per token
   }
 }

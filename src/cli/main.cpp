@@ -664,6 +664,8 @@ int main(int argc, char** argv) {
   bench_decode->add_option("--lla", decode_lla, "comma-separated LLA compressions for reconstruct-on-read rows, or none (default 4,16)");
   bench_decode->add_flag("--no-gdn", decode_no_gdn, "skip the GDN layer rows");
   bench_decode->add_option("--isa", decode_isas, "comma-separated decode back ends: auto, avx2, avx512 (default auto)");
+  bench_decode->add_option("--q8-layout", decode_opts.q8_layout,
+                           "q8 store layout: auto (tiled16 where the AVX-512 back end runs), rows or tiled16 (default auto)");
   bench_decode->add_option("--seconds", decode_opts.seconds_per_point, "seconds per measurement (default 0.4)");
   bench_decode->add_flag("--no-model", decode_no_model, "skip the whole-model (tiny) decode rows");
   bench_decode->add_flag("--json", bench_json, "print JSON rows");

@@ -320,6 +320,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                     " out of --types");
   }
   for (const auto& name : o.isas) kernels::parse_decode_isa(name);
+  if (o.q8_layout != "auto") kernels::parse_kv_layout(o.q8_layout);
   // An LLA row's key and value ranks at a compression: 2 T d_h / budget in all, 3/8 of it for keys.
   auto lla_ranks = [&](double budget) {
     const int total = static_cast<int>(std::lround(2.0 * o.lla_loops * o.head_dim / budget)), rk = total * 3 / 8;
@@ -423,14 +424,27 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     double compute = 0.0;  // G MAC/s, the same for the compute probe
   };
   std::vector<Timing> timings;
+  // Each type's store layout (q8: DecodeBenchOptions::q8_layout), one for every back end timed.
+  std::vector<kernels::KVLayout> layouts;
+  for (const auto& name : o.types) {
+    const auto type = kernels::parse_kv_type(name);
+    const bool avx2 = std::find(isas.begin(), isas.end(), kernels::DecodeIsa::Avx2) != isas.end();
+    layouts.push_back(type != kernels::KVType::Q8 ? kernels::KVLayout::Rows
+                      : o.q8_layout != "auto"     ? kernels::parse_kv_layout(o.q8_layout)
+                      : avx2                      ? kernels::KVLayout::Rows
+                                                  : kernels::decode_kv_layout(type, o.head_dim));
+  }
   std::vector<std::vector<kernels::KVStore>> dense(o.kv_heads.size());  // [hkv][type]
   for (size_t h = 0; h < o.kv_heads.size(); ++h)
-    for (const auto& name : o.types) dense[h].emplace_back(kernels::parse_kv_type(name), o.kv_heads[h], o.head_dim);
+    for (size_t type = 0; type < o.types.size(); ++type)
+      dense[h].emplace_back(kernels::parse_kv_type(o.types[type]), o.kv_heads[h], o.head_dim, kernels::Eviction{}, 256, false,
+                            layouts[type]);
   // LRKV factored decode (SPEC 1.1) at the same H and d_h: K_s/V_s plus per-head latents of rank r.
   std::vector<std::vector<kernels::KVStore>> shared(o.lrkv_ranks.size()), residual(o.lrkv_ranks.size());  // [rank][type]
   for (size_t k = 0; k < o.lrkv_ranks.size(); ++k)
-    for (const auto& name : o.types) {
-      shared[k].emplace_back(kernels::parse_kv_type(name), 1, o.head_dim);
+    for (size_t type = 0; type < o.types.size(); ++type) {
+      const auto& name = o.types[type];
+      shared[k].emplace_back(kernels::parse_kv_type(name), 1, o.head_dim, kernels::Eviction{}, 256, false, layouts[type]);
       residual[k].emplace_back(kernels::parse_kv_type(name), 1, o.heads * o.lrkv_ranks[k]);
     }
   std::vector<float> qb(static_cast<size_t>(o.heads) * 256), out_s(q.size()), out_r(qb.size());
@@ -698,6 +712,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                           {"heads", o.heads},
                           {"head_dim", o.head_dim},
                           {"isa", kernels::decode_isa_name(t.isa)},
+                          {"layout", kernels::kv_layout_name(layouts[t.type])},
                           {"us_per_step", s * 1e6},
                           {"bytes_read", t.bytes},
                           {"gbps", t.bytes / s / 1e9},

@@ -56,6 +56,9 @@ struct DecodeBenchOptions {
   std::vector<double> natsl_kept{0.25, 0.5};  // NAtS-L attention core at these kept-KV fractions (none: empty)
   std::vector<double> lla_budgets{4, 16};     // LLA reconstruct-on-read rows at these compressions (none: empty)
   int lla_loops = 4;                          // T of the LLA rows (Ouro)
+  // q8 stores' layout (dense, LRKV K_s/V_s): auto (decode_kv_layout; rows when avx2 is among the
+  // back ends timed, which would read tiled stores through a copy), rows or tiled16
+  std::string q8_layout = "auto";
   int heads = 16, head_dim = 128;
   double seconds_per_point = 0.4;
   bool whole_model = true;  // also tiny-model decode tokens/s at each context
@@ -65,7 +68,7 @@ struct DecodeBenchOptions {
 // the better of the probes either side of its calls in the round of its fastest call ("probe_gbps"; the
 // same for an f32 multiply-add probe beside each, "compute_probe_gmacs", as a share of the start's
 // peak "compute_ratio", which scales the row's compute floor "fma_floor_us") and its
-// speed-up over f32 at the same shape and back end ("isa"; f32 rows also time the libtorch
+// speed-up over f32 at the same shape and back end ("isa"; "layout": the store's, kv_store.h; f32 rows also time the libtorch
 // reference); LRKV rows ("family": "lrkv") per (rank, cache, context), with their speed-up over
 // the dense MHA kernel timed in the same rounds (on the back end auto picks for the rank, against
 // the dense rows of the same request); per (cache, context)

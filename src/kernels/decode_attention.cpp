@@ -488,6 +488,7 @@ struct Scratch {
   std::vector<float> rks, rvs, wr, rk, rv;  // LRKV latents: block scales, value weights, dequantised rows
   std::vector<int> seg_of;                  // latent_code_values: each vector's segment,
   std::vector<float> wsum;                  // and q4's weight sums per segment
+  std::vector<uint8_t> krows, vrows;        // a Tiled16 store's tile, copied out as rows
 };
 
 Scratch& thread_scratch() {
@@ -1013,6 +1014,17 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
   const int n = static_cast<int>(std::min<int64_t>({kTileRows, pc.r1 - r, P - off}));
   const uint8_t* kb = kv_.k_rows(page, pc.head) + off * rb;
   const uint8_t* vb = kv_.v_rows(page, pc.head) + off * rb;
+  // Tiled16 stores (laid out for the AVX-512 back end, decode_kv_layout) are read here through a
+  // copy of the tile's rows, unprefetched: correct on any CPU, not a fast path.
+  const bool copied = kv_.layout() != KVLayout::Rows;
+  if (copied) {
+    sc.krows.resize(static_cast<size_t>(kTileRows + 8) * rb);  // (slack: no pass reads past its tile's rows)
+    sc.vrows.resize(static_cast<size_t>(kTileRows + 8) * rb);
+    kv_.read_k_rows(r, n, pc.head, sc.krows.data());
+    kv_.read_v_rows(r, n, pc.head, sc.vrows.data());
+    kb = sc.krows.data();
+    vb = sc.vrows.data();
+  }
   if constexpr (R::kQuant) {  // K and V scales [block][kTile]
     load_scales_transposed(kb, rb, n, nb, sc.ks.data());
     load_scales_transposed(vb, rb, n, nb, sc.vs.data());
@@ -1026,8 +1038,10 @@ int64_t PieceRunner<R, RR>::step(const Piece& pc, int64_t r, const float* qs, fl
   const int64_t page_rows = std::min<int64_t>(P - off, pc.r1 - r), next_rows = std::min<int64_t>(P, pc.r1 - r - page_rows);
   const bool has_next = next_rows > 0;
   const size_t end = static_cast<size_t>(page_rows) * rb, next_end = has_next ? static_cast<size_t>(next_rows) * rb : 0;
-  const Prefetch kpf{kb, has_next ? kv_.k_rows(page + 1, pc.head) : nullptr, ahead_ * rb, end, next_end};
-  const Prefetch vpf{vb, has_next ? kv_.v_rows(page + 1, pc.head) : nullptr, ahead_ * rb, end, next_end};
+  const Prefetch kpf = copied ? Prefetch{kb, nullptr, 0, 0, 0}
+                              : Prefetch{kb, has_next ? kv_.k_rows(page + 1, pc.head) : nullptr, ahead_ * rb, end, next_end};
+  const Prefetch vpf = copied ? Prefetch{vb, nullptr, 0, 0, 0}
+                              : Prefetch{vb, has_next ? kv_.v_rows(page + 1, pc.head) : nullptr, ahead_ * rb, end, next_end};
   const size_t tile_bytes = static_cast<size_t>(n) * rb;
 
   // LRKV's latent rows of the next tile: the shared phases (compute-bound: 16 heads on one K_s,
@@ -1336,6 +1350,10 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
   return isa;
 }
 
+KVLayout decode_kv_layout(KVType type, int head_dim) {
+  return type == KVType::Q8 && resolve_decode_isa(DecodeIsa::Auto, head_dim) == DecodeIsa::Avx512 ? KVLayout::Tiled16 : KVLayout::Rows;
+}
+
 namespace {
 // The type LRKV's latents are read as: their own (f32, bf16, and q8/q4 with r % 32 == 0, so that a
 // block lies in one head), or f32 from rows dequantised tile by tile (q8/q4 blocks that straddle
@@ -1448,8 +1466,8 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
   split_begin.assign(ns + 1, 0);
   for (int i = 0; i < ns; ++i) {
     split_begin[i] = static_cast<int>(pieces.size());
-    const int64_t hi = W * (i + 1) / ns;
-    for (int64_t x = W * i / ns; x < hi;) {
+    const int64_t hi = detail::piece_cut(kv, W * (i + 1) / ns, L);
+    for (int64_t x = detail::piece_cut(kv, W * i / ns, L); x < hi;) {
       const int64_t h = x / L, r0 = x % L, r1 = std::min(L, r0 + (hi - x));
       pieces.push_back({static_cast<int>(h), r0, r1});
       x += r1 - r0;
@@ -1546,10 +1564,13 @@ void decode_attention_reference(const float* q, int heads, const KVStore& kv, fl
   }
   std::vector<float> k(static_cast<size_t>(L) * d), v(static_cast<size_t>(L) * d);
   std::vector<double> sc(L), o(d);
+  std::vector<uint8_t> row(kv.row_bytes());
   for (int h = 0; h < hkv; ++h) {
     for (int64_t j = 0; j < L; ++j) {
-      dequantize_row(kv.type(), kv.k_row(j, h), d, k.data() + j * d);
-      dequantize_row(kv.type(), kv.v_row(j, h), d, v.data() + j * d);
+      kv.read_k_rows(j, 1, h, row.data());
+      dequantize_row(kv.type(), row.data(), d, k.data() + j * d);
+      kv.read_v_rows(j, 1, h, row.data());
+      dequantize_row(kv.type(), row.data(), d, v.data() + j * d);
     }
     for (int g = 0; g < G; ++g) {
       const size_t head = static_cast<size_t>(h) * G + g;

@@ -516,8 +516,28 @@ KVX_INLINE void row_words(const Rows& rows, size_t offset, int nb, int b, bool p
   }
 }
 
+// A Tiled16 store's K group of 16 tokens (kv_store.h): word i of block b of its tokens is already
+// one vector (codes + 128), loaded instead of transposed; `offset` is unused (the group starts at
+// its codes).
+struct TokenGroup {
+  const uint8_t* codes;
+};
+template <class R>
+KVX_INLINE void row_words(const TokenGroup& group, size_t, int, int b, bool pair, __m512i* u) {
+  static_assert(!R::kNibbles, "Tiled16 holds q8 only");
+  for (int k = 0; k < (pair ? 2 : 1); ++k)
+    for (int i = 0; i < 8; ++i) u[8 * k + i] = _mm512_loadu_si512(group.codes + 512 * static_cast<size_t>(b + k) + 64 * i);
+}
+
+// The fp16 scales of `blocks` blocks of a Tiled16 group (16 per block, 32 bytes apart) -> dst[b *
+// kMaxTile + t] floats; lanes outside `live` (past a tile's end) 0, so their scores and weights are 0.
+KVX_INLINE void group_scales(const uint8_t* scales, int blocks, __mmask16 live, float* dst) {
+  for (int b = 0; b < blocks; ++b)
+    _mm512_storeu_ps(dst + static_cast<size_t>(b) * kMaxTile, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, scales + 32 * static_cast<size_t>(b))));
+}
+
 // s[g * kRow + t] (add: +=) q_g . k_t for the 16 rows (`offset` bytes into rows[t]: nb blocks of
-// codes) and G queries q + g * qstride bytes; kT: the rows' block scales [b][kMaxTile].
+// codes; or a TokenGroup) and G queries q + g * qstride bytes; kT: the rows' block scales [b][kMaxTile].
 template <class R, class Rows>
 KVX_INLINE void token_scores(const Rows& rows, size_t offset, int nb, const uint8_t* q, size_t qstride, int G,
                              const float* kT, float* s, bool add) {
@@ -1944,9 +1964,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // ahead 0.93-1.00x: it keeps the ranges.
   const bool straddle_lanes = lane_values && latent_straddle;
   const int ahead = straddle_lanes ? 8 : 0;
-  const int tile = straddle_lanes ? 8
-                   : rst || (hl && R::kDotBF16) ? lrkv_tile_rows(rb + rrb, kv.type(), R::kQuant, pairs, hl)
-                                                : tile_rows(rb, G, R::kQuant, pairs);
+  // Tiled16 (q8): K scored from its token groups, the scales of K and V read per group, V's codes
+  // as rows of d bytes (kv_store.h); tiles start on groups (pieces do: piece_cut) and span whole ones.
+  const bool tiled = R::kQuant && !R::kNibbles && kv.layout() == KVLayout::Tiled16;
+  const size_t kstride = tiled ? static_cast<size_t>(d) : rb;  // bytes a row of the K and V code streams
+  const int row_tile = straddle_lanes ? 8
+                       : rst || (hl && R::kDotBF16) ? lrkv_tile_rows(rb + rrb, kv.type(), R::kQuant, pairs, hl)
+                                                    : tile_rows(rb, G, R::kQuant, pairs);
+  const int tile = tiled && row_tile % 16 ? (row_tile < 16 ? 16 : row_tile & ~15) : row_tile;
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl || codes_by_token, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
   float* const acc_cols = lane_values ? sc.acc_cols : nullptr;
@@ -2017,14 +2042,21 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // rows ahead (r = 8 0.91x, r = 16 0.99x); q8 GQA 0.97-1.04x, q4 GQA 0.90x, q4 MHA 1.00x, q4 LRKV
   // r = 8 1.02x.
   constexpr bool kTouch = kLrkv ? R::kDotBF16 || (R::kQuant && !R::kNibbles) : !R::kQuant;
-  const bool touch = kTouch || (!kLrkv && R::kQuant && !R::kNibbles && G == 1) || (rst && lane_values && !latent_straddle);
+  // Tiled16 q8 stores touch too: q8 GQA (Hkv = 4) against the Rows layout, H = 16, 16K, caches
+  // emptied, two threads, stores of both layouts allocated afresh each trial and read alternately
+  // call by call: 1.18x (trials 1.10-1.27x) with the touch, 1.01x (0.96-1.22x) without.
+  const bool touch = tiled || kTouch || (!kLrkv && R::kQuant && !R::kNibbles && G == 1) || (rst && lane_values && !latent_straddle);
   constexpr size_t kTouchAhead = 16384;
   for (int64_t row = pc.r0; row < pc.r1;) {
     const int64_t page = row / P;
     const int off = static_cast<int>(row % P);
     const int n = static_cast<int>(lmin(lmin(tile, pc.r1 - row), P - off));
-    const uint8_t* kb = kv.k_rows(page, pc.head) + off * rb;
-    const uint8_t* vb = kv.v_rows(page, pc.head) + off * rb;
+    const uint8_t* kb = kv.k_rows(page, pc.head) + off * kstride;
+    const uint8_t* vb = kv.v_rows(page, pc.head) + off * kstride;
+    // Tiled16: the tile's first group's K and V scales
+    const size_t scale_off = static_cast<size_t>(P) * d + 2 * static_cast<size_t>(nb) * off;
+    const uint8_t* ks = tiled ? kv.k_rows(page, pc.head) + scale_off : nullptr;
+    const uint8_t* vs = tiled ? kv.v_rows(page, pc.head) + scale_off : nullptr;
     const uint8_t* rkb = rst ? rst->k_rows(page, 0) + off * rrb : nullptr;
     const uint8_t* rvb = rst ? rst->v_rows(page, 0) + off * rrb : nullptr;
     // The next tile (this page, then the next one; within the piece) is fetched while this one
@@ -2038,8 +2070,13 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       const size_t skip = page_rows * rowb > ahead ? 0 : ahead - page_rows * rowb;  // the next tile starts on the next page
       return Prefetch{base + ahead, has_next ? next_page + skip : nullptr, end, next_end > skip ? next_end - skip : 0};
     };
-    Prefetch kpf = prefetcher(kb, has_next ? kv.k_rows(page + 1, pc.head) : nullptr, rb);
-    Prefetch vpf = prefetcher(vb, has_next ? kv.v_rows(page + 1, pc.head) : nullptr, rb);
+    Prefetch kpf = prefetcher(kb, has_next ? kv.k_rows(page + 1, pc.head) : nullptr, kstride);
+    Prefetch vpf = prefetcher(vb, has_next ? kv.v_rows(page + 1, pc.head) : nullptr, kstride);
+    if (tiled) {  // the next tile's scales (2 nb bytes a row): a few lines, fetched at once (q8 MHA 1.17x against none, 1.12x)
+      const size_t next_scales = static_cast<size_t>(P) * d;
+      prefetcher(ks, has_next ? kv.k_rows(page + 1, pc.head) + next_scales : nullptr, 2 * nb).range(0, 2 * nb * static_cast<size_t>(n));
+      prefetcher(vs, has_next ? kv.v_rows(page + 1, pc.head) + next_scales : nullptr, 2 * nb).range(0, 2 * nb * static_cast<size_t>(n));
+    }
     const Prefetch kfar = prefetcher(kb, has_next ? kv.k_rows(page + 1, pc.head) : nullptr, rb, kFarTiles);
     const Prefetch vfar = prefetcher(vb, has_next ? kv.v_rows(page + 1, pc.head) : nullptr, rb, kFarTiles);
     if (far) kpf.far = &kfar, vpf.far = &vfar;
@@ -2052,8 +2089,8 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     if (rst && far) rkpf.far = &rkfar, rvpf.far = &rvfar;
     const size_t rtile = static_cast<size_t>(n) * rrb;
     if (touch) {
-      touch_pages(kb, static_cast<size_t>(n) * rb, kTouchAhead);
-      touch_pages(vb, static_cast<size_t>(n) * rb, kTouchAhead);
+      touch_pages(kb, static_cast<size_t>(n) * kstride, kTouchAhead);
+      touch_pages(vb, static_cast<size_t>(n) * kstride, kTouchAhead);
       if (rst) touch_pages(rkb, rtile, kTouchAhead), touch_pages(rvb, rtile, kTouchAhead);
     }
 
@@ -2064,14 +2101,25 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         constexpr bool kClamp = decltype(clamp)::value != 0;
         const int last = n - 1 - t0;
         const Rows16<kClamp> krow{kb + t0 * rb, rb, last}, vrow{vb + t0 * rb, rb, last};
-        kpf.range(t0 * rb, imin(t0 + 16, n) * rb);
-        if (nb <= 8) {
-          transpose_kv_scales(krow, vrow, nb, sc.kT + t0, sc.vT + t0);
-        } else {
-          transpose_scales(krow, nb, sc.kT + t0);
-          transpose_scales(vrow, nb, sc.vT + t0);
+        kpf.range(t0 * kstride, imin(t0 + 16, n) * kstride);
+        if constexpr (!R::kNibbles) {
+          if (tiled) {
+            const __mmask16 live = kClamp ? static_cast<__mmask16>((1u << (last + 1)) - 1) : static_cast<__mmask16>(0xffff);
+            const size_t group = static_cast<size_t>(t0 / 16) * 32 * nb;
+            group_scales(ks + group, nb, live, sc.kT + t0);
+            group_scales(vs + group, nb, live, sc.vT + t0);
+            token_scores<R>(TokenGroup{kb + t0 * kstride}, 0, nb, qi, qbytes, G, sc.kT + t0, sc.s + t0, false);
+          }
         }
-        token_scores<R>(krow, codes, nb, qi, qbytes, G, sc.kT + t0, sc.s + t0, false);
+        if (!tiled) {
+          if (nb <= 8) {
+            transpose_kv_scales(krow, vrow, nb, sc.kT + t0, sc.vT + t0);
+          } else {
+            transpose_scales(krow, nb, sc.kT + t0);
+            transpose_scales(vrow, nb, sc.vT + t0);
+          }
+          token_scores<R>(krow, codes, nb, qi, qbytes, G, sc.kT + t0, sc.s + t0, false);
+        }
         if (rst) {
           const Rows16<kClamp> rkrow{rkb + t0 * rrb, rrb, last}, rvrow{rvb + t0 * rrb, rrb, last};
           if (latent_straddle || !codes_by_token) transpose_scales(rvrow, nbr, sc.vT + nb * kMaxTile + t0);
@@ -2248,13 +2296,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
                                 ? IntWeights{reinterpret_cast<const int32_t*>(sc.w) + g0, wsig, nb}
                                 : IntWeights{reinterpret_cast<const int32_t*>(wcodes + static_cast<size_t>(g0) * nb * kMaxTile), wsig, nb};
       const IntWeights* iwp = R::kIntValues ? &iw : nullptr;
+      const uint8_t* v0 = tiled ? vb : vb + codes;  // the tile's first V codes, kstride bytes a row
       auto values = [&](auto by_token) {
         constexpr bool kByToken = decltype(by_token)::value != 0;
         switch (gb) {
-          case 8: value_tile<R, 8, kByToken>(vb + codes, rb, n, wgp, wg, ag, d, pf, pwp, iwp); break;
-          case 4: value_tile<R, 4, kByToken>(vb + codes, rb, n, wgp, wg, ag, d, pf, pwp, iwp); break;
-          case 2: value_tile<R, 2, kByToken>(vb + codes, rb, n, wgp, wg, ag, d, pf, pwp, iwp); break;
-          default: value_tile<R, 1, kByToken>(vb + codes, rb, n, wgp, wg, ag, d, pf, pwp, iwp); break;
+          case 8: value_tile<R, 8, kByToken>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
+          case 4: value_tile<R, 4, kByToken>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
+          case 2: value_tile<R, 2, kByToken>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
+          default: value_tile<R, 1, kByToken>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
         }
       };
       with_flag<kLrkv && R::kIntValues>(codes_by_token, values);  // (the dense kernel compiles only the codes by head)

@@ -20,6 +20,15 @@ struct DecodePiece {
   int64_t r0, r1;
 };
 
+// Where a split may cut the (head, row) work order, L rows a head: at item x itself, or in a
+// Tiled16 store at its head's next row that starts a group of 16 (a piece then starts where the
+// AVX-512 back end's token groups do; a head's end stays its end).
+inline int64_t piece_cut(const KVStore& kv, int64_t x, int64_t L) {
+  if (kv.layout() == KVLayout::Rows) return x;
+  const int64_t h = x / L, row = (x % L + 15) / 16 * 16;
+  return row >= L ? (h + 1) * L : h * L + row;
+}
+
 // Per-split memory that threads write (partial results, scratch) is cut into slots of whole
 // 4 KiB pages, so that no hardware prefetcher running along one split's slot pulls in lines of
 // the next one (prefetchers stop at 4 KiB pages). On this project's VM, with the two vCPUs on

@@ -23,11 +23,20 @@ constexpr size_t kHugePage = size_t{2} << 20;
 constexpr size_t kHeadRun = size_t{1} << 20;  // contiguous bytes per head and stream in a large store
 }
 
+std::string kv_layout_name(KVLayout layout) { return layout == KVLayout::Tiled16 ? "tiled16" : "rows"; }
+
+KVLayout parse_kv_layout(const std::string& name) {
+  if (name == "rows") return KVLayout::Rows;
+  if (name == "tiled16") return KVLayout::Tiled16;
+  throw Error("unknown KV store layout '" + name + "'; valid: rows, tiled16");
+}
+
 void KVStore::MemFree::operator()(uint8_t* p) const { std::free(p); }
 
-KVStore::KVStore(KVType type, int kv_heads, int head_dim, Eviction evict, int page_tokens, bool values_are_keys)
+KVStore::KVStore(KVType type, int kv_heads, int head_dim, Eviction evict, int page_tokens, bool values_are_keys,
+                 KVLayout layout)
     : type_(type), kv_heads_(kv_heads), head_dim_(head_dim), evict_(evict), page_tokens_(page_tokens),
-      values_are_keys_(values_are_keys) {
+      values_are_keys_(values_are_keys), layout_(layout) {
   if (kv_heads < 1) throw Error("KVStore: kv_heads must be >= 1, got " + std::to_string(kv_heads));
   if (page_tokens < 1)
     throw Error("KVStore: page_tokens must be >= 1, got " + std::to_string(page_tokens) + " (default 256)");
@@ -42,6 +51,10 @@ KVStore::KVStore(KVType type, int kv_heads, int head_dim, Eviction evict, int pa
     throw Error("KVStore: eviction sink " + std::to_string(evict.sink) +
                 " without a window keeps everything; set window > 0 or sink = 0");
   row_bytes_ = kernels::row_bytes(type, head_dim);  // validates head_dim for the type
+  if (layout == KVLayout::Tiled16 && (type != KVType::Q8 || page_tokens % 16 != 0 || values_are_keys))
+    throw Error("KVStore: layout tiled16 needs a q8 store with page_tokens % 16 == 0 and separate values; got " +
+                kv_type_name(type) + ", page_tokens " + std::to_string(page_tokens) +
+                (values_are_keys ? ", values_are_keys" : "") + " (use layout rows)");
   half_page_bytes_ = static_cast<size_t>(kv_heads) * page_tokens * row_bytes_;
 }
 
@@ -154,14 +167,40 @@ void KVStore::append(const float* k, const float* v) {
   int64_t slot = length_;
   if (evict_.enabled() && length_ >= evict_.sink) slot = evict_.sink + (length_ - evict_.sink) % evict_.window;
   const Page& page = page_for_slot(slot);
-  const size_t row = static_cast<size_t>(slot % page_tokens_) * row_bytes_;
-  for (int h = 0; h < kv_heads_; ++h) {
-    quantize_row(type_, k + static_cast<size_t>(h) * head_dim_, head_dim_, page.base + h * page.head_stride + row);
-    if (!values_are_keys_)
-      quantize_row(type_, v + static_cast<size_t>(h) * head_dim_, head_dim_,
-                   page.base + static_cast<size_t>(kv_heads_ + h) * page.head_stride + row);
+  const int in_page = static_cast<int>(slot % page_tokens_);
+  const size_t row = static_cast<size_t>(in_page) * row_bytes_;
+  if (layout_ == KVLayout::Rows) {
+    for (int h = 0; h < kv_heads_; ++h) {
+      quantize_row(type_, k + static_cast<size_t>(h) * head_dim_, head_dim_, page.base + h * page.head_stride + row);
+      if (!values_are_keys_)
+        quantize_row(type_, v + static_cast<size_t>(h) * head_dim_, head_dim_,
+                     page.base + static_cast<size_t>(kv_heads_ + h) * page.head_stride + row);
+    }
+  } else {
+    std::vector<uint8_t> buf(row_bytes_);
+    for (int h = 0; h < kv_heads_; ++h) {
+      quantize_row(type_, k + static_cast<size_t>(h) * head_dim_, head_dim_, buf.data());
+      write_row(page.base + h * page.head_stride, in_page, buf.data(), true);
+      quantize_row(type_, v + static_cast<size_t>(h) * head_dim_, head_dim_, buf.data());
+      write_row(page.base + static_cast<size_t>(kv_heads_ + h) * page.head_stride, in_page, buf.data(), false);
+    }
   }
   ++length_;
+}
+
+// Tiled16 (kv_store.h): a q8 row [nb fp16 scales][d codes] of slot t (in its page) into a run.
+void KVStore::write_row(uint8_t* run, int t, const uint8_t* row, bool keys) const {
+  const int d = head_dim_, nb = d / kQBlock, g = t / 16, lane = t % 16;
+  uint8_t* scales = run + static_cast<size_t>(page_tokens_) * d + 32 * (static_cast<size_t>(nb) * g);
+  for (int b = 0; b < nb; ++b) std::memcpy(scales + 32 * b + 2 * lane, row + 2 * b, 2);
+  const uint8_t* codes = row + 2 * nb;
+  if (!keys) {
+    std::memcpy(run + static_cast<size_t>(t) * d, codes, d);
+    return;
+  }
+  uint8_t* group = run + static_cast<size_t>(16) * d * g;
+  for (int c = 0; c < d; ++c)
+    group[512 * (c / 32) + 64 * (c % 32 / 4) + 4 * lane + c % 4] = static_cast<uint8_t>(codes[c] ^ 0x80);
 }
 
 const uint8_t* KVStore::k_rows(int64_t page, int head) const {
@@ -182,14 +221,36 @@ void check_slot(int64_t slot, int head, int64_t stored, int heads) {
 }
 }  // namespace
 
-const uint8_t* KVStore::k_row(int64_t slot, int head) const {
-  check_slot(slot, head, stored(), kv_heads_);
-  return k_rows(slot / page_tokens_, head) + static_cast<size_t>(slot % page_tokens_) * row_bytes_;
+void KVStore::read_rows(int64_t s0, int n, int head, bool keys, uint8_t* rows) const {
+  check_slot(s0, head, stored(), kv_heads_);
+  if (n < 1 || s0 + n > stored() || s0 / page_tokens_ != (s0 + n - 1) / page_tokens_)
+    throw Error("KVStore: rows [" + std::to_string(s0) + ", " + std::to_string(s0 + n) + ") are not stored rows of one page (" +
+                std::to_string(stored()) + " stored, " + std::to_string(page_tokens_) + " a page)");
+  const uint8_t* run = keys ? k_rows(s0 / page_tokens_, head) : v_rows(s0 / page_tokens_, head);
+  const int t0 = static_cast<int>(s0 % page_tokens_);
+  if (layout_ == KVLayout::Rows) {
+    std::memcpy(rows, run + static_cast<size_t>(t0) * row_bytes_, static_cast<size_t>(n) * row_bytes_);
+    return;
+  }
+  const int d = head_dim_, nb = d / kQBlock;
+  for (int t = t0; t < t0 + n; ++t, rows += row_bytes_) {
+    const int g = t / 16, lane = t % 16;
+    const uint8_t* scales = run + static_cast<size_t>(page_tokens_) * d + 32 * (static_cast<size_t>(nb) * g);
+    for (int b = 0; b < nb; ++b) std::memcpy(rows + 2 * b, scales + 32 * b + 2 * lane, 2);
+    uint8_t* codes = rows + 2 * nb;
+    if (!keys) {
+      std::memcpy(codes, run + static_cast<size_t>(t) * d, d);
+      continue;
+    }
+    const uint8_t* group = run + static_cast<size_t>(16) * d * g;
+    for (int c = 0; c < d; ++c) codes[c] = static_cast<uint8_t>(group[512 * (c / 32) + 64 * (c % 32 / 4) + 4 * lane + c % 4] ^ 0x80);
+  }
 }
 
-const uint8_t* KVStore::v_row(int64_t slot, int head) const {
-  check_slot(slot, head, stored(), kv_heads_);
-  return v_rows(slot / page_tokens_, head) + static_cast<size_t>(slot % page_tokens_) * row_bytes_;
+void KVStore::read_k_rows(int64_t s0, int n, int head, uint8_t* rows) const { read_rows(s0, n, head, true, rows); }
+
+void KVStore::read_v_rows(int64_t s0, int n, int head, uint8_t* rows) const {
+  read_rows(s0, n, head, values_are_keys_, rows);  // (MLA: the K rows)
 }
 
 void append_random_rows(KVStore& store, int64_t tokens, uint32_t seed) {

@@ -15,14 +15,30 @@
 // the RoPE rotation of their original position (applied before append); a new query gets its
 // true position (length()); nothing is re-rotated. Attention is permutation-invariant over
 // keys, so kernels read the stored slots in slot order.
+//
+// Layouts of one page's run of rows (one head, K or V; page_tokens P):
+//   Rows       P rows as kv_format writes them (every type).
+//   Tiled16    q8 only, P % 16 == 0, not values_are_keys; P d bytes of codes, then P d / 16 fp16
+//              scales: per group of 16 slots g and 32-block b, the 16 slots' scales at
+//              P d + 2 (16 nb g + 16 b + t) (nb = d / 32). K codes token-interleaved: byte c of
+//              slot 16 g + t's block b at 16 d g + 512 b + 64 (c / 4) + 4 t + c % 4, stored as
+//              code + 128 (AVX-512's unsigned operand); V codes as rows, slot s's at d s. The
+//              AVX-512 decode loads a group's word i of block b for its 16 tokens as one vector
+//              and its scales as one, instead of transposing 16 rows (kernels/decode_attention_avx512.cpp,
+//              token_scores). Same bytes as Rows.
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "kernels/kv_format.h"
 
 namespace kvx::kernels {
+
+enum class KVLayout { Rows, Tiled16 };
+std::string kv_layout_name(KVLayout layout);         // "rows", "tiled16"
+KVLayout parse_kv_layout(const std::string& name);  // an error lists the valid names
 
 struct Eviction {
   int64_t sink = 0, window = 0;
@@ -33,8 +49,9 @@ class KVStore {
  public:
   // values_are_keys: one row per token serves as both key and value (MLA's latent [c | k_R]):
   // V rows alias K rows, append ignores v, and bytes count the rows once.
+  // layout Tiled16 needs q8, page_tokens % 16 == 0 and !values_are_keys (an error names which).
   KVStore(KVType type, int kv_heads, int head_dim, Eviction evict = {}, int page_tokens = 256,
-          bool values_are_keys = false);
+          bool values_are_keys = false, KVLayout layout = KVLayout::Rows);
   ~KVStore();
   KVStore(const KVStore&) = delete;
   KVStore& operator=(const KVStore&) = delete;
@@ -58,15 +75,18 @@ class KVStore {
   int head_dim() const { return head_dim_; }
   const Eviction& eviction() const { return evict_; }
   size_t row_bytes() const { return row_bytes_; }
+  KVLayout layout() const { return layout_; }
 
   // Read access. Stored rows are slots [0, stored()); slot s is row s % page_tokens of page
-  // s / page_tokens. k_rows(p, h) points at page p's rows for head h ([page_tokens][row_bytes]).
+  // s / page_tokens. k_rows(p, h) points at page p's run for head h (page_tokens * row_bytes
+  // bytes in layout()). read_k_rows / read_v_rows copy n slots' rows from slot s0 (in one page)
+  // out in the Rows format (the references; the AVX2 back end on Tiled16 stores).
   int page_tokens() const { return page_tokens_; }
   int64_t pages() const { return static_cast<int64_t>(pages_.size()); }  // handed out so far
   const uint8_t* k_rows(int64_t page, int head) const;
   const uint8_t* v_rows(int64_t page, int head) const;
-  const uint8_t* k_row(int64_t slot, int head) const;
-  const uint8_t* v_row(int64_t slot, int head) const;
+  void read_k_rows(int64_t s0, int n, int head, uint8_t* rows) const;
+  void read_v_rows(int64_t s0, int n, int head, uint8_t* rows) const;
   int64_t slot_of(int64_t position) const;     // -1 if evicted; position < length()
   int64_t position_of(int64_t slot) const;     // the token position a stored slot holds
 
@@ -81,6 +101,8 @@ class KVStore {
   };
   const Page& page_for_slot(int64_t slot);
   Page new_page();
+  void write_row(uint8_t* run, int slot_in_page, const uint8_t* row, bool keys) const;  // Rows-format row into a run
+  void read_rows(int64_t s0, int n, int head, bool keys, uint8_t* rows) const;
 
   KVType type_;
   int kv_heads_, head_dim_;
@@ -89,6 +111,7 @@ class KVStore {
   size_t row_bytes_;
   size_t half_page_bytes_;  // one of the K / V blocks of a page
   bool values_are_keys_ = false;
+  KVLayout layout_ = KVLayout::Rows;
   int64_t length_ = 0;
   std::vector<Page> pages_;  // in slot order, pointing into chunks_
   std::vector<Mem> chunks_;  // allocations: one page each, or several once the store is large

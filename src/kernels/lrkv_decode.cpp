@@ -90,7 +90,8 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
   const size_t part_size = detail::slot_floats(sh.part());
   float* pp = detail::slot_aligned(parts, part_size * ns);
   pieces.clear();  // one piece (row range of the shared head) per split
-  for (int i = 0; i < ns; ++i) pieces.push_back({0, L * i / ns, L * (i + 1) / ns});
+  for (int i = 0; i < ns; ++i)
+    pieces.push_back({0, detail::piece_cut(shared, L * i / ns, L), detail::piece_cut(shared, L * (i + 1) / ns, L)});
   const detail::DecodePiece* pcs = pieces.data();
   // Queries page-aligned (slot_aligned): no query load splits a cache line.
   const float *qsp = nullptr, *qbp = nullptr;
@@ -165,15 +166,18 @@ void lrkv_decode_attention_reference(const float* q, const float* qb, int heads,
   }
   const int64_t L = shared.stored();
   std::vector<float> ks(d), vs(d), rk(std::max(r * heads, 1)), rv(std::max(r * heads, 1));
+  std::vector<uint8_t> row(shared.row_bytes()), latent_row(residual ? residual->row_bytes() : 0);
   for (int h = 0; h < heads; ++h) {
     std::vector<double> s(L);
     double mx = -std::numeric_limits<double>::infinity();
     for (int64_t t = 0; t < L; ++t) {
-      dequantize_row(shared.type(), shared.k_row(t, 0), d, ks.data());
+      shared.read_k_rows(t, 1, 0, row.data());
+      dequantize_row(shared.type(), row.data(), d, ks.data());
       double x = 0;
       for (int i = 0; i < d; ++i) x += static_cast<double>(q[h * d + i]) * ks[i];
       if (residual) {
-        dequantize_row(residual->type(), residual->k_row(t, 0), r * heads, rk.data());
+        residual->read_k_rows(t, 1, 0, latent_row.data());
+        dequantize_row(residual->type(), latent_row.data(), r * heads, rk.data());
         for (int i = 0; i < r; ++i) x += static_cast<double>(qb[h * r + i]) * rk[h * r + i];
       }
       s[t] = x * scale;
@@ -184,10 +188,12 @@ void lrkv_decode_attention_reference(const float* q, const float* qb, int heads,
     for (int64_t t = 0; t < L; ++t) {
       const double p = std::exp(s[t] - mx);
       sum += p;
-      dequantize_row(shared.type(), shared.v_row(t, 0), d, vs.data());
+      shared.read_v_rows(t, 1, 0, row.data());
+      dequantize_row(shared.type(), row.data(), d, vs.data());
       for (int i = 0; i < d; ++i) os[i] += p * vs[i];
       if (residual) {
-        dequantize_row(residual->type(), residual->v_row(t, 0), r * heads, rv.data());
+        residual->read_v_rows(t, 1, 0, latent_row.data());
+        dequantize_row(residual->type(), latent_row.data(), r * heads, rv.data());
         for (int i = 0; i < r; ++i) orr[i] += p * rv[h * r + i];
       }
     }

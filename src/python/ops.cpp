@@ -76,7 +76,9 @@ py::array decode_attention(const py::array& q_in, const py::array& k_in, const p
   } else if (k.size(0) == 0) {
     throw Error("k holds no tokens; give at least one row (or an extra_logit/extra_value pair)");
   }
-  kernels::KVStore store(kernels::parse_kv_type(kv_cache), static_cast<int>(Hkv), static_cast<int>(d), eviction(sink, window));
+  const auto type = kernels::parse_kv_type(kv_cache);
+  kernels::KVStore store(type, static_cast<int>(Hkv), static_cast<int>(d), eviction(sink, window), 256, false,
+                         kernels::decode_kv_layout(type, static_cast<int>(d)));
   append_rows(store, k, &v);
   auto out = torch::empty({H, d}, torch::kFloat32);
   const float s = default_scale(scale, d);
@@ -103,7 +105,7 @@ py::tuple lrkv_decode(const py::array& q_in, std::optional<py::array> qb_in, con
   if (residual != rv_in.has_value() || residual != qb_in.has_value())
     throw Error("give qb, r_k and r_v together (rank r > 0), or none of them (r = 0: one shared K/V)");
   const auto type = kernels::parse_kv_type(kv_cache);
-  kernels::KVStore shared(type, 1, static_cast<int>(d));
+  kernels::KVStore shared(type, 1, static_cast<int>(d), {}, 256, false, kernels::decode_kv_layout(type, static_cast<int>(d)));
   append_rows(shared, ks, &vs);
   int64_t r = 0;
   Tensor qb, rk, rv;

@@ -25,12 +25,14 @@ struct Case {
   int64_t len;
   int page_tokens;
   Eviction evict = {};
+  KVLayout layout = KVLayout::Rows;
 };
 
 std::string name(const Case& c) {
   return kv_type_name(c.type) + " H" + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " d" +
          std::to_string(c.d) + " L" + std::to_string(c.len) + " P" + std::to_string(c.page_tokens) +
-         (c.evict.enabled() ? " sink " + std::to_string(c.evict.sink) + " window " + std::to_string(c.evict.window) : "");
+         (c.evict.enabled() ? " sink " + std::to_string(c.evict.sink) + " window " + std::to_string(c.evict.window) : "") +
+         (c.layout != KVLayout::Rows ? " " + kv_layout_name(c.layout) : "");
 }
 
 std::vector<float> randn(size_t n, float sd, std::mt19937& rng) {
@@ -99,7 +101,7 @@ std::vector<DecodeIsa> isas(int d) {
 void check_case(const Case& c, uint32_t seed) {
   std::mt19937 rng(seed);
   // bf16 only (the type whose weights a kernel rounds): the same keys with |v|
-  KVStore s(c.type, c.kv_heads, c.d, c.evict, c.page_tokens), abs(c.type, c.kv_heads, c.d, c.evict, c.page_tokens);
+  KVStore s(c.type, c.kv_heads, c.d, c.evict, c.page_tokens, false, c.layout), abs(c.type, c.kv_heads, c.d, c.evict, c.page_tokens);
   const bool bf16 = c.type == KVType::BF16;
   fill(s, c.len, rng, 0.0f, bf16 ? &abs : nullptr);
   const auto q = randn(static_cast<size_t>(c.heads) * c.d, 2.5f, rng);
@@ -199,6 +201,31 @@ TEST(DecodeAttention, RandomShapesMatchReference) {
     Eviction evict;
     if (pick(0, 4) == 0) evict = {pick(0, 8), pick(1, 64)};
     check_case({t, kv_heads * group, kv_heads, d, len, page, evict}, 8000 + i);
+  }
+}
+
+// q8 stores in the Tiled16 layout (decode_kv_layout's choice on AVX-512): every grouping, tails of
+// 16-token groups and of tiles, pages of 16 to 256, splits (piece_cut moves their cuts to groups),
+// eviction, widths of 1 to 8 blocks; both back ends (AVX2 reads the rows copied out).
+TEST(DecodeAttention, Tiled16StoresMatchReference) {
+  uint32_t seed = 900;
+  for (auto [H, Hkv] : std::vector<std::pair<int, int>>{{8, 8}, {8, 4}, {8, 2}, {8, 1}, {6, 3}, {16, 1}, {30, 2}})
+    for (int64_t L : {1, 15, 17, 33, 97})
+      check_case({KVType::Q8, H, Hkv, 128, L, 16, {}, KVLayout::Tiled16}, seed++);
+  for (int d : {32, 96, 256})
+    for (auto [L, page] : std::vector<std::pair<int64_t, int>>{{16, 16}, {47, 32}, {300, 48}, {700, 256}})
+      check_case({KVType::Q8, 8, 2, d, L, page, {}, KVLayout::Tiled16}, seed++);
+  check_case({KVType::Q8, 16, 4, 128, 3000, 256, {}, KVLayout::Tiled16}, seed++);  // chunked pages
+  check_case({KVType::Q8, 8, 2, 128, 300, 32, {5, 100}, KVLayout::Tiled16}, seed++);
+  check_case({KVType::Q8, 4, 4, 64, 200, 16, {3, 37}, KVLayout::Tiled16}, seed++);
+  std::mt19937 rng(2027);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int i = 0; i < 40; ++i) {
+    const int kv_heads = pick(1, 4), group = pick(1, 8);
+    Eviction evict;
+    if (pick(0, 3) == 0) evict = {pick(0, 8), pick(1, 64)};
+    check_case({KVType::Q8, kv_heads * group, kv_heads, 32 * pick(1, 5), pick(1, 400), 16 * pick(1, 8), evict, KVLayout::Tiled16},
+               9500 + i);
   }
 }
 
@@ -327,11 +354,13 @@ TEST(DecodeAttention, ExtraPairMergesLikeTheRowsItSummarises) {
       decode_attention_reference(q.data(), heads, doc, scale, content.data());
       const int G = heads / kv_heads;
       std::vector<float> k(d);
+      std::vector<uint8_t> key_row(doc.row_bytes());
       for (int h = 0; h < heads; ++h) {
         double mx = -1e300, sum = 0;
         std::vector<double> s(n_doc);
         for (int64_t j = 0; j < n_doc; ++j) {
-          dequantize_row(type, doc.k_row(j, h / G), d, k.data());
+          doc.read_k_rows(j, 1, h / G, key_row.data());
+          dequantize_row(type, key_row.data(), d, k.data());
           double dot = 0;
           for (int i = 0; i < d; ++i) dot += static_cast<double>(q[h * d + i]) * k[i];
           s[j] = dot * scale;

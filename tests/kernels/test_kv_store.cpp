@@ -36,12 +36,14 @@ Tokens make_tokens(int n, int kv_heads, int d, uint32_t seed) {
 // The stored bytes of (slot, head) equal quantize_row of token `pos`.
 void expect_row(const KVStore& s, const Tokens& tk, int64_t slot, int64_t pos) {
   const int d = s.head_dim();
-  std::vector<uint8_t> want(s.row_bytes());
+  std::vector<uint8_t> want(s.row_bytes()), got(s.row_bytes());
   for (int h = 0; h < s.kv_heads(); ++h) {
     quantize_row(s.type(), tk.k[pos].data() + h * d, d, want.data());
-    EXPECT_EQ(std::memcmp(s.k_row(slot, h), want.data(), want.size()), 0) << "K slot " << slot << " head " << h;
+    s.read_k_rows(slot, 1, h, got.data());
+    EXPECT_EQ(got, want) << "K slot " << slot << " head " << h;
     quantize_row(s.type(), tk.v[pos].data() + h * d, d, want.data());
-    EXPECT_EQ(std::memcmp(s.v_row(slot, h), want.data(), want.size()), 0) << "V slot " << slot << " head " << h;
+    s.read_v_rows(slot, 1, h, got.data());
+    EXPECT_EQ(got, want) << "V slot " << slot << " head " << h;
   }
 }
 
@@ -63,20 +65,25 @@ TEST(KVStore, AccountingAndPageGrowth) {
       EXPECT_EQ(s.stored(), i + 1);
       EXPECT_EQ(s.bytes(), static_cast<int64_t>((i + 1) * bpt));
       EXPECT_EQ(s.reserved_bytes(), static_cast<int64_t>((i / P + 1) * P * bpt));
-      if (i == 0) first_page_rows = {s.k_row(0, 0), s.v_row(0, H - 1)};
+      if (i == 0) first_page_rows = {s.k_rows(0, 0), s.v_rows(0, H - 1)};
     }
     EXPECT_EQ(s.pages(), 3);
     // Growth never moved history.
-    EXPECT_EQ(s.k_row(0, 0), first_page_rows[0]);
-    EXPECT_EQ(s.v_row(0, H - 1), first_page_rows[1]);
+    EXPECT_EQ(s.k_rows(0, 0), first_page_rows[0]);
+    EXPECT_EQ(s.v_rows(0, H - 1), first_page_rows[1]);
     for (int i = 0; i < 11; ++i) {
       EXPECT_EQ(s.slot_of(i), i);
       EXPECT_EQ(s.position_of(i), i);
       expect_row(s, tk, i, i);
     }
-    // One head's rows are contiguous within a page.
-    EXPECT_EQ(s.k_row(5, 1), s.k_row(4, 1) + s.row_bytes());
-    EXPECT_EQ(s.k_rows(1, 2), s.k_row(4, 2));
+    // One head's rows are contiguous within a page, and read out together as read one at a time.
+    std::vector<uint8_t> rows(3 * s.row_bytes()), one(s.row_bytes());
+    s.read_k_rows(4, 3, 1, rows.data());
+    EXPECT_EQ(std::memcmp(s.k_rows(1, 1), rows.data(), rows.size()), 0);
+    s.read_k_rows(5, 1, 1, one.data());
+    EXPECT_EQ(std::memcmp(rows.data() + s.row_bytes(), one.data(), one.size()), 0);
+    EXPECT_THROW(s.read_k_rows(3, 2, 0, rows.data()), Error);  // spans two pages
+    EXPECT_THROW(s.read_v_rows(10, 2, 0, rows.data()), Error);  // past the stored rows
   }
 }
 
@@ -214,4 +221,36 @@ TEST(KVStore, RangeLimitsPerType) {
   EXPECT_THROW(append_one(KVType::Q8, 65504.0f * 127.0f * 1.01f), Error);
   EXPECT_THROW(append_one(KVType::Q4, 65504.0f * 8.0f * 1.01f), Error);
   EXPECT_NEAR(append_one(KVType::Q8, 1000.0f), 1000.0f, 1000.0f / 127);
+}
+
+// Tiled16 (q8): the same rows as the Rows layout, at the documented places, across pages and an
+// eviction ring; the layout's preconditions are errors naming the fix.
+TEST(KVStore, Tiled16HoldsTheRowsOfTheRowsLayout) {
+  const int H = 2, d = 64, P = 32, nb = d / 32;
+  const Eviction evict{5, 40};
+  KVStore rows(KVType::Q8, H, d, evict, P), tiled(KVType::Q8, H, d, evict, P, false, KVLayout::Tiled16);
+  EXPECT_EQ(tiled.layout(), KVLayout::Tiled16);
+  const Tokens tk = make_tokens(97, H, d, 9);
+  for (int i = 0; i < 97; ++i) {
+    rows.append(tk.k[i].data(), tk.v[i].data());
+    tiled.append(tk.k[i].data(), tk.v[i].data());
+  }
+  EXPECT_EQ(tiled.bytes(), rows.bytes());
+  EXPECT_EQ(tiled.reserved_bytes(), rows.reserved_bytes());
+  for (int64_t slot = 0; slot < tiled.stored(); ++slot) expect_row(tiled, tk, slot, tiled.position_of(slot));
+  // The documented places, for slot 37 (page 1, group 0, lane 5), head 1, block 1, code 13.
+  std::vector<uint8_t> k(rows.row_bytes()), v(rows.row_bytes());
+  rows.read_k_rows(37, 1, 1, k.data());
+  rows.read_v_rows(37, 1, 1, v.data());
+  const int t = 5, b = 1, c = 32 + 13;
+  const uint8_t* kr = tiled.k_rows(1, 1);
+  const uint8_t* vr = tiled.v_rows(1, 1);
+  EXPECT_EQ(kr[512 * b + 64 * (c % 32 / 4) + 4 * t + c % 4], static_cast<uint8_t>(k[2 * nb + c] ^ 0x80));
+  EXPECT_EQ(vr[d * t + c], v[2 * nb + c]);
+  EXPECT_EQ(std::memcmp(kr + P * d + 32 * b + 2 * t, k.data() + 2 * b, 2), 0);
+  EXPECT_EQ(std::memcmp(vr + P * d + 32 * b + 2 * t, v.data() + 2 * b, 2), 0);
+
+  EXPECT_THROW(KVStore(KVType::Q4, H, d, {}, P, false, KVLayout::Tiled16), Error);
+  EXPECT_THROW(KVStore(KVType::Q8, H, d, {}, 24, false, KVLayout::Tiled16), Error);
+  EXPECT_THROW(KVStore(KVType::Q8, H, d, {}, P, true, KVLayout::Tiled16), Error);
 }

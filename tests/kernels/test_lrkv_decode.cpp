@@ -6,6 +6,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/lrkv_decode.h"
@@ -37,11 +38,13 @@ double worst_rel(const std::vector<float>& a, const std::vector<float>& b, int r
   return worst;
 }
 
-void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict, uint32_t seed) {
+void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict, uint32_t seed,
+           KVLayout layout = KVLayout::Rows) {  // layout: K_s / V_s's (the latents stay Rows)
   const std::string what = kv_type_name(type) + " H" + std::to_string(H) + " d" + std::to_string(d) + " r" + std::to_string(r) +
-                           " L" + std::to_string(L) + " P" + std::to_string(page) + (evict.enabled() ? " evict" : "");
+                           " L" + std::to_string(L) + " P" + std::to_string(page) + (evict.enabled() ? " evict" : "") + " " +
+                           kv_layout_name(layout);
   std::mt19937 rng(seed);
-  KVStore shared(type, 1, d, evict, page), shared_abs(type, 1, d, evict, page);  // shared_abs: |V_s|
+  KVStore shared(type, 1, d, evict, page, false, layout), shared_abs(type, 1, d, evict, page, false, layout);  // shared_abs: |V_s|
   std::unique_ptr<KVStore> residual = r > 0 ? std::make_unique<KVStore>(type, 1, H * r, evict, page) : nullptr;
   std::unique_ptr<KVStore> residual_abs = r > 0 ? std::make_unique<KVStore>(type, 1, H * r, evict, page) : nullptr;  // |R^V|
   for (int64_t t = 0; t < L; ++t) {
@@ -246,6 +249,18 @@ TEST(LrkvDecode, LongContextsAndEviction) {
     check(t, 16, 128, 64, 301, 100, {}, seed + 5);  // r = 64: two latent blocks a head, 16-row tiles
     check(t, 10, 64, 64, 77, 33, {2, 40}, seed + 6);
   }
+}
+
+// K_s / V_s in the Tiled16 layout (decode_kv_layout's q8 choice on AVX-512): latents of every kind
+// (none, straddling heads, r = 32, 64), odd pages, eviction, both back ends.
+TEST(LrkvDecode, Tiled16SharedStoreMatchesReference) {
+  uint32_t seed = 700;
+  for (auto [H, d, r, L, page] : std::vector<std::tuple<int, int, int, int64_t, int>>{
+           {1, 32, 0, 33, 16}, {5, 64, 32, 70, 16}, {16, 128, 8, 515, 256}, {16, 128, 12, 45, 16}, {14, 96, 16, 77, 16},
+           {16, 128, 32, 300, 32}, {16, 128, 64, 301, 256}, {6, 256, 96, 37, 48}})
+    check(KVType::Q8, H, d, r, L, page, {}, seed++, KVLayout::Tiled16);
+  check(KVType::Q8, 10, 64, 16, 301, 48, {3, 120}, seed++, KVLayout::Tiled16);
+  check(KVType::Q8, 16, 128, 32, 200, 64, {5, 100}, seed++, KVLayout::Tiled16);
 }
 
 TEST(LrkvDecode, MismatchedStoresAreClearErrors) {

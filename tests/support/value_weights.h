@@ -22,8 +22,10 @@ inline double worst_over_int16_weights(const std::vector<float>& out, const std:
   double worst = 0;
   for (int kh = 0; kh < kv.kv_heads(); ++kh) {
     std::vector<double> scale_max(nb, 0.0), code_sum(d, 0.0);  // per block: max_t d_t; per value: sum_t |code_t,i|
+    std::vector<uint8_t> row_bytes(kv.row_bytes());
     for (int64_t t = 0; t < kv.stored(); ++t) {
-      const uint8_t* row = kv.v_row(t, kh);
+      kv.read_v_rows(t, 1, kh, row_bytes.data());
+      const uint8_t* row = row_bytes.data();
       for (int b = 0; b < nb; ++b) {
         uint16_t h;
         std::memcpy(&h, row + 2 * b, 2);
