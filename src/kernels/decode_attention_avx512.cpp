@@ -397,14 +397,13 @@ KVX_INLINE void score_block_flat(bool flat, const float* q, int d, int nj, const
 // query bytes, 4 per lane) with the query's matching 4 bytes broadcast, and no horizontal sum.
 // The transpose is shared by every query head reading the rows (the GQA group, or all H for
 // LRKV's shared K).
-// Measured toward a token-interleaved K layout for q8 (not built): a harness kept beside each
-// store page a copy of its K in groups of 16 tokens (per block, word i of the 16 tokens as one
-// 64-byte vector, codes + 128; then the 16 tokens' fp16 K and V scales per block), and the kernel
-// scored from it with plain loads instead of these transposes (scales converted from it too), the
-// copy fetched a tile ahead. Outputs identical; one store read both ways, 16K, caches emptied, two
-// threads: q8 GQA (Hkv = 4) 1.17-1.20x (64K 1.13x, 512 tokens in L2 1.05x), q8 MHA 1.01x, q8 LRKV
-// r = 8, 32, 64 0.99-1.01x (16 queries share each transpose). In L1, G = 4, token_scores takes
-// 12.7 cycles a row with the transposes and 7.2 without.
+// q8 stores in the Tiled16 layout (kv_store.h, decode_kv_layout) skip the transposes: a group's
+// word i of block b is one load (TokenGroup), its scales one fp16 vector a block (group_scales).
+// Outputs identical to the Rows layout's. Against Rows, H = 16, 16K, caches emptied, two threads,
+// stores of both layouts allocated afresh per trial and read alternately call by call (median of
+// 4-6 trials): q8 GQA (Hkv = 4) 1.18x, MHA 1.17x, LRKV r = 8 1.06-1.09x, r = 32 1.01x; 512 tokens
+// in L2, one thread, GQA 1.08-1.10x. (In L1, G = 4, token_scores took 12.7 cycles a row with the
+// transposes, 7.2 without.)
 
 // 16 rows `stride` bytes apart from `base`; with kClamp, rows past `last` repeat it (a tile's
 // tail), so nothing past the tile is read.
