@@ -222,4 +222,5 @@ TEST(DecodeBench, RefusesOptionsThatNameNoMeasurement) {
   refuses([](eval::DecodeBenchOptions& o) { o.lla_budgets = {1000}; }, "--lla 1000x");
   refuses([](eval::DecodeBenchOptions& o) { o.lrkv_ranks = {1}; }, "--lrkv rank 1 with a q8 cache");
   refuses([](eval::DecodeBenchOptions& o) { o.isas = {"neon"}; }, "neon");
+  refuses([](eval::DecodeBenchOptions& o) { o.q8_layout = "tiled8"; }, "unknown KV store layout 'tiled8'; valid: rows, tiled16");
 }
