@@ -35,7 +35,7 @@ FusedKVCache::FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, co
   stores_.reserve(batch);
   for (int64_t b = 0; b < batch; ++b)
     stores_.emplace_back(o.type, static_cast<int>(kv_heads), static_cast<int>(head_dim), o.evict, 256, values_are_keys,
-                         values_are_keys ? kernels::KVLayout::Rows : kernels::decode_kv_layout(o.type, static_cast<int>(head_dim)));
+                         kernels::decode_kv_layout(o.type, static_cast<int>(head_dim), values_are_keys));
 }
 
 int64_t FusedKVCache::bytes() const {

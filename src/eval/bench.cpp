@@ -429,10 +429,9 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   for (const auto& name : o.types) {
     const auto type = kernels::parse_kv_type(name);
     const bool avx2 = std::find(isas.begin(), isas.end(), kernels::DecodeIsa::Avx2) != isas.end();
-    layouts.push_back(type != kernels::KVType::Q8 ? kernels::KVLayout::Rows
-                      : o.q8_layout != "auto"     ? kernels::parse_kv_layout(o.q8_layout)
-                      : avx2                      ? kernels::KVLayout::Rows
-                                                  : kernels::decode_kv_layout(type, o.head_dim));
+    layouts.push_back(type == kernels::KVType::Q8 && o.q8_layout != "auto"
+                          ? kernels::parse_kv_layout(o.q8_layout)
+                          : kernels::decode_kv_layout(type, o.head_dim, false, avx2 ? kernels::DecodeIsa::Avx2 : kernels::DecodeIsa::Auto));
   }
   std::vector<std::vector<kernels::KVStore>> dense(o.kv_heads.size());  // [hkv][type]
   for (size_t h = 0; h < o.kv_heads.size(); ++h)

@@ -1350,8 +1350,9 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
   return isa;
 }
 
-KVLayout decode_kv_layout(KVType type, int head_dim) {
-  return type == KVType::Q8 && resolve_decode_isa(DecodeIsa::Auto, head_dim) == DecodeIsa::Avx512 ? KVLayout::Tiled16 : KVLayout::Rows;
+KVLayout decode_kv_layout(KVType type, int head_dim, bool values_are_keys, DecodeIsa isa) {
+  return type == KVType::Q8 && !values_are_keys && resolve_decode_isa(isa, head_dim) == DecodeIsa::Avx512 ? KVLayout::Tiled16
+                                                                                                       : KVLayout::Rows;
 }
 
 namespace {

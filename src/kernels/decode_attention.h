@@ -47,11 +47,12 @@ DecodeIsa parse_decode_isa(const std::string& name);  // "auto", "avx2", "avx512
 bool decode_isa_usable(DecodeIsa isa, int head_dim);  // this CPU, this head width
 DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim);  // Auto -> the one that runs; throws if unusable
 
-// The store layout decode (dense and LRKV's shared K_s, V_s) reads fastest on this CPU: Tiled16
-// for q8 where the AVX-512 back end runs (its scores load a group's token lanes instead of
-// transposing 16 rows; kv_store.h), else Rows. Stores whose rows are read as rows (MLA's
-// values_are_keys latents, LRKV's residual latents) stay Rows.
-KVLayout decode_kv_layout(KVType type, int head_dim);
+// The store layout decode (dense and LRKV's shared K_s, V_s) reads fastest with back end `isa`
+// (Auto: the one that runs here): Tiled16 for q8 read by the AVX-512 back end (its scores load a
+// group's token lanes instead of transposing 16 rows; kv_store.h), else Rows. Stores whose rows
+// are read as rows stay Rows: values_are_keys stores (MLA's latents) here, LRKV's residual
+// latents at their call site.
+KVLayout decode_kv_layout(KVType type, int head_dim, bool values_are_keys = false, DecodeIsa isa = DecodeIsa::Auto);
 
 // One extra logit/value pair per query head merged into the softmax as if it were one more
 // stored row (Nectar, SPEC 1.4, Eqs. 3.4-3.5: a document's log-mass alpha and content A beside the

@@ -56,6 +56,7 @@ KVStore::KVStore(KVType type, int kv_heads, int head_dim, Eviction evict, int pa
                 kv_type_name(type) + ", page_tokens " + std::to_string(page_tokens) +
                 (values_are_keys ? ", values_are_keys" : "") + " (use layout rows)");
   half_page_bytes_ = static_cast<size_t>(kv_heads) * page_tokens * row_bytes_;
+  if (layout == KVLayout::Tiled16) tile_row_.resize(row_bytes_);
 }
 
 KVStore::~KVStore() = default;
@@ -177,12 +178,12 @@ void KVStore::append(const float* k, const float* v) {
                      page.base + static_cast<size_t>(kv_heads_ + h) * page.head_stride + row);
     }
   } else {
-    std::vector<uint8_t> buf(row_bytes_);
+    uint8_t* buf = tile_row_.data();
     for (int h = 0; h < kv_heads_; ++h) {
-      quantize_row(type_, k + static_cast<size_t>(h) * head_dim_, head_dim_, buf.data());
-      write_row(page.base + h * page.head_stride, in_page, buf.data(), true);
-      quantize_row(type_, v + static_cast<size_t>(h) * head_dim_, head_dim_, buf.data());
-      write_row(page.base + static_cast<size_t>(kv_heads_ + h) * page.head_stride, in_page, buf.data(), false);
+      quantize_row(type_, k + static_cast<size_t>(h) * head_dim_, head_dim_, buf);
+      write_row(page.base + h * page.head_stride, in_page, buf, true);
+      quantize_row(type_, v + static_cast<size_t>(h) * head_dim_, head_dim_, buf);
+      write_row(page.base + static_cast<size_t>(kv_heads_ + h) * page.head_stride, in_page, buf, false);
     }
   }
   ++length_;

@@ -112,6 +112,7 @@ class KVStore {
   size_t half_page_bytes_;  // one of the K / V blocks of a page
   bool values_are_keys_ = false;
   KVLayout layout_ = KVLayout::Rows;
+  std::vector<uint8_t> tile_row_;  // Tiled16: append's one quantised row before write_row spreads it
   int64_t length_ = 0;
   std::vector<Page> pages_;  // in slot order, pointing into chunks_
   std::vector<Mem> chunks_;  // allocations: one page each, or several once the store is large

@@ -299,6 +299,14 @@ TEST(DecodeAttention, BackEndChoice) {
   EXPECT_FALSE(decode_rounds_value_weights(DecodeIsa::Avx512, KVType::BF16, 4));
   EXPECT_FALSE(decode_rounds_value_weights(DecodeIsa::Avx512, KVType::F32, 16));
   EXPECT_FALSE(decode_rounds_value_weights(DecodeIsa::Avx2, KVType::BF16, 16));
+  // store layouts: Tiled16 only for q8 read by AVX-512 with values of their own
+  const bool avx512 = decode_isa_usable(DecodeIsa::Avx512, 128);
+  EXPECT_EQ(decode_kv_layout(KVType::Q8, 128), avx512 ? KVLayout::Tiled16 : KVLayout::Rows);
+  EXPECT_EQ(decode_kv_layout(KVType::Q8, 128, true), KVLayout::Rows);
+  EXPECT_EQ(decode_kv_layout(KVType::Q8, 128, false, DecodeIsa::Avx2), KVLayout::Rows);
+  EXPECT_EQ(decode_kv_layout(KVType::Q8, 40), KVLayout::Rows);
+  for (KVType t : {KVType::F32, KVType::BF16, KVType::Q4}) EXPECT_EQ(decode_kv_layout(t, 128), KVLayout::Rows);
+  if (!avx512) EXPECT_THROW(decode_kv_layout(KVType::Q8, 128, false, DecodeIsa::Avx512), Error);
 }
 
 TEST(DecodeAttention, ValuesAreKeysStoresEachRowOnce) {
