@@ -1477,19 +1477,16 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
   split_begin[ns] = static_cast<int>(pieces.size());
   const size_t part_size = detail::slot_floats(static_cast<size_t>(G) * (d + 2));
   float* pp = detail::slot_aligned(parts, pieces.size() * part_size);
-  float* scr = wide ? detail::slot_aligned(scratch, scratch_size * ns) : nullptr;
-
-  // One split a thread, statically: 8 a thread handed out dynamically (to even out a vCPU slowed by
-  // its host) measured 0.96-1.06x (Zen 5 VM, 16K, caches emptied, A/B in one process: f32/bf16/q8
-  // GQA, f32 MHA, f32/q8 LRKV r = 8), within the noise.
+  // Splits handed out one at a time (detail::decode_splits); the AVX-512 scratch is per thread.
   const int nt = std::min(T, ns);
+  float* scr = wide ? detail::slot_aligned(scratch, scratch_size * nt) : nullptr;
   const Piece* pcs = pieces.data();
   const int* sb = split_begin.data();
   const float* qsp = qs;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
   for (int i = 0; i < ns; ++i) {
     if (wide)
-      detail::avx512_run_split(kv, pcs, sb[i], sb[i + 1], qsp, G, pp, part_size, scr + i * scratch_size);
+      detail::avx512_run_split(kv, pcs, sb[i], sb[i + 1], qsp, G, pp, part_size, scr + omp_get_thread_num() * scratch_size);
     else
       run_split_any(kv, pcs, sb[i], sb[i + 1], qsp, qstride, G, pp, part_size);
   }
@@ -1533,7 +1530,7 @@ void decode_attention(const float* q, int heads, const KVStore& kv, float scale,
   int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
   constexpr int64_t kMinBytesPerThread = 256 << 10;  // below this a thread costs more than it saves
   T = static_cast<int>(std::clamp<int64_t>(kv.bytes() / kMinBytesPerThread, 1, T));
-  decode_attention_splits(q, heads, kv, scale, out, T, T, isa, extra);
+  decode_attention_splits(q, heads, kv, scale, out, T, detail::decode_splits(T), isa, extra);
 }
 
 bool decode_rounds_query(DecodeIsa isa, KVType type, int head_dim) {

@@ -12,16 +12,17 @@
 // and from 8 queries a KV head bf16's numerators to bf16, decode_rounds_value_weights). It is one
 // pass with an online softmax over tiles of 8-64 rows (running max m, running sum l, accumulator
 // rescaled by e^(m_old - m_new)); only a tile's scores are held. The (KV head, token range) work
-// is cut into `splits` chunks shared by the threads, and the partial (m, l, acc) of each chunk are
-// merged by log-sum-exp:
+// is cut into `splits` chunks (decode_attention: 4 a thread) that the threads take one at a time
+// (a thread slowed by another process does less of the work), and the partial (m, l, acc) of
+// each chunk are merged by log-sum-exp:
 //   M = max_i m_i,  out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
 // Software prefetch runs one tile (at least 4 KB) ahead on the K and V streams (the AVX-512 back
 // end leaves f32 MHA's to the hardware prefetcher, measured faster); it also fetches the tile 3
 // ahead into L2 where that measured faster (f32/bf16 with several query heads per row, f32/bf16
 // LRKV). The AVX-512 back end also touches each 4 KiB page 16 KB before its stream reaches it
 // (f32/bf16 dense, q8 MHA, bf16/q8 LRKV, f32 LRKV with heads in lanes: the hardware prefetchers
-// stop at page ends here). Each split's partial results and scratch sit in their own 4 KiB pages
-// (a prefetcher running along one thread's must not pull in another's).
+// stop at page ends here). Each split's partial results and each thread's scratch sit in their
+// own 4 KiB pages (a prefetcher running along one thread's must not pull in another's).
 // Speed on an AVX2 core with 2 FMA pipes: f32/bf16 and MHA q8/q4 are bound by memory
 // bandwidth; with 4+ query heads per KV head q8/q4 are bound by FMA throughput (2 * G * d
 // multiply-adds per row pair, the same as f32), so they gain less than their size ratio.

@@ -29,7 +29,21 @@ inline int64_t piece_cut(const KVStore& kv, int64_t x, int64_t L) {
   return row >= L ? (h + 1) * L : h * L + row;
 }
 
-// Per-split memory that threads write (partial results, scratch) is cut into slots of whole
+// Splits a call cuts its work into with `threads` threads: several a thread, handed out one at
+// a time (OpenMP schedule(dynamic, 1)), so that a thread slowed by something else on its core
+// (another process, the host under a VM) does less of the work instead of holding up the call
+// (a static split waits for its slowest thread). Zen 5 VM, H = 16, d_h = 128, 16K, caches
+// emptied, two threads, A/B in one process against one split a thread (medians of 4-5 rounds):
+// with a busy process (nice 5) on one vCPU, q8 GQA 2.07x (rounds up to 6.4x), f32 GQA 1.17x (up to
+// 3.4x); with both vCPUs idle but one running at ~2.5 against ~3.5 GHz (a dependent-add probe),
+// bf16 GQA 1.11x, q8 GQA 1.01-1.04x, q8 MHA 1.03x, q4 GQA 1.01x, f32 0.98-1.00x (f32 is bound by
+// the memory both threads share; each piece starts its prefetch cold); LRKV r = 8 (8 splits
+// against 2) f32 0.99x, q8 0.98x, bf16 1.05x, q8 r = 32 0.97x; one thread cutting its work into
+// 4 or 8 pieces: 0.97-1.00x. LLA and GDN decode keep static splits.
+constexpr int kSplitsPerThread = 4;
+inline int decode_splits(int threads) { return threads > 1 ? kSplitsPerThread * threads : 1; }
+
+// Memory that threads write (per-split partial results, per-thread scratch) is cut into slots of whole
 // 4 KiB pages, so that no hardware prefetcher running along one split's slot pulls in lines of
 // the next one (prefetchers stop at 4 KiB pages). On this project's VM, with the two vCPUs on
 // different cache domains, LRKV decode (H=16, q8, 16K) ran 599 us with adjacent partial

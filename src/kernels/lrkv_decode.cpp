@@ -105,14 +105,15 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
       qbp = qbs;
     }
     const size_t scratch_size = detail::slot_floats(detail::avx512_scratch_floats(heads, sh.d, shared.type(), sh.r * heads, true));
-    float* scr = detail::slot_aligned(scratch, scratch_size * ns);
-#pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
+    float* scr = detail::slot_aligned(scratch, scratch_size * std::min(T, ns));  // per thread
+#pragma omp parallel for num_threads(std::min(T, ns)) schedule(dynamic, 1) if (T > 1 && ns > 1)
     for (int i = 0; i < ns; ++i)
-      detail::avx512_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size, scr + i * scratch_size);
+      detail::avx512_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size,
+                              scr + omp_get_thread_num() * scratch_size);
   } else {  // the same on the AVX2 machinery, in its query layout
     qsp = detail::avx2_prepare_queries(q, heads, sh.d, scale, shared.type(), qbuf);
     if (sh.r > 0) qbp = detail::avx2_prepare_latent_queries(qb, heads, sh.r, scale, shared.type(), qbbuf);
-#pragma omp parallel for num_threads(std::min(T, ns)) schedule(static) if (T > 1 && ns > 1)
+#pragma omp parallel for num_threads(std::min(T, ns)) schedule(dynamic, 1) if (T > 1 && ns > 1)
     for (int i = 0; i < ns; ++i) detail::avx2_run_lrkv(shared, residual, pcs, i, i + 1, qsp, qbp, heads, pp, part_size);
   }
   // Log-sum-exp merge per head: M = max_i m_i, out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i.
@@ -144,7 +145,7 @@ void lrkv_decode_attention(const float* q, const float* qb, int heads, const KVS
   constexpr int64_t kMinBytesPerThread = 256 << 10;  // below this a thread costs more than it saves
   const int64_t bytes = shared.bytes() + (residual ? residual->bytes() : 0);
   T = static_cast<int>(std::clamp<int64_t>(bytes / kMinBytesPerThread, 1, T));
-  lrkv_decode_attention_splits(q, qb, heads, shared, residual, scale, out_s, out_r, T, T);
+  lrkv_decode_attention_splits(q, qb, heads, shared, residual, scale, out_s, out_r, T, detail::decode_splits(T));
 }
 
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,
