@@ -391,6 +391,8 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     isas.push_back(isa);
     measure_peak(isa);
   }
+  // Each thread's clock at the start and the end (the slowest one paces a call's threads).
+  const std::vector<double> clocks_start = kernels::measure_thread_clocks_ghz(threads, 0.1);
   if (verbose) std::cerr << "bench decode: measuring read bandwidth ...\n";
   const kernels::ReadBandwidthProbe probe(size_t{1} << 30, threads);
   std::vector<double> probes = {probe.measure(1.0)};
@@ -524,7 +526,8 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   const double stream = *std::max_element(probes.begin(), probes.end());
   rows.push_back({{"stream_gbps", stream}, {"stream_probes_gbps", probes}, {"threads", threads}, {"evict_bytes", probe.evict_bytes()},
                   {"compute_probes_gmacs", compute_probes}, {"compute_probe_isa", kernels::decode_isa_name(probe_isa)},
-                  {"compute_peak_gmacs", peak_gmacs[probe_isa]}});
+                  {"compute_peak_gmacs", peak_gmacs[probe_isa]}, {"thread_clocks_ghz_start", clocks_start},
+                  {"thread_clocks_ghz_end", kernels::measure_thread_clocks_ghz(threads, 0.1)}});
 
   // GDN: a whole layer's decode step (projections, convolutions, state update) at each context.
   if (o.gdn_rows) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <string>
 
 #include "util/error.h"
@@ -155,6 +156,26 @@ double measure_int16_dot_peak_gmacs(int threads, double seconds) {
   const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
   const double macs = static_cast<double>(kIters) * kChainsAvx512 * 32;  // 2 products per 32-bit lane
   return best_rate(int16_chains_avx512, macs, T, seconds);
+}
+
+std::vector<double> measure_thread_clocks_ghz(int threads, double seconds) {
+  const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
+  std::vector<double> ghz(T, 0.0);
+#pragma omp parallel num_threads(T)
+  {
+    const int t = omp_get_thread_num();
+    // all the adds over the whole window (not the best pass: a core shared by time slices
+    // would show its full clock in a short pass)
+    uint64_t x = 0;
+    const auto start = std::chrono::steady_clock::now();
+    double elapsed = 0.0;
+    do {
+      for (long i = 0; i < (1L << 20); ++i) __asm__ volatile("add $1, %0" : "+r"(x));
+      elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    } while (elapsed < seconds || x < (3u << 20));
+    ghz[t] = static_cast<double>(x) / elapsed / 1e9;
+  }
+  return ghz;
 }
 
 }  // namespace kvx::kernels

@@ -1,6 +1,7 @@
 // Multiply-add throughput probe: the compute ceiling a decode kernel is judged against when it
 // is not bound by memory (GQA with many query heads per KV head, q8/q4 rows).
 #pragma once
+#include <vector>
 
 namespace kvx::kernels {
 
@@ -21,5 +22,11 @@ double measure_bf16_dot_peak_gmacs(int threads = 0, double seconds = 0.5);
 // The same for int16 dot products (AVX-512 VNNI's vpdpwssd, 32 multiply-adds each), what the
 // AVX-512 decode kernel weighs q8/q4 values with (decode_weighs_values_in_int16).
 double measure_int16_dot_peak_gmacs(int threads = 0, double seconds = 0.5);
+
+// Each of `threads` OpenMP threads' (0: all) clock as a chain of dependent integer adds (one a
+// cycle) runs it, in 1e9 adds a second, run by all of them at once: the share of its core a
+// thread gets. On a VM the vCPUs can differ for minutes at a time (this project's read 2.1-2.9
+// against 3.4-3.6, the slow one switching), and compute-bound decode calls slow down with them.
+std::vector<double> measure_thread_clocks_ghz(int threads = 0, double seconds = 0.05);
 
 }  // namespace kvx::kernels

@@ -36,3 +36,12 @@ TEST(ComputePeak, RatesArePositiveAndBadWidthsNamed) {
     EXPECT_NE(std::string(e.what()).find("lanes must be 8 (AVX2) or 16 (AVX-512)"), std::string::npos) << e.what();
   }
 }
+
+// One clock per thread, each a plausible rate of dependent adds (a broken probe reads 0 or inf).
+TEST(ComputePeak, ThreadClocksOnePerThread) {
+  for (int threads : {1, 2}) {
+    const auto ghz = kernels::measure_thread_clocks_ghz(threads, 0.01);
+    ASSERT_EQ(ghz.size(), static_cast<size_t>(threads));
+    for (double g : ghz) EXPECT_TRUE(std::isfinite(g) && g > 0.05 && g < 20.0) << g;
+  }
+}
