@@ -391,7 +391,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     isas.push_back(isa);
     measure_peak(isa);
   }
-  // Each thread's clock at the start and the end (the slowest one paces a call's threads).
+  // Each thread's clock at the start and the end (a slowed core slows the compute-bound rows).
   const std::vector<double> clocks_start = kernels::measure_thread_clocks_ghz(threads, 0.1);
   if (verbose) std::cerr << "bench decode: measuring read bandwidth ...\n";
   const kernels::ReadBandwidthProbe probe(size_t{1} << 30, threads);
