@@ -477,8 +477,8 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
         kernels::decode_attention(q.data(), o.heads, dense[h][t.type], scale, out.data(), threads, t.isa);
       } else {
         const size_t k = std::find(o.lrkv_ranks.begin(), o.lrkv_ranks.end(), t.rank) - o.lrkv_ranks.begin();
-        kernels::lrkv_decode_attention_splits(q.data(), qb.data(), o.heads, shared[k][t.type], &residual[k][t.type], scale,
-                                              out_s.data(), out_r.data(), threads, threads, t.isa);
+        kernels::lrkv_decode_attention(q.data(), qb.data(), o.heads, shared[k][t.type], &residual[k][t.type], scale,
+                                       out_s.data(), out_r.data(), threads, t.isa);
       }
     };
     // A kernel's fastest call is judged against the probes on either side of its calls in that

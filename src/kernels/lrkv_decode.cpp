@@ -140,12 +140,12 @@ void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, co
 }
 
 void lrkv_decode_attention(const float* q, const float* qb, int heads, const KVStore& shared, const KVStore* residual,
-                           float scale, float* out_s, float* out_r, int threads) {
+                           float scale, float* out_s, float* out_r, int threads, DecodeIsa isa) {
   int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
   constexpr int64_t kMinBytesPerThread = 256 << 10;  // below this a thread costs more than it saves
   const int64_t bytes = shared.bytes() + (residual ? residual->bytes() : 0);
   T = static_cast<int>(std::clamp<int64_t>(bytes / kMinBytesPerThread, 1, T));
-  lrkv_decode_attention_splits(q, qb, heads, shared, residual, scale, out_s, out_r, T, detail::decode_splits(T));
+  lrkv_decode_attention_splits(q, qb, heads, shared, residual, scale, out_s, out_r, T, detail::decode_splits(T), isa);
 }
 
 void lrkv_decode_attention_reference(const float* q, const float* qb, int heads, const KVStore& shared,

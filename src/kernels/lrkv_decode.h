@@ -28,9 +28,11 @@
 
 namespace kvx::kernels {
 
-// q [H][d_h], qb [H][r]; out_s [H][d_h], out_r [H][r]. threads <= 0: all OpenMP threads.
+// q [H][d_h], qb [H][r]; out_s [H][d_h], out_r [H][r]. threads <= 0: all OpenMP threads. As
+// decode_attention: fewer threads for small caches, the work cut into detail::decode_splits pieces.
 void lrkv_decode_attention(const float* q, const float* qb, int heads, const KVStore& shared, const KVStore* residual,
-                           float scale, float* out_s, float* out_r, int threads);
+                           float scale, float* out_s, float* out_r, int threads, DecodeIsa isa = DecodeIsa::Auto);
+// The same with exactly `splits` pieces (tests, tuning).
 void lrkv_decode_attention_splits(const float* q, const float* qb, int heads, const KVStore& shared,
                                   const KVStore* residual, float scale, float* out_s, float* out_r, int threads,
                                   int splits, DecodeIsa isa = DecodeIsa::Auto);

@@ -100,6 +100,13 @@ void check(KVType type, int H, int d, int r, int64_t L, int page, Eviction evict
                                   lrkv_decode_rounds_query(DecodeIsa::Auto, type, d, r));
   lrkv_decode_attention(q.data(), qb.data(), H, shared, residual.get(), scale, out_s.data(), out_r.data(), 0);
   check_outputs(lrkv_decode_isa(DecodeIsa::Auto, type, d, r), what);
+  for (DecodeIsa isa : isas) {  // the model's call (its own threads and splits) on each back end
+    lrkv_decode_attention_reference(q.data(), qb.data(), H, shared, residual.get(), scale, ref_s.data(), ref_r.data(),
+                                    lrkv_decode_rounds_query(isa, type, d, r));
+    std::fill(out_s.begin(), out_s.end(), NAN);
+    lrkv_decode_attention(q.data(), qb.data(), H, shared, residual.get(), scale, out_s.data(), out_r.data(), 2, isa);
+    check_outputs(isa, what + " " + decode_isa_name(isa) + " lrkv_decode_attention");
+  }
 }
 
 }  // namespace
