@@ -1902,11 +1902,12 @@ __attribute__((noinline)) void wide_tile_softmax(float* s, float* l, float& m, f
 // One piece: rows [r0, r1) of KV head `head` for its G queries -> part = [m[G], l[G],
 // acc[G][d], acc_r[G][r] (with a residual)], natural order.
 // kLrkv: with LRKV's residual path compiled in (the dense kernel must not carry its code: GCC's
-// clone of the dense call without it was measured 12% faster on f32 Hkv=4 64K).
-template <class R, bool kLrkv>
+// clone of the dense call without it was measured 12% faster on f32 Hkv=4 64K). kD: the store's
+// head_dim where it is compiled in (fixed_head_dim), else 0.
+template <class R, bool kLrkv, int kD = 0>
 void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, float* part, float* scratch,
                const Residual& res = {}) {
-  const int d = kv.head_dim(), nj = d / 32, nb = R::kQuant ? nj : 0, P = kv.page_tokens();
+  const int d = kD ? kD : kv.head_dim(), nj = d / 32, nb = R::kQuant ? nj : 0, P = kv.page_tokens();
   const size_t rb = kv.row_bytes();
   const KVStore* rst = kLrkv ? res.store : nullptr;
   const int r = rst ? res.r : 0, rblocks = r / 32;  // latent blocks (whole groups) per head
@@ -2375,6 +2376,17 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   }
 }
 
+// The head_dim a Row type's pieces are compiled for (run_piece's kD; 0: read at run time). q4 takes
+// 128 (the realistic layer), d then a constant in every loop. Zen 5, H = 16, A/B in one process
+// against the run-time d: in L2 GQA-4 1.07x, MHA 1.08x, LRKV r = 8 1.03x; 16K with the caches
+// emptied, two threads, GQA-4 1.02-1.08x, MHA 1.05-1.12x, LRKV r = 8 1.03-1.12x, r = 32 1.00-1.02x,
+// 64K GQA-4 1.01x. f32 and q8 ran 0.95-1.01x this way, bf16 0.96-1.19x depending on the build (code
+// placement); they read d at run time.
+template <class R>
+constexpr int fixed_head_dim() {
+  return R::kNibbles ? 128 : 0;
+}
+
 template <class R>
 void run_pieces(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, const float* qs, int G, float* parts,
                 size_t part_size, float* scratch) {
@@ -2384,6 +2396,12 @@ void run_pieces(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, co
     lanes.head_lanes = true;
     for (int p = p0; p < p1; ++p)
       run_piece<R, true>(kv, pieces[p], qs + pieces[p].head * qstride, G, parts + p * part_size, scratch, lanes);
+    return;
+  }
+  constexpr int kD = fixed_head_dim<R>();
+  if (kD && kv.head_dim() == kD) {
+    for (int p = p0; p < p1; ++p)
+      run_piece<R, false, kD>(kv, pieces[p], qs + pieces[p].head * qstride, G, parts + p * part_size, scratch);
     return;
   }
   for (int p = p0; p < p1; ++p)
@@ -2550,6 +2568,11 @@ void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const Decod
   auto run = [&](auto tag) {
     using R = decltype(tag);
     res.qstride = residual && res.r % 32 == 0 ? query_floats<R>(res.r) : 0;  // per head (latents of r % 32 != 0: unused)
+    constexpr int kD = fixed_head_dim<R>();
+    if (kD && shared.head_dim() == kD) {
+      for (int p = p0; p < p1; ++p) run_piece<R, true, kD>(shared, pieces[p], qs, H, parts + p * part_size, scratch, res);
+      return;
+    }
     for (int p = p0; p < p1; ++p) run_piece<R, true>(shared, pieces[p], qs, H, parts + p * part_size, scratch, res);
   };
   switch (shared.type()) {
