@@ -281,19 +281,19 @@ void print_decode_table(const nlohmann::json& rows) {
                   "the peak at the start (cpu: the better probe around a row's fastest call, which scales its compute floor)\n",
                   r["compute_probe_isa"].get<std::string>().c_str(), c.front(), c[c.size() / 2], 100 * c.front() / peak,
                   100 * c[c.size() / 2] / peak);
-      auto list = [](const nlohmann::json& ghz) {
+      auto list = [](const nlohmann::json& rates) {
         std::string text;
         char buf[16];
-        for (const auto& g : ghz) {
+        for (const auto& g : rates) {
           std::snprintf(buf, sizeof buf, "%.2f", g.get<double>());
           text += (text.empty() ? "" : ", ") + std::string(buf);
         }
         return text;
       };
-      std::printf("thread clocks (dependent adds, all threads at once: the share of its core each gets; compute-bound rows follow the "
-                  "slow ones): %s GHz at the start, "
-                  "%s at the end\n",
-                  list(r["thread_clocks_ghz_start"]).c_str(), list(r["thread_clocks_ghz_end"]).c_str());
+      std::printf("thread scalar rates (dependent integer adds, all threads at once; the clock where a core is the thread's own, "
+                  "lower where it is shared, which slows the compute-bound rows while the multiply-add probe reads its peak): "
+                  "%s G adds/s at the start, %s at the end\n",
+                  list(r["thread_scalar_rates_start"]).c_str(), list(r["thread_scalar_rates_end"]).c_str());
     }
   for (const auto& r : rows)
     if (r.contains("fma_peak_gmacs"))

@@ -391,8 +391,9 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     isas.push_back(isa);
     measure_peak(isa);
   }
-  // Each thread's clock at the start and the end (a slowed core slows the compute-bound rows).
-  const std::vector<double> clocks_start = kernels::measure_thread_clocks_ghz(threads, 0.1);
+  // Each thread's scalar rate at the start and the end (measure_thread_scalar_rates: a vCPU whose core
+  // is shared slows the compute-bound rows while the multiply-add probe reads its full peak).
+  const std::vector<double> scalar_start = kernels::measure_thread_scalar_rates(threads, 0.1);
   if (verbose) std::cerr << "bench decode: measuring read bandwidth ...\n";
   const kernels::ReadBandwidthProbe probe(size_t{1} << 30, threads);
   std::vector<double> probes = {probe.measure(1.0)};
@@ -526,8 +527,8 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   const double stream = *std::max_element(probes.begin(), probes.end());
   rows.push_back({{"stream_gbps", stream}, {"stream_probes_gbps", probes}, {"threads", threads}, {"evict_bytes", probe.evict_bytes()},
                   {"compute_probes_gmacs", compute_probes}, {"compute_probe_isa", kernels::decode_isa_name(probe_isa)},
-                  {"compute_peak_gmacs", peak_gmacs[probe_isa]}, {"thread_clocks_ghz_start", clocks_start},
-                  {"thread_clocks_ghz_end", kernels::measure_thread_clocks_ghz(threads, 0.1)}});
+                  {"compute_peak_gmacs", peak_gmacs[probe_isa]}, {"thread_scalar_rates_start", scalar_start},
+                  {"thread_scalar_rates_end", kernels::measure_thread_scalar_rates(threads, 0.1)}});
 
   // GDN: a whole layer's decode step (projections, convolutions, state update) at each context.
   if (o.gdn_rows) {

@@ -158,9 +158,9 @@ double measure_int16_dot_peak_gmacs(int threads, double seconds) {
   return best_rate(int16_chains_avx512, macs, T, seconds);
 }
 
-std::vector<double> measure_thread_clocks_ghz(int threads, double seconds) {
+std::vector<double> measure_thread_scalar_rates(int threads, double seconds) {
   const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
-  std::vector<double> ghz(T, 0.0);
+  std::vector<double> rates(T, 0.0);
 #pragma omp parallel num_threads(T)
   {
     const int t = omp_get_thread_num();
@@ -173,9 +173,9 @@ std::vector<double> measure_thread_clocks_ghz(int threads, double seconds) {
       for (long i = 0; i < (1L << 20); ++i) __asm__ volatile("add $1, %0" : "+r"(x));
       elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     } while (elapsed < seconds || x < (3u << 20));
-    ghz[t] = static_cast<double>(x) / elapsed / 1e9;
+    rates[t] = static_cast<double>(x) / elapsed / 1e9;
   }
-  return ghz;
+  return rates;
 }
 
 }  // namespace kvx::kernels

@@ -23,10 +23,14 @@ double measure_bf16_dot_peak_gmacs(int threads = 0, double seconds = 0.5);
 // AVX-512 decode kernel weighs q8/q4 values with (decode_weighs_values_in_int16).
 double measure_int16_dot_peak_gmacs(int threads = 0, double seconds = 0.5);
 
-// Each of `threads` OpenMP threads' (0: all) clock as a chain of dependent integer adds (one a
-// cycle) runs it, in 1e9 adds a second, run by all of them at once: the share of its core a
-// thread gets. On a VM the vCPUs can differ for minutes at a time (this project's read 2.1-2.9
-// against 3.4-3.6, the slow one switching), and compute-bound decode calls slow down with them.
-std::vector<double> measure_thread_clocks_ghz(int threads = 0, double seconds = 0.05);
+// Each of `threads` OpenMP threads' (0: all) rate of a chain of dependent integer adds, run by all
+// of them at once, in 1e9 adds a second: one a cycle, so the clock in GHz, on a core whose integer
+// side is the thread's own. It is not the clock where the core is shared: on this project's VM one
+// vCPU often ran these adds at 0.55-0.65x for minutes (independent integer adds 0.66x, 512-bit
+// loads 0.89x) while its vector multiply-adds ran at the full rate, the same as the other vCPU's,
+// and measure_fma_peak_gmacs saw nothing. The decode kernels, whose loads, addresses, loop counters
+// and prefetch bookkeeping surround the multiply-adds, ran 1.35-1.53x slower there (one thread,
+// H = 16, caches in L2: f32/bf16/q8/q4 GQA, f32 and q8 LRKV r = 8).
+std::vector<double> measure_thread_scalar_rates(int threads = 0, double seconds = 0.05);
 
 }  // namespace kvx::kernels

@@ -101,7 +101,7 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
       for (const auto& p : r["stream_probes_gbps"]) probes.push_back(p.get<double>());
       best_probe = *std::max_element(probes.begin(), probes.end());
       EXPECT_DOUBLE_EQ(r["stream_gbps"].get<double>(), best_probe);
-      for (const char* key : {"thread_clocks_ghz_start", "thread_clocks_ghz_end"}) {  // one clock per thread
+      for (const char* key : {"thread_scalar_rates_start", "thread_scalar_rates_end"}) {  // one rate per thread
         ASSERT_TRUE(r.contains(key)) << key;
         EXPECT_EQ(r[key].size(), static_cast<size_t>(r["threads"].get<int>())) << key;
       }

@@ -37,11 +37,11 @@ TEST(ComputePeak, RatesArePositiveAndBadWidthsNamed) {
   }
 }
 
-// One clock per thread, each a plausible rate of dependent adds (a broken probe reads 0 or inf).
-TEST(ComputePeak, ThreadClocksOnePerThread) {
+// One rate per thread, each a plausible rate of dependent adds (a broken probe reads 0 or inf).
+TEST(ComputePeak, ThreadScalarRatesOnePerThread) {
   for (int threads : {1, 2}) {
-    const auto ghz = kernels::measure_thread_clocks_ghz(threads, 0.01);
-    ASSERT_EQ(ghz.size(), static_cast<size_t>(threads));
-    for (double g : ghz) EXPECT_TRUE(std::isfinite(g) && g > 0.05 && g < 20.0) << g;
+    const auto rates = kernels::measure_thread_scalar_rates(threads, 0.01);
+    ASSERT_EQ(rates.size(), static_cast<size_t>(threads));
+    for (double g : rates) EXPECT_TRUE(std::isfinite(g) && g > 0.05 && g < 20.0) << g;
   }
 }
