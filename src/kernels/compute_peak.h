@@ -1,5 +1,6 @@
-// Multiply-add throughput probe: the compute ceiling a decode kernel is judged against when it
-// is not bound by memory (GQA with many query heads per KV head, q8/q4 rows).
+// Compute probes: multiply-add throughput, the ceiling a decode kernel is judged against when it
+// is not bound by memory (GQA with many query heads per KV head, q8/q4 rows), and each thread's
+// scalar rate, which shows a vCPU whose core is shared (the multiply-add probe does not).
 #pragma once
 #include <vector>
 
