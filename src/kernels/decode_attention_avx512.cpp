@@ -2378,10 +2378,11 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
 
 // The head_dim a Row type's pieces are compiled for (run_piece's kD; 0: read at run time). q4 takes
 // 128 (the realistic layer), d then a constant in every loop. Zen 5, H = 16, A/B in one process
-// against the run-time d: in L2 GQA-4 1.07x, MHA 1.08x, LRKV r = 8 1.03x; 16K with the caches
-// emptied, two threads, GQA-4 1.02-1.08x, MHA 1.05-1.12x, LRKV r = 8 1.03-1.12x, r = 32 1.00-1.02x,
-// 64K GQA-4 1.01x. f32 and q8 ran 0.95-1.01x this way, bf16 0.96-1.19x depending on the build (code
-// placement); they read d at run time.
+// against the run-time d, over three builds: in L2 GQA-4 1.06-1.07x, MHA 1.08-1.09x, LRKV r = 8
+// 1.03-1.05x; 16K with the caches emptied, two threads, GQA-4 0.99-1.08x (median of 7 runs 1.045x),
+// MHA 1.05-1.12x, LRKV r = 8 1.03-1.12x, r = 32 1.00-1.02x, 64K GQA-4 1.00-1.01x. f32 and q8 ran
+// 0.95-1.01x this way, bf16 0.96-1.19x depending on the build (code placement); they read d at
+// run time.
 template <class R>
 constexpr int fixed_head_dim() {
   return R::kNibbles ? 128 : 0;
