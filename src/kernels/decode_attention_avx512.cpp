@@ -2387,6 +2387,12 @@ template <class R>
 constexpr int fixed_head_dim() {
   return R::kNibbles ? 128 : 0;
 }
+// f(Int<kD>{}) with kD = fixed_head_dim<R>() where the store's head_dim is it, else f(Int<0>{}).
+template <class R, class F>
+KVX_INLINE void with_head_dim(int head_dim, F&& f) {
+  constexpr int kFixed = fixed_head_dim<R>();
+  with_flag<kFixed != 0>(head_dim == kFixed, [&](auto fixed) { f(Int<decltype(fixed)::value ? kFixed : 0>{}); });
+}
 
 template <class R>
 void run_pieces(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, const float* qs, int G, float* parts,
@@ -2399,14 +2405,10 @@ void run_pieces(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, co
       run_piece<R, true>(kv, pieces[p], qs + pieces[p].head * qstride, G, parts + p * part_size, scratch, lanes);
     return;
   }
-  constexpr int kD = fixed_head_dim<R>();
-  if (kD && kv.head_dim() == kD) {
+  with_head_dim<R>(kv.head_dim(), [&](auto dim) {
     for (int p = p0; p < p1; ++p)
-      run_piece<R, false, kD>(kv, pieces[p], qs + pieces[p].head * qstride, G, parts + p * part_size, scratch);
-    return;
-  }
-  for (int p = p0; p < p1; ++p)
-    run_piece<R, false>(kv, pieces[p], qs + pieces[p].head * qstride, G, parts + p * part_size, scratch);
+      run_piece<R, false, decltype(dim)::value>(kv, pieces[p], qs + pieces[p].head * qstride, G, parts + p * part_size, scratch);
+  });
 }
 
 }  // namespace
@@ -2569,12 +2571,10 @@ void avx512_run_lrkv(const KVStore& shared, const KVStore* residual, const Decod
   auto run = [&](auto tag) {
     using R = decltype(tag);
     res.qstride = residual && res.r % 32 == 0 ? query_floats<R>(res.r) : 0;  // per head (latents of r % 32 != 0: unused)
-    constexpr int kD = fixed_head_dim<R>();
-    if (kD && shared.head_dim() == kD) {
-      for (int p = p0; p < p1; ++p) run_piece<R, true, kD>(shared, pieces[p], qs, H, parts + p * part_size, scratch, res);
-      return;
-    }
-    for (int p = p0; p < p1; ++p) run_piece<R, true>(shared, pieces[p], qs, H, parts + p * part_size, scratch, res);
+    with_head_dim<R>(shared.head_dim(), [&](auto dim) {
+      for (int p = p0; p < p1; ++p)
+        run_piece<R, true, decltype(dim)::value>(shared, pieces[p], qs, H, parts + p * part_size, scratch, res);
+    });
   };
   switch (shared.type()) {
     case KVType::F32: run(F32Row{}); return;

@@ -40,10 +40,9 @@ inline int64_t piece_cut(const KVStore& kv, int64_t x, int64_t L) {
 // 1.04x; with both vCPUs idle but one running dependent integer adds at ~2.5 against ~3.5 G a
 // second (its vector FMAs at full rate: a shared core, measure_thread_scalar_rates), bf16 GQA
 // 1.11x, q8 GQA 1.01-1.04x, q8 MHA 1.03x, q4 GQA 1.01x, f32 0.98-1.00x (f32 is bound by the memory
-// both threads share; each piece starts its prefetch cold); LRKV r = 8 (8 splits
-// against 2) f32 0.99x, q8 0.98x, bf16 1.05x, q8 r = 32 0.97x (again later: f32 r = 8 and 32, bf16
-// r = 8 0.98x); one thread cutting its work into
-// 4 or 8 pieces: 0.97-1.00x. GDN decode keeps its heads on fixed threads (each head's state
+// both threads share; each piece starts its prefetch cold); LRKV r = 8 (8 splits against 2) f32
+// 0.99x, q8 0.98x, bf16 1.05x, q8 r = 32 0.97x (again later: f32 r = 8 and 32, bf16 r = 8 0.98x);
+// one thread cutting its work into 4 or 8 pieces: 0.97-1.00x. GDN decode keeps its heads on fixed threads (each head's state
 // stays in that core's cache from step to step); LLA decode's items are not yet measured this way.
 constexpr int kSplitsPerThread = 4;
 inline int decode_splits(int threads) { return threads > 1 ? kSplitsPerThread * threads : 1; }
