@@ -1,3 +1,5 @@
+// AVX2 back end of decode_attention and the dispatch (decode_attention.h); the measurements behind
+// its choices are in docs/decode-kernels.md.
 #include "kernels/decode_attention.h"
 
 #if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -26,13 +28,9 @@ namespace kvx::kernels {
 namespace {
 
 // Rows per online-softmax step (PieceRunner::kTileRows): 24 for f32/bf16 (a multiple of their
-// 8/6/3-row score blocks; smaller tiles keep the current and the prefetched tile in L1: 24 beats
-// 32 streaming from memory). q8/q4 are compute-bound and 64 rows halve the per-tile work (scale
-// transposes, softmax reductions). Against 32 at 16K, H=16, alternating calls: two threads,
-// caches emptied: dense Hkv=4 q8 2-5% and q4 5-6% faster, LRKV q8 r=8 4%, q4 r=8 4%, q4 r=32 8%,
-// q8 r=32 equal; 128 rows: dense q8 8% slower (one thread, in L3). LRKV f32/bf16 at r = 8 (H = 16,
-// d_h = 128, 16K, caches emptied, two threads, A/B in one process): 16 rows 0.87-0.93x, 32 and 48
-// rows 0.95-1.02x against 24.
+// 8/6/3-row score blocks; smaller tiles keep the current and the prefetched tile in L1: 24 beats 32
+// streaming from memory). q8/q4 are compute-bound and 64 rows halve the per-tile work (scale
+// transposes, softmax reductions).
 constexpr int kTile = 64;          // the largest tile: scratch strides
 constexpr int kRow = kTile + 12;   // score row stride (room for a 12-wide tail)
 // Software prefetch distance: the larger of one tile and 4 KB (f32/bf16) or 8 KB (q8/q4), so a
@@ -291,11 +289,8 @@ KVX_INLINE void for_block_segments(int b, int r, F&& f) {
 // blocks), in integers against the flat [H][r] integer query qi (prepare_int_queries of width H r:
 // the reference's rounding of qb), one transpose of the rows' words a block for all its heads,
 // each word's products as int_token_scores', summed per segment; q4 adds seg_bias (-8 times the
-// segment's query code sum: nibbles are value + 8), in segment order. kT: the latent K block
-// scales, block b at kT + b * kTile. Against dequantising the tile's latent K rows and scoring them
-// in floats (Zen 3, H = 16, d_h = 128, 16K, caches emptied, two threads, A/B in one process): q8
-// r = 8 1.09-1.10x, r = 16 1.13-1.17x, q4 r = 8 1.15x, r = 16 1.29x (with latent_code_values: q8
-// 1.18-1.34x at r = 4-24, q4 1.17-1.32x at r = 8-24).
+// scales, block b at kT + b * kTile. Faster than dequantising the tile's latent K rows and scoring
+// them in floats.
 template <class R>
 KVX_INLINE void int_segment_scores(const uint8_t* const* rows, int nb, int r, const float* qi, const int32_t* seg_bias,
                                    const float* kT, float* s) {
@@ -536,19 +531,10 @@ KVX_INLINE int group_size(int G, int g0) {
   return left >= 4 ? 4 : left >= 2 ? 2 : 1;
 }
 
-// f32 / bf16 scores of GB queries against a tile (q8/q4: int_token_scores). One query takes 8
-// rows at a time, not 12: fewer rows in flight, and bf16 keeps its mask register (dense Hkv=16
-// at 16K, caches emptied, Zen 3: f32 7-25% and bf16 8-16% faster in each of 9 alternating rounds);
-// bf16 4 rows (1 KB) against 8 (the same, min / quartile / median of 20-40 alternating calls,
-// 4K-64K: 6-12% faster; f32 at 4 rows 1-3% slower).
-// Heads in lanes for 8 or 16 queries on one K row (as the AVX-512 back end's head_lane_scores:
-// transposed queries, each row value broadcast against 2 vectors of 8 heads, 4 rows a block,
-// bf16 rows widened once a tile, the by-token scores transposed back) measured faster in cache
-// (Zen 3, H = 16, d_h = 128, one thread: LRKV r = 8 f32 1.07-1.11x, bf16 1.07x; MQA 1.07-1.13x) but
-// not cold (16K, caches emptied, two threads, A/B in one process: LRKV f32 r = 8-64 0.89-0.99x,
-// bf16 r = 4-8 1.03-1.10x and r = 16-64 0.93-0.98x, MQA 1.02-1.09x, 8 queries a KV head 0.73-0.80x);
-// fetching the next tile one line per dimension instead of a burst per block lost the in-cache
-// gain (1.01x) and stayed 0.96-0.99x cold.
+// f32 / bf16 scores of GB queries against a tile (q8/q4: int_token_scores). One query takes 8 rows
+// at a time, not 12: fewer rows in flight, and bf16 keeps its mask register; bf16 4 rows (1 KB).
+// Heads in lanes (as the AVX-512 back end's head_lane_scores) ran faster in cache but not cold, so
+// this back end keeps query groups.
 // also / also_rb: a second stream fetched along, as PassPrefetch.
 template <class R>
 void scores_tile(int GB, const float* q, int d, const uint8_t* kb, size_t rb, int n, float* s, const Prefetch* pf,

@@ -21,11 +21,11 @@
 // the query is permuted to match and the V accumulator un-permuted at the end of a piece. q8/q4
 // codes are read unscaled, the V block scales folded into the weights (p_t d_b); q8/q4 weights become
 // 15-bit codes per tile, dotted with pairs of rows in int16 by vpdpwssd (int_value_pass).
-// Zen 5, measured with loops of independent instructions of one or two kinds: FMAs and vpdpbusd
-// share two pipes; vpermps and vpmovsx/zx share two shuffle pipes (vshufi32x4, vpermt2q: also two
-// a cycle); shifts and vcvtdq2ps share the two add pipes; unpacks and logic ops run on all four.
-// With FMAs in the mix about 3 vector instructions start a cycle, so the work around the
-// multiply-adds (conversions, transposes, horizontal sums) costs time even where its pipes idle.
+// On the Zen 5 this was tuned on, about 3 vector instructions start a cycle with FMAs in the mix,
+// so the work around the multiply-adds (conversions, transposes, horizontal sums) costs time even
+// where its pipes idle.
+// The measurements behind each choice (A/B ratios, variants built and not kept) are in
+// docs/decode-kernels.md, under the name of the function or constant they concern.
 #include "kernels/decode_attention_isa.h"
 
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__))
@@ -68,26 +68,19 @@ KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 // Row readers: val(row, j, a, b) = group j (values 32j .. 32j + 31) as vectors a, b; q8/q4
 // without their block scale, `row` pointing past the fp16 scales.
 
-// kMhaValuePrefetch: software prefetch of the next V tile with one query per KV head (MHA). f32 MHA
-// runs faster on the hardware prefetcher alone (Zen 5, 16K and 64K, slow bandwidth phase: 5-8%
-// faster without it in one process, 5-10% in whole bench runs alternating the two binaries; the
-// K prefetch: kMhaKeyPrefetch); bf16 is no different either way, q8/q4 are 20-150% slower
-// without it.
-// kMhaKeyPrefetch: the same for the next K tile, float rows (q8/q4 MHA prefetch theirs in their
-// 16-row transposes). f32 MHA runs 6-8% faster without it when memory is fast and 17-20% in
-// the slower phase (16K and 64K, caches emptied, A/B in one process; a harness reading the same
-// store had the kernel at 67-77% of the probe against 64-67%); bf16 MHA 9-12% slower.
-// kUnrolledValuePass: value_pass unrolls its loops over the accumulators by pragma and steps its
-// row and weight pointers (f32/bf16), or keeps plain indexed loops (q8/q4). Zen 5, 16K, caches
-// emptied, A/B in one process against the plain loops: f32 GQA 3-14% and bf16 GQA up to 9% faster
-// (the other f32/bf16 cases within 3%); unrolled, stepped or not, q8 LRKV r = 8 and 32 ran 2-10%
-// slower, though faster in cache. Indexed rows with the unrolling cost f32 GQA 15-20%.
-// kMhaValuePrefetchSteps: MHA value passes prefetch the next V tile in steps of 8 rows (value_tile),
-// not in one burst at the pass's start (q4 MHA ran 12-14% slower in steps).
-// kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece with
-// 8 or more queries per row; f32 takes it only for LRKV latents wider than the shared rows.
-// kHeadLanes: LRKV scores may run with heads in lanes (head_lane_scores: f32, and bf16 by vdpbf16ps).
-// kIntValues: values weighed in integers (int_value_pass; q8, q4).
+// Per-type switches (the tuning ones set the way they measured faster with the cache cold):
+// - kMhaValuePrefetch / kMhaKeyPrefetch: software prefetch of the next V / K tile with one query
+//   per KV head (MHA); f32 leaves both to the hardware prefetcher, q8/q4 prefetch their K rows in
+//   their 16-row transposes.
+// - kUnrolledValuePass: value_pass unrolls its loops over the accumulators by pragma and steps its
+//   row and weight pointers (f32/bf16), or keeps plain indexed loops (q8/q4).
+// - kMhaValuePrefetchSteps: MHA value passes prefetch the next V tile in steps of 8 rows
+//   (value_tile), not in one burst at the pass's start.
+// - kGroupFarPrefetch: the L2 prefetch of the tile 3 ahead (run_piece) for every f32/bf16 piece
+//   with 8 or more queries per row; f32 takes it only for LRKV latents wider than the shared rows.
+// - kHeadLanes: LRKV scores may run with heads in lanes (head_lane_scores: f32, and bf16 by
+//   vdpbf16ps).
+// - kIntValues: values weighed in integers (int_value_pass; q8, q4).
 struct F32Row {
   static constexpr bool kQuant = false, kPerm = false, kNibbles = false, kWideResidualGroups = true, kMhaValuePrefetch = false,
                         kMhaKeyPrefetch = false, kGroupFarPrefetch = false,
@@ -160,12 +153,9 @@ struct Q4Row {
 // rows; past a chunk's or the piece's end, lines nobody reads (a prefetch never faults).
 KVX_INLINE void prefetch_ahead(const void* p, size_t ahead) { __builtin_prefetch(static_cast<const char*>(p) + ahead, 0, 3); }
 
-// One prefetch (into L2) per 4 KiB page boundary in [base + far, base + far + bytes). On this
-// project's machine (a Firecracker VM) the hardware prefetchers stop at every 4 KiB page and each
-// new page costs a nested table walk; touching a page 16 KB before the stream reaches it starts
-// that walk early (measured: a synthetic two-stream scan went from ~75% to ~95-110% of the probe).
-// Three lines a page instead of one (to train the hardware's stream sooner), 16K, caches emptied,
-// one store read both ways: bf16 GQA 1.01x, f32 MHA 0.98x, q8 LRKV r = 8 0.99x, bf16 r = 8 1.03x.
+// One prefetch (into L2) per 4 KiB page boundary in [base + far, base + far + bytes). On a VM whose
+// hardware prefetchers stop at every page and pay a nested table walk for the next, touching a page
+// ~16 KB before the stream reaches it starts that walk early.
 KVX_INLINE void touch_pages(const uint8_t* base, size_t bytes, size_t far) {
   const uintptr_t lo = reinterpret_cast<uintptr_t>(base) + far, hi = lo + bytes;
   for (uintptr_t a = (lo + 4095) & ~uintptr_t{4095}; a < hi; a += 4096) __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 1);
@@ -223,20 +213,12 @@ KVX_INLINE __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k));
 }
 
-// Software prefetch of one stream (K or V rows of a head) ahead of a tile: the byte range
-// [from, to) past `base` (the start of the tile it fetches), which runs on for `end` bytes on
-// this page, then continues at `next` (the next page) for `next_end` bytes; nothing past the
-// piece. The next tile goes to L1; with `far`, the same share of a tile further on to L2.
-// One line an iteration: unrolled to 4 lines, calls ran 0.85-0.93x (16K, caches emptied, A/B in
-// one process: f32, bf16 and q8 GQA, f32 LRKV r = 8), the prefetches issued in tighter bursts.
-// The kernels depend on software prefetch: with none (the hardware prefetcher alone, which f32 MHA
-// prefers), f32 LRKV r = 8 ran 0.49-0.50x, f32 GQA 0.64-0.70x, q8 GQA 0.54-0.61x, q4 GQA 0.54-0.58x
-// (16K, caches emptied, two threads); no faster with prefetchnta (0.85-0.93x), and slower with the
-// next tile fetched to L2 only (prefetcht1: f32 r = 8 0.89x, f32 GQA 0.86x; 0.99x in L2). (f32 r = 8,
-// before it took prefetch_ahead: its cold ~126-130 ns a row and thread was its in-cache ~90 ns
-// plus about what a synthetic loop of the same four 512-byte streams and ~100 ns of register FMAs
-// a row lost at its best prefetch distance.) The bounds' integer divisions cost nothing that shows:
-// taken out of the per-step shares (heads in lanes), bf16 r = 8-64 and MQA ran 0.99-1.02x.
+// Software prefetch of one stream (K or V rows of a head) ahead of a tile: the byte range [from,
+// to) past `base` (the start of the tile it fetches), which runs on for `end` bytes on this page,
+// then continues at `next` (the next page) for `next_end` bytes; nothing past the piece. The next
+// tile goes to L1; with `far`, the same share of a tile further on to L2. One line an iteration
+// (tighter bursts ran slower). The kernels depend on it: without software prefetch most run at half
+// to two thirds of their speed cold.
 struct Prefetch {
   const uint8_t *base, *next;
   size_t end, next_end;
@@ -277,10 +259,6 @@ struct Prefetch {
 // (FlatLatents): head h's segment [h r, h r + r) lies in vectors h r / 16 on, each dotted with a
 // position vector of its prepared qb (qb_h scaled at the segment's lanes, zeros elsewhere:
 // avx512_prepare_latent_queries).
-// Tokens in lanes instead (K_s and latent rows of 16 tokens transposed once, each head's query
-// broadcast per dimension, no horizontal sums) measured no faster for bf16 at H = 16, r = 8 with
-// the cache in L2, and about 10% slower at 4K and 16K tokens in bench runs alternating the two
-// binaries (Zen 5, three runs each).
 struct FlatLatents {
   int r = 0;
   int row_vectors = 0;       // ceil(H r / 16)
@@ -314,11 +292,6 @@ KVX_INLINE __m512 dot_bf16(__m512 acc, __m512i k, const uint8_t* q) {
 // == 0 stays as it was).
 // kSpread: the block prefetches its rows' share [pf_lo, pf_hi) of the next K tile in nj steps,
 // one per 32 values of d, instead of all of it before the block (scores_for).
-// f32: the queries' 32 values held in registers across the TB rows (GCC folds some into memory
-// operands) measured 0.97x in L2 at 4 queries a KV head and 0.83-1.04x cold, so they stay loads.
-// The scores stored as one 16-float vector per query a 16-row block (4 x 4 transpose of 128-bit
-// lanes; the softmax's loads then forward from single stores) measured 1.00-1.03x (bf16 GQA-4 and
-// GQA-2, one store read both ways, 16K with the caches emptied and 2K in cache): not kept.
 template <class R, int GB, int TB, bool kFlat = false, bool kSpread = false>
 KVX_INLINE void score_block(const float* q, int d, int nj, const uint8_t* const* rows, float* s,
                             const ResidualRows* res = nullptr, const Prefetch* pf = nullptr, size_t pf_lo = 0, size_t pf_hi = 0) {
@@ -399,12 +372,7 @@ KVX_INLINE void score_block_flat(bool flat, const float* q, int d, int nj, const
 // LRKV's shared K).
 // q8 stores in the Tiled16 layout (kv_store.h, decode_kv_layout) skip the transposes: a group's
 // word i of block b is one load (TokenGroup), its scales one fp16 vector a block (group_scales).
-// Outputs identical to the Rows layout's. Against Rows, H = 16, 16K, caches emptied, two threads,
-// stores of both layouts allocated afresh per trial and read alternately call by call (median of
-// 4-6 trials): q8 GQA (Hkv = 4) 1.18x, MHA 1.17x, LRKV r = 8 1.06-1.09x, r = 32 1.01x; 512 tokens
-// in L2, one thread, GQA 1.08-1.10x. (In L1, G = 4, token_scores took 12.7 cycles a row with the
-// transposes, 7.2 without.) q4 the same way (K words of 16 tokens interleaved, nibbles as stored;
-// built and tested, not kept): GQA 1.02x, MHA 1.03x, LRKV r = 8 1.02x, within the trials' spread.
+// Outputs identical to the Rows layout's; q4 keeps Rows (Tiled16 was within noise).
 
 // 16 rows `stride` bytes apart from `base`; with kClamp, rows past `last` repeat it (a tile's
 // tail), so nothing past the tile is read.
@@ -468,9 +436,6 @@ KVX_INLINE void transpose_scales(const Rows& rows, int blocks, float* dst) {
 
 // The K and V rows' scales (nb <= 8 blocks each) in one transpose: a row's K scales followed by
 // its V scales make up the 4 nb bytes transposed -> kT, vT [b][kMaxTile].
-// (nb = 4 as 8 words a row, 4 rows a vector by masked qword loads, then two levels of two-source word
-// permutes, 8 vpermt2w instead of 24 shuffles and 8 narrowings: q8 GQA 1.02x, q4 GQA and q8 LRKV
-// r = 8 1.00x in L2, A/B both ways round; not kept.)
 template <class Rows>
 KVX_INLINE void transpose_kv_scales(const Rows& krows, const Rows& vrows, int nb, float* kT, float* vT) {
   const int bytes = 2 * nb;
@@ -542,9 +507,8 @@ template <class R, class Rows>
 KVX_INLINE void token_scores(const Rows& rows, size_t offset, int nb, const uint8_t* q, size_t qstride, int G,
                              const float* kT, float* s, bool add) {
   // q4 blocks in pairs (one transpose holds both; each query's two dot products are the two
-  // independent chains); q8 blocks one at a time, the chain split in two (pairs measured slower:
-  // 16 more registers live across LRKV's 16 heads). Up to 4 queries' scores held in registers across
-  // the blocks (no store and reload of s a block) measured 1.00-1.02x in L2 (dense q8/q4, Hkv = 4 and 16).
+  // independent chains); q8 blocks one at a time, the chain split in two (pairs keep 16 more
+  // registers live across LRKV's 16 heads).
   for (int b = 0, step; b < nb; b += step) {
     const bool pair = R::kNibbles && b + 1 < nb;
     step = pair ? 2 : 1;
@@ -587,9 +551,7 @@ KVX_INLINE void token_scores(const Rows& rows, size_t offset, int nb, const uint
 // with the heads' qb side by side, the lanes summed per head by a transpose-add tree into one
 // vector of the 16 heads (lane L: head perm[L]); 16 rows' vectors are then transposed to token
 // lanes and added to the scores. Cheaper than a transpose of the rows per head (token_scores).
-// r = 64 the same way, on "block heads" (head h's block j as one of 32 heads of r = 32, two passes
-// of 16, each adding its scaled dot to head h's scores): q8 1.01x in L2 and 0.90-1.03x at 16K with
-// the caches emptied, q4 1.03x / 0.96-1.02x (H = 16, A/B in one process), so r = 64 stays per head.
+// r = 64 stays per head (token_scores): as "block heads" of r = 32 it was no faster.
 struct LatentQuery {
   const uint8_t* codes;  // q8: per 2 heads 64 bytes (qb codes side by side); q4: per 4 heads 64 bytes of
                          // their low-nibble halves, then 64 of the high
@@ -622,9 +584,8 @@ KVX_INLINE __m512i row_chunk(const uint8_t* row, int c, int total) {
 }
 
 // One latent row (codes at row): the 16-head vector of integer dots (lane L: head perm[L]).
-// kHeads: 16 for a layer of 16 heads (known at compile time: no masked loads or head checks;
-// q8 at H = 16, 4K tokens in cache: 137 -> 132 us; with the cache cold, within this VM's noise),
-// else 0 (lq.heads).
+// kHeads: 16 for a layer of 16 heads (known at compile time: no masked loads or head checks), else
+// 0 (lq.heads).
 template <class R, int kHeads>
 KVX_INLINE __m512i latent_row_dots(const uint8_t* row, const LatentQuery& lq) {
   const int heads = kHeads ? kHeads : lq.heads;
@@ -851,10 +812,9 @@ KVX_INLINE void store_accumulators(const __m512 (&a)[GB][V], float* base, int st
     for (int i = 0; i < V; ++i) _mm512_storeu_ps(base + g * stride + 16 * i, a[g][i]);
 }
 
-// R::kUnrolledValuePass: the loops over the accumulators unrolled by pragma. Left to GCC 12, they
-// were not, and the accumulators went through a stack array at each pass's ends (bf16, 4 queries,
-// 16 L1-resident rows: 23 cycles a row, 17 unrolled and stepped). pf: the pass prefetches
-// [pf_lo, pf_hi) of it in steps of 8 rows (value_tile).
+// R::kUnrolledValuePass: the loops over the accumulators unrolled by pragma (left to GCC 12 they
+// were not, and the accumulators went through a stack array at each pass's ends). pf: the pass
+// prefetches [pf_lo, pf_hi) of it in steps of 8 rows (value_tile).
 template <class R, int GB, int JB>
 KVX_INLINE void value_pass(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d, int j0,
                            const Prefetch* pf = nullptr, size_t pf_lo = 0, size_t pf_hi = 0) {
@@ -1019,23 +979,8 @@ KVX_INLINE void pair_value_pass(const uint8_t* v0, size_t rb, size_t head_bytes,
 // no int -> float conversion per value). Each weight is off by up to sig / 2, i.e. max_t |d_t,j| /
 // (65534 l) <= max_t a_t max_t |d_t,j| / 65534 in units of the normalised weights a_t = p_t / l (a
 // later rise of the max scales it down): out is off by up to that times sum_t |v_t| (the tests'
-// bound; decode_weighs_values_in_int16). Without the tile's max_t p_t the codes by head need no
-// horizontal max a query and tile (H = 16, 16K, caches emptied, A/B in one process both ways round:
-// q8 GQA 1.05x, MHA 1.09x); q4 moved from f32 FMAs to these passes at the same time (GQA 1.10x,
-// MHA 1.13x, LRKV r = 8 1.09x, r = 32 1.04x). The codes by token dropped it later (the same speed
-// within 1-2%: q8/q4 LRKV r = 8 and 16 in L2, q8 r = 8 and q4 r = 16 at 16K). The weight broadcast folded into vpdpwssd
-// ({1to16} from memory: two loads for the row pair's two halves instead of one broadcast) ran
-// 0.94x (q8, q4 GQA) and 0.96x (q8 LRKV r = 8) in L2.
-// 8-bit codes by vpdpbusd over four rows interleaved bytewise (half the multiply instructions)
-// measured 0.95-1.05x (GQA, MHA, LRKV r = 8 and 32; in L2 and cold at 16K) with outputs off by up
-// to 0.6% of their largest value, so the codes stay 15-bit. In L2 the V_s passes are ~28% of a q8
-// LRKV r = 8 call (compiled out: 1.33-1.39x), its K_s scores ~15%, latent values ~10%, these codes
-// ~8%, latent scores ~8%. q8 GQA (H = 16, Hkv = 4, 512 tokens in L2, one thread, 29.8 us a call;
-// each part compiled out in turn): K scores 7.0 us (of which the code transposes 0.8), V passes 5.6,
-// softmax and weight codes 4.0, scale transposes 2.8, next-tile prefetch 2.0, vmax 0.9; the call's
-// fixed cost ~4.4 (64 tokens' time), tile bookkeeping and value epilogues ~3. Its 8 vpdpbusd and 16
-// vpdpwssd a row take ~1.2 + 2.3 ns at two a cycle of the ~12.4 ns a row; with the store cold at 16K,
-// two threads, ~15.6 ns a row and thread.
+// bound; decode_weighs_values_in_int16). 8-bit codes by vpdpbusd were no faster and far less exact,
+// so the codes stay 15-bit.
 struct IntWeights {
   const int32_t* words;  // [g][j][kMaxTile / 2]: codes of rows (2k, 2k + 1), the first in the low half
   const float* sig;      // [j]: max_t |d_t,j| / 32767, the same for every query
@@ -1087,12 +1032,10 @@ KVX_INLINE void add_int_sums_split(__m512i even, __m512i odd, float sig, float* 
 }
 
 // Block j of two rows as int16 pairs (row a's value in the low half): q8 (lo, hi) the unpacks of
-// the sign-extended codes (values 8c + i in lo's lane 4c + i, 8c + 4 + i in hi's, add_int_sums);
-// q4 (lo, hi) the even and odd positions, lane k from byte k of each row (its low and high
-// nibble), minus 8 (add_int_sums_split). q4's byte pairs by one vpermt2b of the two rows' blocks
-// (zeros by mask) instead of two widenings, a shift and an or ran 1.02-1.03x (GQA), 1.05x (MHA),
-// 1.01x (LRKV r = 8) in L2 and cold at 16K, both ways round; not taken, as it needs AVX-512 VBMI,
-// which some AVX-512 VNNI parts lack (Cascade Lake): a runtime gate and a second q4 path to test.
+// the sign-extended codes (values 8c + i in lo's lane 4c + i, 8c + 4 + i in hi's, add_int_sums); q4
+// (lo, hi) the even and odd positions, lane k from byte k of each row (its low and high nibble),
+// minus 8 (add_int_sums_split). (One vpermt2b for q4 was barely faster and needs AVX-512 VBMI,
+// which some VNNI parts lack.)
 template <class R>
 KVX_INLINE void int_value_pairs(const uint8_t* ra, const uint8_t* rb, int j, __m512i& lo, __m512i& hi) {
   if constexpr (R::kNibbles) {
@@ -1170,9 +1113,8 @@ KVX_INLINE void residual_value_pass(const uint8_t* v0, size_t rb, size_t head_by
 }
 
 // pw: bf16 with vdpbf16ps, the weights as pair words (pair_value_pass), not w.
-// q8 latents of whole blocks a head weighed by 15-bit codes as V_s (int_value_pass with each head's
-// row offset; H = 16, r = 32 and 64, A/B in one process): 1.03-1.07x in cache, 0.95-1.03x at 16K
-// with the caches emptied, so they stay f32 multiply-adds (and within 1e-5 of the reference).
+// q8 latents of whole blocks a head stay f32 multiply-adds (within 1e-5 of the reference): weighed
+// by 15-bit codes as V_s is, they gained only in cache.
 // kByToken: w by token (weight<R, true>, 16 floats a row).
 template <class R, int GB, bool kByToken = false>
 KVX_INLINE void residual_values(const uint8_t* v0, size_t rb, size_t head_bytes, int n, const float* w, size_t wg, int blocks,
@@ -1205,18 +1147,13 @@ KVX_INLINE void latent_block_values(const uint8_t* row, int b, __m512& a, __m512
   }
 }
 
-// (f32 heads in lanes, r = 1-16: a pass of one permute of the row's 16 numerators a vector, its
-// accumulators in registers over the tile, ran 1.02-1.05x in L2 but 0.93-1.04x at 16K and 0.89-0.99x
-// at 64K with the caches emptied, so these passes stay.)
-// Latents whose blocks straddle heads (r % 32 != 0), values: acc_r (the flat [H][r], i.e. the
-// row's columns) += sum_t p_{head(c)}(t) dv_t,b v_t[c], whole rows in natural order, blocks
-// b0 .. b0 + B - 1 (2 B accumulators across the rows). A block's lane weights come from the
-// numerators by token (pt) by a permute of the 32 heads from its first one (idx, head0), or where
-// every 16-value vector lies in one head (r % 16 == 0) by a broadcast of that head's (r = 16, H = 16,
-// A/B in one process: in L2 f32 1.05-1.08x, q8 1.09-1.13x, q4 1.05x, f32 r = 48 1.06x; 16K with the
-// caches emptied, f32 1.04-1.11x when memory was fast, f32/q8/q4 0.99-1.05x when slow), q8/q4
-// times the row's block scale (vT: [b][kMaxTile]). f32/bf16 rows may end mid-block: a vector's
-// lanes in the row are fl.mask.
+// Latents whose blocks straddle heads (r % 32 != 0), values: acc_r (the flat [H][r], i.e. the row's
+// columns) += sum_t p_{head(c)}(t) dv_t,b v_t[c], whole rows in natural order, for the B blocks
+// from b0 (2 B accumulators across the rows). A block's lane weights come from the numerators by
+// token (pt) by a permute of the 32 heads from its first one (idx, head0), or where every 16-value
+// vector lies in one head (r % 16 == 0, kWhole) by a broadcast of that head's (faster), q8/q4 times
+// the row's block scale (vT: [b][kMaxTile]). f32/bf16 rows may end mid-block: a vector's lanes in
+// the row are fl.mask.
 template <class R, int B, bool kWhole>
 KVX_INLINE void latent_row_pass(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, const float* vT,
                                 const int32_t* idx, const int32_t* head0, float* acc, int b0, const FlatLatents& fl, size_t ahead) {
@@ -1274,13 +1211,11 @@ KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const flo
   with_flag<true>(fl.r % 16 == 0, passes);
 }
 
-// All groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a pass
-// needs several accumulators to hide the FMA latency); the passes share out the prefetch of
-// the next V tile, f32/bf16 passes (kUnrolledValuePass) and q8 MHA passes their share in steps of
-// 8 rows (Zen 5, 16K, caches emptied, A/B in one process against the share at the pass's start:
-// bf16 MHA and GQA 1-4%, bf16 LRKV r = 8 0-7%, f32 GQA 1-6% faster when memory is slow, the same
-// when fast; q8 MHA 4-8% faster, though no faster than before the f32/bf16 passes were unrolled;
-// q4 MHA 12-14% and q8/q4 GQA slower, so they keep the share at the start).
+// All 32-value groups of the row in passes of up to 8 / GB groups (then 4, 2, 1 for the rest: a
+// pass needs several accumulators to hide the FMA latency), which share out the prefetch of the
+// next V tile: f32/bf16 passes (kUnrolledValuePass) and q8 MHA's (kMhaValuePrefetchSteps) fetch
+// their share in steps of 8 rows (faster when memory is slow), the rest at the pass's start (steps
+// were slower).
 // kCodesByToken: iw laid out by token (int_weights_by_token).
 template <class R, int GB, bool kCodesByToken = false>
 KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d,
@@ -1326,40 +1261,15 @@ KVX_INLINE size_t query_floats(int d) {
 // Query heads go in groups of 4, 2, 1 that share each K/V load.
 KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 
-// Rows per tile. Measured on Zen 5 at 16K tokens, A/B in one process, in this VM's slow (~48 GB/s)
-// and fast (~80 GB/s) bandwidth phases:
-// - one query per KV head (MHA): 32 rows (f32, against 16: 1-2% and 6-7% faster); f32 rows past
-//   256 bytes 64 (against 32: 1-5% faster when slow, 5-9% when fast; whole bench runs alternating
-//   binaries: -2 to +6% and +1 to +7%; a stream read in longer runs suits the hardware
-//   prefetcher; bf16 no better);
-// - float rows with several queries: 16 rows of up to 256 bytes (bf16 GQA: 0-19%, mostly 8-10%,
-//   faster than 32 when slow, the same when fast; 8 rows lost 8% when fast), 8 rows wider (f32
-//   GQA: 9-10% faster than 16 when slow, the same when fast; 4 no better);
-// - q8/q4 with several queries: 32 rows of up to 256 bytes (16 were 10-20% slower; 64, once their
-//   values were int16 passes, H = 16 Hkv = 4, caches emptied, A/B both ways round: q8 0.79x, q4 1.01x;
-//   again later with a softmax of four score vectors writing the weight codes, one store read both
-//   ways, 16K: q8 0.84x (in L2, 512 tokens: 1.00x), q4 1.04x),
-//   else 16 (one transpose);
-// - bf16 values by row pairs (avx512_pair_values) at 16+ queries a KV head: 64 rows, over which each pair
-//   pass spreads its accumulator loads and stores (MQA, H = 16, before 9-16 queries took heads in
-//   lanes: against 16 rows 1.03-1.14x with the caches emptied, 16K and 64K; 1.17-1.23x in cache).
-//   At 8 queries 64 and 32 rows were 0-6% slower with the caches emptied (1.11-1.22x faster in
-//   cache), so 8 keeps 16.
-// Wider float tiles run much faster in cache and slower cold: f32 GQA at 4 queries a KV head on 64 rows
-// with no software prefetch 1.56x in L2 but 0.86-0.88x at 16K with the caches emptied; 32 or 64 rows with the
-// prefetch 8-16 rows ahead instead of a tile ahead 1.28-1.44x in L2 but 0.73-0.81x cold (bf16 1.10-1.22x
-// and 0.82-0.94x); with the tile's own prefetch 1.25x and 0.91-0.94x (A/B in one process). On its 8-row
-// tiles f32 GQA fetched each line 8 rows ahead as it reads it (prefetch_ahead) instead of the next
-// tile's shares ran 0.85-1.02x cold, 16 or 24 rows ahead 0.95x. With the page touch (run_piece), one
-// store read both ways, 16K, caches emptied: bf16 GQA (Hkv = 4) on 32 / 64 rows against 16 0.97x /
-// 0.92x in the slow phase and 0.96x for 64 in the fast one (1.27x / 1.40x in one run whose 16-row
-// calls took 1024 us instead of 630-930, not reproduced); f32 GQA on 16 / 32 / 64 against 8 0.88x /
-// 0.89x / 0.80x; bf16 MHA on 64 rows against 32 0.96x (0.88-1.00x, probes 49-83 GB/s). bf16 GQA
-// prefetching two tiles ahead instead of one: 0.95-0.97x.
-// bf16 GQA (Hkv = 4) reads do not overlap its compute when memory is slow: at a 44 GB/s probe, 16K,
-// it took 1200-1370 us, about its fast-phase time (~600 us, where it is compute-bound: 640 us of
-// compute against 450 of reads) plus its 33.5 MB at the probe's rate (760 us); f32 GQA, with half the
-// compute a byte, read 80% of the same probe.
+// Rows per tile, the fastest measured at long context with the caches emptied (wider float tiles,
+// or rows fetched ahead instead of the next tile, run faster in cache but slower cold):
+// - MHA (one query per KV head): 32 rows, float rows past 256 bytes 64 (a stream read in longer
+//   runs suits the hardware prefetcher);
+// - several queries: float rows 16 up to 256 bytes, else 8; q8/q4 32 up to 256 bytes, else 16 (one
+//   transpose);
+// - bf16 values by row pairs (avx512_pair_values) at 16+ queries a KV head: 64 rows, over which
+//   each pair pass spreads its accumulator loads and stores (at 8 queries wider tiles were slower
+//   cold).
 int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
   if (G == 1) return quant || rb <= 256 ? 32 : kMaxTile;
   if (quant) return rb <= 256 ? 32 : 16;
@@ -1367,34 +1277,14 @@ int tile_rows(size_t rb, int G, bool quant, bool pair_values) {
   return rb <= 256 ? 16 : 8;
 }
 
-// Rows a tile for LRKV (row_bytes: a K_s row and a latent row together; hl: scores with heads in lanes):
-// - K and V tiles of both stores within ~40 KB: 32 rows below 1 KB a row, else 16 for q8/q4 and 8 for
-//   f32/bf16 (f32 r = 8 with score blocks: 6-9% faster than 16 when memory is slow, 3% when fast);
-// - bf16 with heads in lanes: 64 rows (H = 16, r = 8, caches emptied, A/B in one process against 32: 16K
-//   5-10% faster in either bandwidth phase, 64K 11%, in cache 4%; 16 rows were 5-9% faster too; r = 32
-//   and 64 (1.25-2.25 KB rows) against 64: 32 rows 0.95-1.00x, 16 rows 0.89-0.96x in cache, no faster cold). f32 with
-//   heads in lanes ran 10% faster on 64 rows than on 8 when memory was slow but 5-12% slower when fast,
-//   so keeps 8 up to 1 KB rows (r <= 8), 32 past them (r = 16, 32: head_lanes) and 8 again past 4 KB
-//   (r = 64 at H = 16: against 32 rows 1.13-1.15x, 16 rows 1.15-1.19x; 16K, caches emptied); those
-//   whose latents straddle heads (r % 32 != 0) now take 8 rows and fetch rows ahead (run_piece's
-//   `straddle_lanes`), not this;
-// - with the page touch (run_piece), heads in lanes take K tiles (K_s and latent rows) of ~24-36 KB:
-//   bf16 64 rows up to 512 bytes a row (r <= 8 at H = 16), 32 up to 1 KB (r = 16), 16 past it (r = 32,
-//   64); f32 16 rows of 2-4 KB (r = 32). H = 16, one store read both ways, caches emptied, medium /
-//   fast bandwidth phase (probes ~60 / ~85 GB/s), against the tiles before: bf16 r = 64 on 16 rows
-//   1.20x / 1.15x at 16K, 1.14x at 64K (8 rows 1.19x, 32 1.14x); r = 32 on 16 rows 1.21x / 1.04x, 64K
-//   1.06x (32 rows 1.07x / 1.04x); r = 16 on 32 rows 1.13x / 1.05x, 64K 1.03x (16 rows 1.05x); r = 8 on 32
-//   rows 1.01x, 16 rows 0.92x; f32 r = 32 on 16 rows 1.12-1.13x, 64K 1.09x (8 rows 1.02x), in cache
-//   1.005x; f32 r = 64 on 16 rows 0.90x. In cache (1K tokens, not emptied) the smaller bf16 tiles lose
-//   7-12% (r = 64 0.90x, r = 32 0.88x, r = 16 0.93x): decode at long context reads its cache cold
-//   (later, slow phase, against these 16 rows: 8 rows r = 64 1.01x, r = 32 0.91x);
-// - bf16 pair values with score blocks (latents too wide for heads in lanes) and rows of 1-1.25 KB: 64
-//   rows (H = 16, d_h = 128, caches emptied, A/B in one process against 8: r = 32 1.15-1.33x at 16K,
-//   1.32-1.41x at 64K, 1.36-1.54x in cache; r = 24 1.00-1.13x at 16K); r = 40 and 48 (1.5-1.75 KB) were
-//   0.93-1.13x, r = 64 0.92-1.03x, bf16 without vdpbf16ps 0.92-0.95x;
-// - f32 with score blocks and rows of 1.5-2 KB: 16 rows (against 8, same conditions: H = 16 r = 16
-//   1.11-1.32x at 16K, 1.17x at 64K, 1.09-1.12x in cache; r = 24 1.15x; H = 8 r = 32 1.11x); 2.5 KB rows
-//   (H = 16, r = 32) ran 0.88-0.99x (64 rows 0.84-0.95x), 4.5 KB (r = 64) 1.03-1.12x, left at 8.
+// Rows a tile for LRKV (row_bytes: a K_s row and a latent row together; hl: scores with heads in
+// lanes), the fastest measured with the caches emptied, as decode at long context reads them:
+// - bf16 with heads in lanes: 64 rows up to 512 bytes a row, 32 up to 1 KB, 16 past it;
+// - else 32 rows below 1 KB a row (K and V tiles of both stores within ~40 KB);
+// - f32 with heads in lanes: 32 rows over 1 KB and under 2 KB a row, 16 up to 4 KB, 8 past it
+//   (latents that straddle heads take 8 rows: run_piece's `straddle_lanes`);
+// - bf16 pair values with score blocks, rows up to 1.25 KB: 64 rows; q8/q4: 16 rows; f32 with score
+//   blocks: 16 rows of 1.5-2 KB; else 8.
 int lrkv_tile_rows(size_t row_bytes, KVType type, bool quant, bool pair_values, bool hl) {
   if (hl && type == KVType::BF16) return row_bytes <= 512 ? kMaxTile : row_bytes <= 1024 ? 32 : 16;
   if (row_bytes < 1024) return 32;
@@ -1495,12 +1385,9 @@ KVX_INLINE void scores_for(const float* q, int gb, int d, const uint8_t* kb, siz
     const ResidualRows* rp = rt ? &res : nullptr;
     const size_t lo = t0 * rb, hi = imin(t0 + TB, n) * rb;
     const bool flat = rt && rt->flat;
-    // K rows with no far prefetch (MHA, f32 and bf16 GQA) spread the next tile's over the block: Zen 5,
-    // 16K, caches emptied, A/B in one process: f32 GQA 8-16%, bf16 MHA 3-9% faster; with the far
-    // prefetch too (bf16 MQA and LRKV) 1-17% slower, so those keep the share before the block
-    // (bf16 at 2-8 queries with tokens in lanes, token_scores' layout: 16 rows transposed to words,
-    // each query's word broadcast into vdpbf16ps, no horizontal sums: Hkv = 4 1.01x in L2, 0.94x at
-    // 16K with the caches emptied, Hkv = 8 0.71x, Hkv = 2 0.99x; not kept.)
+    // K rows with no far prefetch (MHA, f32 and bf16 GQA) spread the next tile's share over the
+    // block (faster); with the far prefetch (bf16 MQA and LRKV; spreading was slower) and for flat
+    // latents it is fetched before the block.
     const Prefetch* spread = pf && !pf->far && !flat ? pf : nullptr;
     if (pf && !spread) pf->range(lo, hi);
     float* sg = s + t0;
@@ -1549,35 +1436,13 @@ KVX_INLINE void scale_vec(float* x, int n, float alpha) {  // n floats (an LRKV 
 // exp512 a row for the softmax. The residual qb_h . R_h,t: the row's vectors times the flat qb
 // ([H][r] in the row's own layout), each head's L lanes (f32: r values, bf16: r / 2 pairs) then
 // summed by halving the groups pairwise (log2 L levels of two permutes and an add).
-// Zen 5, H = 16, A/B in one process against the score blocks (score_block), time before / after:
-// r = 8 bf16 1.10-1.19 (16K, caches emptied, two threads) and 1.20 (4K in cache, one thread), f32
-// 1.06 (16K); r = 32 (L = 16, 32: a reduce16 a row for the residual, which the score blocks share
-// with K_s) 0.87 in cache in 8-row tiles; f32 r = 16, 32 and 64 have since taken heads in lanes
-// (head_lanes).
-// Where bf16 LRKV r = 8 (H = 16) spends a row, one thread, each part compiled out in turn: in L2
-// (128-256 tokens) the K_s and latent scores ~18 ns (~64 cycles against the 32 its 68 vdpbf16ps
-// take at the measured peak, which a loop of these instructions with {1to16} operands reaches
-// in either order, row- or word-major), the values ~10.5 ns (~37 cycles, near peak); at 1024 tokens
-// (1 MB: L2's size) 23-27 and ~17 ns; the rest (softmax, pair words, latent values) 6-9 ns. K_s
-// rows at a fixed 256-byte stride off one base register (no spilled row pointers) ran no faster.
-// Against a GEMM-style kernel with rows in lanes over K_s stored as transposed 32-48-row panels
-// (standalone, 16 heads x 128 values in L1/L2): 18.8-20.7 against 21.6-23.9 ns a row, the heads
-// in lanes already at ~85% of the register multiply-add rate; panels would save at most ~15% of
-// the scores' share of a call, too little for a store layout of their own. libtorch's sgemm
-// (OpenBLAS) ran these shapes at 28-55 G MAC/s a core, below both.
+// Faster than the score blocks (score_block) at r = 8. Rows in lanes over K_s stored as transposed
+// panels (GEMM-style) would save too little of a call for a store layout of their own.
 
-// LRKV decode keeps heads in lanes (run_piece) for f32, and bf16 with vdpbf16ps, at 8 to 16
-// heads (fewer leave most lanes idle) and latents whose L is a power of two up to 8 (or none),
-// and for f32 at L = 16, 32 and 64 too, bf16 at 16 and 32 (f32 r = 16: each head's latent a whole vector;
-// r = 32, 64: 2 or 4, added before the sum): against the score blocks, H = 16, caches emptied, A/B in one process, 32-row
-// tiles: r = 16 0.98-1.21x at 16K, 1.02-1.03x at 64K, 1.27-1.30x in cache (16-row tiles: 1.02-1.11x /
-// 1.11-1.16x in cache; 8: 0.96-0.97x; 64: 1.03-1.09x); r = 32 1.10-1.16x at 16K, 1.14-1.15x at 64K,
-// 1.25-1.27x in cache (its latent values then take the numerators transposed to heads: run_piece);
-// r = 64 (4 vectors a head, 8-row tiles) 1.22-1.30x at 16K, 1.25x at 64K, 1.10-1.12x in cache. bf16
-// too at L = 16 and 32 (r = 32, 64; their latent values take the pair words transposed to heads:
-// run_piece), 64-row tiles as its other ranks (32 and 16 rows were slower): r = 32 1.11-1.20x at
-// 16K, 1.15x at 64K, 1.18-1.24x in cache; r = 64 1.29-1.48x at 16K, 1.47x at 64K, 1.45x in cache;
-// H = 12 r = 32 1.12x, H = 8 r = 64 1.08x.
+// LRKV decode takes heads in lanes (run_piece), where they measured faster than the score blocks,
+// for f32 and bf16 with vdpbf16ps at 8 to 16 heads (fewer leave most lanes idle), no latents or
+// latents whose L (words a head: f32 r, bf16 r / 2) is a power of two up to 32 (f32: 64). A head's
+// latent of L = 32 or 64 is 2 or 4 vectors, added before the sum (head_lane_residual).
 bool head_lanes(KVType type, int G, int r) {
   if (type != KVType::F32 && !(type == KVType::BF16 && avx512_bf16_dot())) return false;
   if (G < 8 || G > 16) return false;
@@ -1587,13 +1452,9 @@ bool head_lanes(KVType type, int G, int r) {
   return (L <= 32 || (type == KVType::F32 && L == 64)) && (L & (L - 1)) == 0;
 }
 
-// Dense decode takes heads in lanes too (run_pieces: LRKV's kernel at r = 0) for groups of 9
-// (bf16) or 13 (f32) to 16 query heads on one KV head: each K row read once with its values
-// broadcast, no horizontal sums. Zen 5, Hkv = 1, against the score blocks, time before / after,
-// 16K with the caches emptied (two threads) and 2K in cache (one), over runs in both of the VM's
-// compute states: bf16 16 heads 1.32-1.37 / 1.59, 12: 1.32 / 1.24, 10: 1.06 / 1.27, 9: 1.05 /
-// 1.25, 8: 0.96 / 1.17; f32 16: 1.07-1.25 (64K 1.26) / 1.04-1.31, 14: 1.05-1.09 / 1.03-1.09, 12:
-// 0.95-1.13 / 0.94-1.05, 8: 0.93-0.95. The score blocks keep the rest (fewer heads leave lanes idle).
+// Dense decode takes heads in lanes too (run_pieces: LRKV's kernel at r = 0) for groups of 9 (bf16)
+// or 13 (f32) to 16 query heads on one KV head; the score blocks keep the rest (fewer heads leave
+// lanes idle).
 KVX_INLINE bool dense_head_lanes(KVType type, int G) { return G > (type == KVType::F32 ? 12 : 8) && head_lanes(type, G, 0); }
 
 // The residual's layout with heads in lanes.
@@ -1616,15 +1477,10 @@ struct HeadLaneResidual {
   }
 };
 
-// A rank-major latent row ([r][H]: lane h of vector k is R_h[k]) would make both residual passes
-// plain lane-wise FMAs, no head-group sums or permutes: that arithmetic alone (f32 r = 8, H = 16,
-// the layout faked, A/B in one process) ran 1.04-1.06x in L2 and 1.005x at 16K with the caches
-// emptied. The latents cost their memory (r = 8 adds 1 KB a row to r = 0's), not their sums; the
-// one head-major layout stays.
 // Lane h = the sum of head h's L lanes of the flat product x[0 .. L) (L <= 16; vector v holds heads
-// v 16 / L on, in order), by halving: each level sums the first and second halves of every
-// group of two vectors side by side, so the heads stay in order. L at compile time keeps x in
-// registers (a run-time L left it on the stack; bf16 r = 8, 4K in cache: 2.5% faster a call).
+// from v 16 / L, in order), by halving: each level sums the first and second halves of every group
+// of two vectors side by side, so the heads stay in order. L at compile time keeps x in registers
+// (a run-time L left it on the stack).
 template <int L>
 KVX_INLINE __m512 sum_head_groups(__m512* x, const HeadLaneResidual& hr) {
 #pragma GCC unroll 16
@@ -1711,12 +1567,10 @@ KVX_INLINE void head_lane_block(const float* qt, int chunks, const uint8_t* kb, 
 }
 
 // pt[t * pt_stride + h] = q_h . K_s,t (+ qb_h . R_h,t) for the n rows at kb (rb bytes apart; the
-// residual's at rkb, rrb apart). qt: [words of a K_s row][16] (lane h of word i: q_h's value i,
-// or its pair i). kpf/rkpf: the next tile's K_s / latent rows, fetched a share per step. (f32 with
-// both next latent tiles spread over the K_s steps and head_lane_values' passes instead, as one even
-// stream: r = 8 1.01x with the caches emptied, 0.98x in L2; r = 16 0.91x cold.) ahead > 0: instead,
-// each line read fetches the one `ahead` rows on (prefetch_ahead). Rows in blocks of 16, or 8 for a
-// tile's last 8 or fewer (f32 and wide latents tile by 8 rows).
+// residual's at rkb, rrb apart). qt: [words of a K_s row][16] (lane h of word i: q_h's value i, or
+// its pair i). kpf/rkpf: the next tile's K_s / latent rows, fetched a share per step. ahead > 0:
+// instead, each line read fetches the one `ahead` rows on (prefetch_ahead). Rows in blocks of 16,
+// or 8 for a tile's last 8 or fewer (f32 and wide latents tile by 8 rows).
 template <class R, bool kAhead>
 KVX_INLINE void head_lane_scores(const float* qt, int d, const uint8_t* kb, size_t rb, int n, const HeadLaneResidual* hr,
                                  const uint8_t* rkb, size_t rrb, float* pt, int pt_stride, const Prefetch& kpf,
@@ -1782,15 +1636,12 @@ KVX_INLINE void head_lane_softmax(float* pt, int pt_stride, int n, int G, float*
   _mm512_storeu_ps(l, lv);
 }
 
-// f32 values with heads in lanes: acc_cols[c][16] (lane h: head h's value c) += sum_t pt[t][h] v_t[c]
-// for the n rows at v0 (rb bytes apart), each value broadcast against its row's 16 numerators, no
-// per-head weight broadcasts; 16 columns a pass, their accumulators in registers over the tile; pf:
-// the next V tile, a share at each pass's start (stepped every 8 rows as value_pass steps it, MQA ran
-// 1.00x cold instead of 1.12x).
-// Against value_tile's head groups with per-head weight broadcasts (H = 16, d_h = 128, A/B in one
-// process both ways round, 16K with the caches emptied, two threads / 512 tokens in L2, one):
-// MQA (dense_head_lanes) 1.12-1.15x / 1.01-1.06x; LRKV r = 8 1.01-1.10x / 1.02-1.035x, r = 16
-// 0.99-1.09x / 0.98-1.035x, r = 32 0.95-0.99x / 0.97x, r = 64 1.015-1.02x / 1.01-1.07x.
+// f32 values with heads in lanes: acc_cols[c][16] (lane h: head h's value c) += sum_t pt[t][h]
+// v_t[c] for the n rows at v0 (rb bytes apart), each value broadcast against its row's 16
+// numerators (faster than value_tile's per-head weight broadcasts, except at r = 32); 16 columns a
+// pass, their accumulators in registers over the tile. pf: the next V tile, a share at each pass's
+// start (faster cold than in steps); kAhead: instead, each row's line `ahead` bytes on is fetched
+// (prefetch_ahead).
 template <bool kAhead>
 KVX_INLINE void head_lane_values(const uint8_t* v0, size_t rb, int n, const float* pt, int pt_stride, float* acc_cols, int d,
                                  const Prefetch* pf, size_t ahead) {
@@ -1819,10 +1670,9 @@ KVX_INLINE void head_lane_values(const uint8_t* v0, size_t rb, int n, const floa
 // vdpbf16ps on token pairs as pair_value_pass (the weights' pair words, pair_weights): block i's
 // lane j takes head (32 i + 2 j) / r's word (r even: its two columns share a head), one permute of
 // the pair's 16 words a block. The tile's sums start from zero in registers and are added to acc_r
-// in natural order at the end. rvpf: the next tile's latent rows, a share every 8 rows (in one
-// burst before the pass: 5-8% slower a call, H = 16, r = 8, 16K, caches emptied). Out of line (one
-// call a tile): its eight widths inlined made clang's ASan + UBSan build of this file take 15.5
-// minutes of a core, 5.5 without; GCC's release code runs as fast (1.02-1.03x, bf16 r = 8, A/B).
+// in natural order at the end. rvpf: the next tile's latent rows, a share every 8 rows (one burst
+// was slower). Out of line (one call a tile, as fast): inlined, its eight widths made clang's
+// sanitizer build far slower to compile.
 template <int NV>
 __attribute__((noinline)) void pair_latent_values(const uint8_t* v0, size_t rb, int n, const uint32_t* pairs, int r, int width,
                                                   float* acc_r, const Prefetch& rvpf) {
@@ -1901,9 +1751,8 @@ __attribute__((noinline)) void wide_tile_softmax(float* s, float* l, float& m, f
 
 // One piece: rows [r0, r1) of KV head `head` for its G queries -> part = [m[G], l[G],
 // acc[G][d], acc_r[G][r] (with a residual)], natural order.
-// kLrkv: with LRKV's residual path compiled in (the dense kernel must not carry its code: GCC's
-// clone of the dense call without it was measured 12% faster on f32 Hkv=4 64K). kD: the store's
-// head_dim where it is compiled in (fixed_head_dim), else 0.
+// kLrkv: with LRKV's residual path compiled in (the dense kernel runs faster without its code). kD:
+// the store's head_dim where it is compiled in (fixed_head_dim), else 0.
 template <class R, bool kLrkv, int kD = 0>
 void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, float* part, float* scratch,
                const Residual& res = {}) {
@@ -1918,19 +1767,11 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const bool latent_straddle = rst && r % 32 != 0;
   const bool latent_int = R::kQuant && latent_straddle && latent_words(kv.type(), r);
   const int lb = latent_straddle ? (G * r + 31) / 32 : 0;
-  // quant_weights_by_token: the softmax and the V weight codes with heads in lanes (the scores transposed
-  // to pt, which straddling latents' values read by token anyway; int_weights_by_token), r = 32 and
-  // 64's latent weights by token too: no per-head maxima, branches or scalar scales. H = 16, A/B in one process
-  // against the codes by head: r = 8 1.13-1.15x in L2, 1.13-1.14x at 16K and 64K with the caches
-  // emptied; r = 16 1.07-1.11x / 1.06-1.11x; r = 32 1.03-1.07x / 1.00-1.03x; r = 64 1.16-1.22x /
-  // 1.11-1.15x (64K 1.06x); q8 GQA and MHA unchanged (0.99-1.02x; GQA's code, the same bytes, read
-  // 0.93x or 0.97-0.995x in a build with r = 64's change depending on the link order: layout). q4
-  // with float weights by token measured 0.97-1.00x at r = 8 and 16; since its V_s weights became codes too,
-  // by token against by head (16K, caches emptied / in L2, A/B both ways round): r = 8 1.02x / 1.06x,
-  // r = 16 1.05x / 1.05x, r = 32 1.02x / 1.04x, r = 64 1.06x / 1.03x.
-  // Straddling q8 latents weighed by 15-bit codes from these numerators (vpdpwssd on row pairs, each
-  // lane's code permuted from its head's) ran r = 8 1.03-1.10x in L2 but 0.99-1.04x with the caches
-  // emptied, and missed the latents' 1e-5 bound (1e-4 off), so latent_row_values stays f32.
+  // quant_weights_by_token (faster for q8 and q4): the softmax and the V weight codes with heads in
+  // lanes (the scores transposed to pt, which straddling latents' values read by token anyway;
+  // int_weights_by_token), r = 32 and 64's latent weights by token too: no per-head maxima,
+  // branches or scalar scales. Straddling q8 latents stay f32 (latent_row_values): weight codes
+  // were faster only in L2 and missed the latents' 1e-5 bound.
   const bool codes_by_token = kLrkv && rst && quant_weights_by_token(kv.type(), G, r);
   FlatLatents flat;  // f32/bf16 scores; every type's latent_row_values (q8/q4 rows end on a block: H r % 32 == 0)
   if (latent_straddle) {
@@ -1946,23 +1787,12 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // numerator pairs (pair_weights; avx512_pair_values)
   const bool pairs = avx512_pair_values(kv.type(), G, kLrkv);
   const bool lane_values = hl && !R::kQuant && !R::kDotBF16;  // f32: head_lane_values into sc.acc_cols
-  // f32 heads in lanes with latents of r % 32 != 0: 8-row tiles, each stream (K_s, V_s, both latents)
-  // fetched `ahead` = 8 rows on, a line per line read (prefetch_ahead), instead of the next tile's
-  // ranges spread over the passes: no bookkeeping a step (in L3 the ranges' address arithmetic
-  // alone, every FMA and prefetch compiled out, took ~13 ns of MQA's ~20 ns a row). H = 16, d_h = 128,
-  // 16K with the caches emptied, two threads, A/B in one process against 32- (r = 2, 4, 16) or 8-row
-  // (r = 8) tiles with the ranges: r = 2 1.22-1.36x, r = 4 1.26-1.31x, r = 8 1.17-1.20x (in L2
-  // 1.07-1.09x), r = 16 1.26-1.30x (64K 1.18-1.25x, in L2 1.00-1.02x). Rows 16 ahead: r = 8 1.06-1.12x;
-  // r = 16 on 32-row tiles 8 ahead 0.92x, 16 ahead 0.99-1.08x. MQA (r = 0) ran 0.98-1.04x with rows
-  // ahead, and r = 32 (latents pre-added per head, whose latent scores did not fetch this way) 0.84x:
-  // both keep the ranges. At r = 8, 8 rows ahead on 8-row tiles is a narrow optimum (measured with
-  // the latent pass noted at latent_row_pass, against this; the four streams' fetched rows likely
-  // have to fit L1 beside QT and acc_cols, 16 KB): 6 rows ahead ran 0.76-0.95x, 12 rows 0.84-0.87x,
-  // 16-row tiles 16 rows ahead 0.80-0.82x and 8 ahead 0.59-0.78x (though 1.10x and 1.16x in L2), the
-  // same to L2 (prefetcht1) 8-24 rows ahead 0.63-0.73x. bf16 heads in lanes fetched this way (pair
-  // values and latents too) against its 64-row tiles: 8-row tiles 8 ahead r = 4 0.95x, r = 8 0.96x
-  // (0.74x in L2), r = 16 1.06x; 16-row tiles 16 ahead 0.96-0.98x, 8 ahead 0.71-0.81x; 32-row 16
-  // ahead 0.93-1.00x: it keeps the ranges.
+  // f32 heads in lanes with latents of r % 32 != 0: 8-row tiles, each stream (K_s, V_s, both
+  // latents) fetched `ahead` = 8 rows on, a line per line read (prefetch_ahead), instead of the
+  // next tile's ranges spread over the passes: no bookkeeping a step (the ranges' address
+  // arithmetic alone took most of MQA's time a row in L3). 8 rows ahead on 8-row tiles is a narrow
+  // optimum (the streams' fetched rows likely have to fit L1); MQA, r = 32 and bf16 heads in lanes
+  // were no faster this way.
   const bool straddle_lanes = lane_values && latent_straddle;
   const int ahead = straddle_lanes ? 8 : 0;
   // Tiled16 (q8): K scored from its token groups, the scales of K and V read per group, V's codes
@@ -1976,29 +1806,10 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl || codes_by_token, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
   float* const acc_cols = lane_values ? sc.acc_cols : nullptr;
-  // Also prefetch to L2 the tile 3 ahead: bf16 at 8+ queries a KV head and LRKV, and f32 LRKV whose latent
-  // rows are wider than the shared ones (H r > d). Zen 5, 16K, time without it / with, A/B over
-  // both bandwidth phases: q8 r = 32 1.07-1.10 (since dropped for q8, below), f32 r = 32 1.02; whole bench runs alternating
-  // with and without, slow phase: bf16 GQA 1.08, bf16 r = 8 1.12. f32 GQA and f32 r = 8 run as
-  // fast without it when memory is slow and up to 10% faster when fast. MHA, q8/q4 GQA and q4
-  // LRKV, whose compute hides the latency, were 4-8% slower with it; so were bf16 r = 8 once its
-  // scores took heads in lanes (hl; 16K, caches emptied, A/B in one process, with / without:
-  // 1.02-1.09, 64K 1.03, in cache 1.10) and, after its tiles and prefetch steps changed, bf16 GQA
-  // at 4 queries a KV head (1.01-1.11 in either bandwidth phase, 64K 1.08, in cache 1.10; its K
-  // prefetch is then spread over the score blocks), which therefore go without. bf16 at 8 queries
-  // a KV head ran the same either way, at 16 (MQA) 5-7% faster with it. q8 LRKV, whose calls are bound
-  // by their instructions more than by memory (a call's time with the caches emptied is within ~10% of
-  // its time in L2), later ran faster without it: H = 16, 16K, caches emptied, A/B in one process over
-  // 12 rounds (flush reads 59-88 GB/s), time with / without: r = 8 1.02-1.17, r = 32 1.03-1.09, r = 64
-  // 1.10-1.19 (64K 1.27; in L2 1.10: each prefetch instruction costs issue slots, ~1.6 cycles a line
-  // in L2), while q8 GQA, which never took it, read 0.94-1.07 (again later, q8 r = 8 with it 2, 3 or 6
-  // tiles ahead against without: 0.94x, 0.94x, 0.88x). f32 took it nowhere else: with it
-  // f32 GQA at 4 queries a KV head ran 0.95x, and f32 MHA with it alone (no next-tile prefetch)
-  // 0.81x (16K, caches emptied, A/B both ways round), though a synthetic loop of MHA's streams with
-  // ~30 cycles of FMAs a row read 10-15% faster with an L2 prefetch 16-32 KB ahead. f32 heads in lanes
-  // (LRKV r = 8, H = 16) with it 2 or 3 tiles ahead ran 0.93x / 0.89x (16K, caches emptied, A/B in one process).
-  // With the page touch, bf16 GQA (Hkv = 4) with the far prefetch against without: 1.00x (0.89-1.04x,
-  // one store read both ways, 16K, caches emptied).
+  // Also prefetch to L2 the tile kFarTiles ahead (far), for float pieces of several queries without
+  // heads in lanes: bf16 at 8+ queries a KV head (kGroupFarPrefetch) and LRKV with latent rows
+  // wider than the shared ones (rrb > rb). Elsewhere it was slower or no faster (compute hid the
+  // latency, and each prefetch instruction costs issue slots).
   constexpr int kFarTiles = 3;
   const bool far = !R::kQuant && G > 1 && !hl && ((R::kGroupFarPrefetch && G >= 8) || rrb > rb);
   float* m = part;
@@ -2027,25 +1838,12 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
       for (int i = 0; i < 32; ++i) sc.idx[32 * b + i] = (32 * b + i) / r - sc.head0[b];
     }
 
-  // Page touch 16 KB ahead (touch_pages) where it measured faster, A/B against none, 2 threads,
-  // 16K/64K tokens, d 128, probe 40-90 GB/s (medians): f32/bf16 MHA 0.97-1.24x, f32/bf16 GQA/MQA
-  // 0.96-1.31x (one early sweep 0.73-0.81x, not reproduced in five since), LRKV bf16 1.00-1.11x,
-  // q8 1.04-1.25x. Left out: f32 LRKV 0.92-0.99x, q4 LRKV 0.96-1.06x, q8 MHA 0.83-1.09x, q8 GQA
-  // 0.80-0.99x (FMA-bound: the touches cost issue slots), q4 MHA 0.96-1.18x, q4 GQA 0.88-1.17x.
-  // Again reading one store both ways (no allocation bias between the sides), slow phase (probes
-  // 44-53 GB/s), with / without: MHA f32 1.09x (64K 1.12x), bf16 1.08x, GQA f32 1.08x, bf16 1.12x,
-  // LRKV bf16 r = 8 1.09x, q8 r = 8 1.00x; 8, 32 or 64 KB ahead within 3% of 16 but for bf16 r = 8
-  // (0.93x, 0.99x, 0.95x). With the touch, MHA's rows fetched 4, 8 or 16 ahead into L1 (score and
-  // value passes) measured 0.94-1.03x, and f32 MHA's next-tile K / V prefetch 0.91-0.95x / 0.86-0.92x.
-  // Later, one store read both ways, 16K / 64K, caches emptied, with / without: q8 MHA 1.09x / 1.12x
-  // (again 1.09x), f32 LRKV with heads in lanes r = 32 1.06-1.08x / 1.07x (r = 64 0.99-1.00x; both
-  // 0.99x in cache, 1K tokens), so they touch too; not the f32 latents that straddle heads, fetched
-  // rows ahead (r = 8 0.91x, r = 16 0.99x); q8 GQA 0.97-1.04x, q4 GQA 0.90x, q4 MHA 1.00x, q4 LRKV
-  // r = 8 1.02x.
+  // Page touch 16 KB ahead (touch_pages) where it measured faster: dense float rows; in LRKV's
+  // kernel (kLrkv, also run by dense heads in lanes) bf16 with vdpbf16ps and q8; f32 LRKV heads in
+  // lanes bar straddling latents (fetched rows ahead); q8 MHA. Not q8 GQA on Rows (FMA-bound: the
+  // touches cost issue slots), q4 or other f32 LRKV.
   constexpr bool kTouch = kLrkv ? R::kDotBF16 || (R::kQuant && !R::kNibbles) : !R::kQuant;
-  // Tiled16 q8 stores touch too: q8 GQA (Hkv = 4) against the Rows layout, H = 16, 16K, caches
-  // emptied, two threads, stores of both layouts allocated afresh each trial and read alternately
-  // call by call: 1.18x (trials 1.10-1.27x) with the touch, 1.01x (0.96-1.22x) without.
+  // Tiled16 q8 stores touch too (without it q8 GQA read them no faster than Rows).
   const bool touch = tiled || kTouch || (!kLrkv && R::kQuant && !R::kNibbles && G == 1) || (rst && lane_values && !latent_straddle);
   constexpr size_t kTouchAhead = 16384;
   for (int64_t row = pc.r0; row < pc.r1;) {
@@ -2172,8 +1970,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
                                               latent_bytes, rkb + g0 * latent_bytes, rrb, nullptr, g0};
           rkpf.range(rtile * g0 / G, rtile * (g0 + gb) / G);
         }
-        // each query group fetches its share of the next K tile (LRKV f32 r = 8, H = 16, 16K: 3-4% faster than the
-        // first group fetching all of it)
+        // each query group fetches its share of the next K tile (faster than one fetching it all)
         const size_t kbytes = static_cast<size_t>(n) * rb;
         const Prefetch kshare = kpf.share(kbytes * g0 / G, kbytes * (g0 + gb) / G, kbytes);
         scores_for<R>(q + g0 * d, gb, d, kb, rb, n, sc.s + g0 * kRow, G > 1 || R::kMhaKeyPrefetch ? &kshare : nullptr,
@@ -2376,13 +2173,9 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   }
 }
 
-// The head_dim a Row type's pieces are compiled for (run_piece's kD; 0: read at run time). q4 takes
-// 128 (the realistic layer), d then a constant in every loop. Zen 5, H = 16, A/B in one process
-// against the run-time d, over three builds: in L2 GQA-4 1.06-1.07x, MHA 1.08-1.09x, LRKV r = 8
-// 1.03-1.05x; 16K with the caches emptied, two threads, GQA-4 0.99-1.08x (median of 7 runs 1.045x),
-// MHA 1.05-1.12x, LRKV r = 8 1.03-1.12x, r = 32 1.00-1.02x, 64K GQA-4 1.00-1.01x. f32 and q8 ran
-// 0.95-1.01x this way, bf16 0.96-1.19x depending on the build (code placement); they read d at
-// run time.
+// The head_dim a Row type's pieces are compiled for (run_piece's kD; 0: read at run time): q4 128
+// (the realistic layer), d then a constant in every loop (faster); f32, bf16 and q8 gained nothing
+// reliable and read d at run time.
 template <class R>
 constexpr int fixed_head_dim() {
   return R::kNibbles ? 128 : 0;
@@ -2413,10 +2206,8 @@ void run_pieces(const KVStore& kv, const DecodePiece* pieces, int p0, int p1, co
 
 }  // namespace
 
-// Wherever the CPU has AVX-512 BF16. On an Intel Xeon (Emerald Rapids, KVM, 2 threads; the one other
-// machine measured) the widened path (KVX_NO_AVX512_BF16) ran bf16 LRKV 1.08-1.21x faster at r = 8-64
-// and dense GQA 0.91-0.97x, two runs at 16K (16 threads: LRKV 0.90-1.12x); not gated by vendor on one
-// machine's numbers.
+// Wherever the CPU has AVX-512 BF16 (KVX_NO_AVX512_BF16: the widened path). Not gated by vendor: on
+// the one Intel machine measured the widened path was faster for LRKV and slower for dense GQA.
 bool avx512_bf16_dot() {
   static const bool dot = __builtin_cpu_supports("avx512bf16") && !getenv("KVX_NO_AVX512_BF16");
   return dot;

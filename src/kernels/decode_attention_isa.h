@@ -29,21 +29,12 @@ inline int64_t piece_cut(const KVStore& kv, int64_t x, int64_t L) {
   return row >= L ? (h + 1) * L : h * L + row;
 }
 
-// Splits a call cuts its work into with `threads` threads: several a thread, handed out one at
-// a time (OpenMP schedule(dynamic, 1)), so that a thread slowed by something else on its core
-// (another process, the host under a VM) does less of the work instead of holding up the call
-// (a static split waits for its slowest thread). Zen 5 VM, H = 16, d_h = 128, 16K, caches
-// emptied, two threads, A/B in one process against one split a thread (medians of 4-5 rounds):
-// with a busy process (nice 5) on one vCPU, q8 GQA 2.07x (rounds up to 6.4x), f32 GQA 1.17x (up to
-// 3.4x), and in a second run q8 1.16x (rounds 0.11-3.0x: a piece whose thread loses its time slice
-// still holds up the call), f32 0.97x (0.65-1.13x); with nothing else running, q8 and f32 GQA
-// 1.04x; with both vCPUs idle but one running dependent integer adds at ~2.5 against ~3.5 G a
-// second (its vector FMAs at full rate: a shared core, measure_thread_scalar_rates), bf16 GQA
-// 1.11x, q8 GQA 1.01-1.04x, q8 MHA 1.03x, q4 GQA 1.01x, f32 0.98-1.00x (f32 is bound by the memory
-// both threads share; each piece starts its prefetch cold); LRKV r = 8 (8 splits against 2) f32
-// 0.99x, q8 0.98x, bf16 1.05x, q8 r = 32 0.97x (again later: f32 r = 8 and 32, bf16 r = 8 0.98x);
-// one thread cutting its work into 4 or 8 pieces: 0.97-1.00x. GDN decode keeps its heads on fixed threads (each head's state
-// stays in that core's cache from step to step); LLA decode's items are not yet measured this way.
+// Splits a call cuts its work into with `threads` threads: several a thread, handed out one at a
+// time (OpenMP schedule(dynamic, 1)), so that a thread slowed by something else on its core
+// (another process, the host under a VM) does less of the work instead of holding up the call (a
+// static split waits for its slowest thread). With the cores to themselves, the extra splits cost
+// nothing that shows. GDN decode keeps its heads on fixed threads (each head's state stays in that
+// core's cache from step to step); LLA decode's items are not yet measured this way.
 constexpr int kSplitsPerThread = 4;
 inline int decode_splits(int threads) { return threads > 1 ? kSplitsPerThread * threads : 1; }
 
@@ -99,9 +90,8 @@ bool avx512_usable();
 bool avx512_bf16_dot();  // bf16 keys by vdpbf16ps (BF16Row), else widened (BF16FmaRow)
 // Queries per KV head from which the dense kernel weighs bf16 values by vdpbf16ps on row pairs, the
 // numerators rounded to bf16 (LRKV does at any H); avx512_pair_values: whether a call does
-// (decode_rounds_value_weights, lrkv_rounds_value_weights). At 4 queries (GQA-4), with the page
-// touch, one store read both ways: 1.02x in L2, 1.03x median at 16K with the caches emptied (0.96-1.19x
-// over 8 rounds): within the noise, so GQA-4 keeps fp32 weights.
+// (decode_rounds_value_weights, lrkv_rounds_value_weights). At 4 queries (GQA-4) it was within the
+// noise, so GQA-4 keeps fp32 weights.
 constexpr int kPairValueQueries = 8;
 bool avx512_pair_values(KVType type, int G, bool lrkv);
 // Scaled queries in its layout, avx512_query_floats(d, type) floats per head: f32 [d]; bf16
