@@ -29,13 +29,15 @@ void FusedKVCache::append_random_history(int64_t tokens, uint32_t seed) {
   for (auto& s : stores_) kernels::append_random_rows(s, tokens, seed++);
 }
 
-FusedKVCache::FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, const CacheOptions& o, bool values_are_keys)
+FusedKVCache::FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, const CacheOptions& o, bool values_are_keys,
+                           int64_t group)
     : threads_(o.threads > 0 ? o.threads : torch::get_num_threads()) {
   if (batch < 1) throw Error("a KV cache needs a batch of at least 1 sequence, got " + std::to_string(batch));
   stores_.reserve(batch);
   for (int64_t b = 0; b < batch; ++b)
     stores_.emplace_back(o.type, static_cast<int>(kv_heads), static_cast<int>(head_dim), o.evict, 256, values_are_keys,
-                         kernels::decode_kv_layout(o.type, static_cast<int>(head_dim), values_are_keys));
+                         kernels::decode_kv_layout(o.type, static_cast<int>(head_dim), values_are_keys, kernels::DecodeIsa::Auto,
+                                                   static_cast<int>(group)));
 }
 
 int64_t FusedKVCache::bytes() const {
@@ -127,7 +129,7 @@ std::unique_ptr<MixerCache> DenseAttention::new_cache(int64_t batch, const Cache
   if (options.reference)
     cache = std::make_unique<DenseKVCache>(batch, kv_heads_, head_dim_);
   else
-    cache = std::make_unique<FusedKVCache>(batch, kv_heads_, head_dim_, options);
+    cache = std::make_unique<FusedKVCache>(batch, kv_heads_, head_dim_, options, false, heads_ / kv_heads_);
   if (!options.document) return cache;
   const auto& doc = *options.document;
   if (layer_ >= static_cast<int>(doc.layers.size()))

@@ -54,10 +54,12 @@ class SharedKVCache : public MixerCache {
 
 // The fused decode cache: one torch-free kernels::KVStore per batch row (paged, f32/bf16/q8/q4,
 // optional sink + window eviction), read by kernels::decode_attention. values_are_keys: one row
-// per token serves as key and value (MLA's latent).
+// per token serves as key and value (MLA's latent). group: query heads per KV head of the layer
+// reading it, for the store layout (kernels::decode_kv_layout).
 class FusedKVCache : public MixerCache {
  public:
-  FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, const CacheOptions& options, bool values_are_keys = false);
+  FusedKVCache(int64_t batch, int64_t kv_heads, int64_t head_dim, const CacheOptions& options, bool values_are_keys = false,
+               int64_t group = 0);
   int64_t length() const override { return stores_.front().length(); }
   int64_t bytes() const override;
   double bytes_per_token() const override { return stores_.front().bytes_per_token(); }

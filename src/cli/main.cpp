@@ -679,6 +679,9 @@ int main(int argc, char** argv) {
   bench_decode->add_option("--isa", decode_isas, "comma-separated decode back ends: auto, avx2, avx512 (default auto)");
   bench_decode->add_option("--q8-layout", decode_opts.q8_layout,
                            "q8 store layout: auto (tiled16 where the AVX-512 back end runs), rows or tiled16 (default auto)");
+  bench_decode->add_option("--bf16-layout", decode_opts.bf16_layout,
+                           "bf16 dense store layout: auto (tiled16 for 1-8 queries a KV head where AVX-512 dots bf16), rows or "
+                           "tiled16 (default auto)");
   bench_decode->add_option("--seconds", decode_opts.seconds_per_point, "seconds per measurement (default 0.4)");
   bench_decode->add_flag("--no-model", decode_no_model, "skip the whole-model (tiny) decode rows");
   bench_decode->add_flag("--json", bench_json, "print JSON rows");

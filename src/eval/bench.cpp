@@ -321,6 +321,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   }
   for (const auto& name : o.isas) kernels::parse_decode_isa(name);
   if (o.q8_layout != "auto") kernels::parse_kv_layout(o.q8_layout);
+  if (o.bf16_layout != "auto") kernels::parse_kv_layout(o.bf16_layout);
   // An LLA row's key and value ranks at a compression: 2 T d_h / budget in all, 3/8 of it for keys.
   auto lla_ranks = [&](double budget) {
     const int total = static_cast<int>(std::lround(2.0 * o.lla_loops * o.head_dim / budget)), rk = total * 3 / 8;
@@ -427,26 +428,33 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     double compute = 0.0;  // G MAC/s, the same for the compute probe
   };
   std::vector<Timing> timings;
-  // Each type's store layout (q8: DecodeBenchOptions::q8_layout), one for every back end timed.
-  std::vector<kernels::KVLayout> layouts;
-  for (const auto& name : o.types) {
-    const auto type = kernels::parse_kv_type(name);
-    const bool avx2 = std::find(isas.begin(), isas.end(), kernels::DecodeIsa::Avx2) != isas.end();
-    layouts.push_back(type == kernels::KVType::Q8 && o.q8_layout != "auto"
-                          ? kernels::parse_kv_layout(o.q8_layout)
-                          : kernels::decode_kv_layout(type, o.head_dim, false, avx2 ? kernels::DecodeIsa::Avx2 : kernels::DecodeIsa::Auto));
-  }
+  // Store layouts (DecodeBenchOptions::q8_layout, bf16_layout), one for every back end timed: the
+  // dense stores' per KV head count and type, LRKV's K_s / V_s per type (bf16: rows).
+  const bool avx2 = std::find(isas.begin(), isas.end(), kernels::DecodeIsa::Avx2) != isas.end();
+  auto layout_of = [&](kernels::KVType type, int group) {
+    const auto chosen = kernels::decode_kv_layout(type, o.head_dim, false, avx2 ? kernels::DecodeIsa::Avx2 : kernels::DecodeIsa::Auto, group);
+    if (type == kernels::KVType::Q8 && o.q8_layout != "auto") return kernels::parse_kv_layout(o.q8_layout);
+    const bool readable = std::all_of(isas.begin(), isas.end(), [&](kernels::DecodeIsa isa) { return kernels::decode_reads_tiled16(isa, type, group); });
+    if (type == kernels::KVType::BF16 && o.bf16_layout != "auto" && group >= 1 && readable)
+      return kernels::parse_kv_layout(o.bf16_layout);  // (groups read with heads in lanes, from rows, stay rows)
+    return chosen;
+  };
+  std::vector<std::vector<kernels::KVLayout>> dense_layouts(o.kv_heads.size());  // [hkv][type]
+  std::vector<kernels::KVLayout> shared_layouts;                               // [type]
+  for (const auto& name : o.types) shared_layouts.push_back(layout_of(kernels::parse_kv_type(name), 0));
   std::vector<std::vector<kernels::KVStore>> dense(o.kv_heads.size());  // [hkv][type]
   for (size_t h = 0; h < o.kv_heads.size(); ++h)
-    for (size_t type = 0; type < o.types.size(); ++type)
-      dense[h].emplace_back(kernels::parse_kv_type(o.types[type]), o.kv_heads[h], o.head_dim, kernels::Eviction{}, 256, false,
-                            layouts[type]);
+    for (size_t type = 0; type < o.types.size(); ++type) {
+      const auto t = kernels::parse_kv_type(o.types[type]);
+      dense_layouts[h].push_back(layout_of(t, o.heads / o.kv_heads[h]));
+      dense[h].emplace_back(t, o.kv_heads[h], o.head_dim, kernels::Eviction{}, 256, false, dense_layouts[h][type]);
+    }
   // LRKV factored decode (SPEC 1.1) at the same H and d_h: K_s/V_s plus per-head latents of rank r.
   std::vector<std::vector<kernels::KVStore>> shared(o.lrkv_ranks.size()), residual(o.lrkv_ranks.size());  // [rank][type]
   for (size_t k = 0; k < o.lrkv_ranks.size(); ++k)
     for (size_t type = 0; type < o.types.size(); ++type) {
       const auto& name = o.types[type];
-      shared[k].emplace_back(kernels::parse_kv_type(name), 1, o.head_dim, kernels::Eviction{}, 256, false, layouts[type]);
+      shared[k].emplace_back(kernels::parse_kv_type(name), 1, o.head_dim, kernels::Eviction{}, 256, false, shared_layouts[type]);
       residual[k].emplace_back(kernels::parse_kv_type(name), 1, o.heads * o.lrkv_ranks[k]);
     }
   std::vector<float> qb(static_cast<size_t>(o.heads) * 256), out_s(q.size()), out_r(qb.size());
@@ -715,7 +723,9 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
                           {"heads", o.heads},
                           {"head_dim", o.head_dim},
                           {"isa", kernels::decode_isa_name(t.isa)},
-                          {"layout", kernels::kv_layout_name(layouts[t.type])},
+                          {"layout", kernels::kv_layout_name(t.rank >= 0 ? shared_layouts[t.type]
+                                                                         : dense_layouts[std::find(o.kv_heads.begin(), o.kv_heads.end(), t.hkv) -
+                                                                                         o.kv_heads.begin()][t.type])},
                           {"us_per_step", s * 1e6},
                           {"bytes_read", t.bytes},
                           {"gbps", t.bytes / s / 1e9},

@@ -59,6 +59,9 @@ struct DecodeBenchOptions {
   // q8 stores' layout (dense, LRKV K_s/V_s): auto (decode_kv_layout; rows when avx2 is among the
   // back ends timed, which would read tiled stores through a copy), rows or tiled16
   std::string q8_layout = "auto";
+  // bf16 dense stores' layout: auto (decode_kv_layout: tiled16 for groups of 1-8 queries a KV head
+  // where AVX-512 dots bf16), rows or tiled16 (groups read with heads in lanes stay rows)
+  std::string bf16_layout = "auto";
   int heads = 16, head_dim = 128;
   double seconds_per_point = 0.4;
   bool whole_model = true;  // also tiny-model decode tokens/s at each context

@@ -1336,9 +1336,17 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
   return isa;
 }
 
-KVLayout decode_kv_layout(KVType type, int head_dim, bool values_are_keys, DecodeIsa isa) {
-  return type == KVType::Q8 && !values_are_keys && resolve_decode_isa(isa, head_dim) == DecodeIsa::Avx512 ? KVLayout::Tiled16
-                                                                                                       : KVLayout::Rows;
+KVLayout decode_kv_layout(KVType type, int head_dim, bool values_are_keys, DecodeIsa isa, int group) {
+  if (values_are_keys || (type != KVType::Q8 && type != KVType::BF16)) return KVLayout::Rows;
+  const DecodeIsa resolved = resolve_decode_isa(isa, head_dim);
+  if (resolved != DecodeIsa::Avx512) return KVLayout::Rows;
+  if (type == KVType::Q8) return KVLayout::Tiled16;
+  return decode_dots_bf16(resolved) && group >= 1 && decode_reads_tiled16(resolved, type, group) ? KVLayout::Tiled16 : KVLayout::Rows;
+}
+
+bool decode_reads_tiled16(DecodeIsa isa, KVType type, int group) {
+  if (type != KVType::Q8 && type != KVType::BF16) return false;
+  return isa != DecodeIsa::Avx512 || type == KVType::Q8 || !detail::avx512_dense_head_lanes(type, group);
 }
 
 namespace {
@@ -1430,6 +1438,10 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
   const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
   const int ns = static_cast<int>(std::clamp<int64_t>(splits, 1, W));
   const bool wide = resolve_decode_isa(isa, d) == DecodeIsa::Avx512;
+  if (wide && kv.layout() == KVLayout::Tiled16 && !decode_reads_tiled16(DecodeIsa::Avx512, kv.type(), G))
+    throw Error("decode_attention: a bf16 store in the tiled16 layout serves up to 8 query heads a KV head on the AVX-512 back "
+                "end; this call has " + std::to_string(G) + ", which it reads with heads in lanes from rows. Build the store "
+                "with decode_kv_layout(type, head_dim, false, isa, group) (rows here), or use the avx2 back end");
 
   // Caller-side scratch, reused across calls: queries, pieces, partial results, and for the
   // AVX-512 back end its per-split working memory.

@@ -364,6 +364,54 @@ KVX_INLINE void score_block_flat(bool flat, const float* q, int d, int nj, const
     score_block<R, GB, TB>(q, d, nj, rows, s, res);
 }
 
+// bf16 scores from a Tiled16 store's K group (kv_store.h), tokens in lanes: s[g * kRow + t] = q_g .
+// k_t for its 16 tokens and GB queries (q + g * d floats as prepared for R). Word i of the 16 tokens
+// is one vector, dotted with query g's pair i broadcast (vdpbf16ps; widened: the pair's two floats
+// against the even and odd values): no row transposes or horizontal sums. Two chains a query.
+template <class R, int GB>
+KVX_INLINE void bf16_group_scores(const uint8_t* group, const float* q, int d, float* s) {
+  __m512 a[GB][2];
+#pragma GCC unroll 8
+  for (int g = 0; g < GB; ++g) a[g][0] = a[g][1] = _mm512_setzero_ps();
+  const int words = d / 2;
+  for (int i = 0; i < words; i += 2) {
+    const __m512i k0 = _mm512_loadu_si512(group + 64 * i), k1 = _mm512_loadu_si512(group + 64 * (i + 1));
+    if constexpr (R::kDotBF16) {
+#pragma GCC unroll 8
+      for (int g = 0; g < GB; ++g) {
+        const int32_t* qw = reinterpret_cast<const int32_t*>(q + g * d);
+        a[g][0] = dpbf16_broadcast(a[g][0], _mm512_castsi512_ps(k0), qw + i);
+        a[g][1] = dpbf16_broadcast(a[g][1], _mm512_castsi512_ps(k1), qw + i + 1);
+      }
+    } else {  // (even | odd) query floats a 32-value group: pair i's at 32 (i / 16) + i % 16 and + 16
+      const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+      const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(k0, 16)), o0 = _mm512_castsi512_ps(_mm512_and_si512(k0, high));
+      const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(k1, 16)), o1 = _mm512_castsi512_ps(_mm512_and_si512(k1, high));
+      const int at = 32 * (i / 16) + i % 16;
+#pragma GCC unroll 8
+      for (int g = 0; g < GB; ++g) {
+        const float* qg = q + g * d + at;
+        a[g][0] = _mm512_fmadd_ps(e0, _mm512_set1_ps(qg[0]), a[g][0]);
+        a[g][0] = _mm512_fmadd_ps(o0, _mm512_set1_ps(qg[16]), a[g][0]);
+        a[g][1] = _mm512_fmadd_ps(e1, _mm512_set1_ps(qg[1]), a[g][1]);
+        a[g][1] = _mm512_fmadd_ps(o1, _mm512_set1_ps(qg[17]), a[g][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < GB; ++g) _mm512_storeu_ps(s + g * kRow, _mm512_add_ps(a[g][0], a[g][1]));
+}
+
+// bf16_group_scores for G queries, in passes of up to 8.
+template <class R>
+KVX_INLINE void bf16_group_scores_all(const uint8_t* group, const float* q, int d, int G, float* s) {
+  int g = 0;
+  for (; g + 8 <= G; g += 8) bf16_group_scores<R, 8>(group, q + g * d, d, s + g * kRow);
+  if (G - g >= 4) bf16_group_scores<R, 4>(group, q + g * d, d, s + g * kRow), g += 4;
+  if (G - g >= 2) bf16_group_scores<R, 2>(group, q + g * d, d, s + g * kRow), g += 2;
+  if (G - g >= 1) bf16_group_scores<R, 1>(group, q + g * d, d, s + g * kRow);
+}
+
 // ---------------------------------------------------------------------------------------------
 // q8/q4 scores with tokens in lanes. 16 rows are transposed so that lane t of vector i holds
 // 32-bit word i of row t; a query's block dot is then 8 vpdpbusd (unsigned row bytes x signed
@@ -1798,11 +1846,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // Tiled16 (q8): K scored from its token groups, the scales of K and V read per group, V's codes
   // as rows of d bytes (kv_store.h); tiles start on groups (pieces do: piece_cut) and span whole ones.
   const bool tiled = R::kQuant && !R::kNibbles && kv.layout() == KVLayout::Tiled16;
+  // Tiled16 (bf16): K scored from its token groups (bf16_group_scores), V as rows; same row stride.
+  // (decode_attention refuses such stores where heads in lanes would read them, lrkv_decode_attention always)
+  const bool bf16_tiled = !kLrkv && !R::kQuant && kv.type() == KVType::BF16 && kv.layout() == KVLayout::Tiled16;
   const size_t kstride = tiled ? static_cast<size_t>(d) : rb;  // bytes a row of the K and V code streams
   const int row_tile = straddle_lanes ? 8
                        : rst || (hl && R::kDotBF16) ? lrkv_tile_rows(rb + rrb, kv.type(), R::kQuant, pairs, hl)
                                                     : tile_rows(rb, G, R::kQuant, pairs);
-  const int tile = tiled && row_tile % 16 ? (row_tile < 16 ? 16 : row_tile & ~15) : row_tile;
+  const int tile = (tiled || bf16_tiled) && row_tile % 16 ? (row_tile < 16 ? 16 : row_tile & ~15) : row_tile;
   const Scratch sc(scratch, G, nb, nbr, lb, lb > 0 || hl || codes_by_token, pairs);
   const HeadLaneResidual hlr(hl && rst ? (R::kDotBF16 ? r / 2 : r) : 0, G, res.qb);
   float* const acc_cols = lane_values ? sc.acc_cols : nullptr;
@@ -1954,6 +2005,11 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
           rows16(Int<0>{}, t0);
         else
           rows16(Int<1>{}, t0);
+      }
+    } else if (bf16_tiled) {
+      for (int t0 = 0; t0 < n; t0 += 16) {
+        kpf.range(t0 * rb, imin(t0 + 16, n) * rb);
+        bf16_group_scores_all<R>(kb + t0 * rb, q, d, G, sc.s + t0);
       }
     } else if (hl) {
       auto scores = [&](auto by_rows) {
@@ -2297,6 +2353,8 @@ void avx512_prepare_group_queries(const float* q, int heads, int d, int r, float
   memset(w, 0, sizeof(float) * avx512_group_query_floats(heads, d, r, type));
   for (int h = 0; h < heads; ++h) round_words(type, q + static_cast<size_t>(h) * d, d, scale, w + h, 16);
 }
+
+bool avx512_dense_head_lanes(KVType type, int G) { return dense_head_lanes(type, G); }
 
 size_t avx512_dense_query_floats(int G, int d, KVType type) {
   return dense_head_lanes(type, G) ? avx512_group_query_floats(G, d, 0, type) : G * avx512_query_floats(d, type);

@@ -122,6 +122,7 @@ size_t avx512_scratch_floats(int G, int d, KVType type, int residual_width = 0, 
 // apart): as avx512_prepare_queries, or with heads in lanes (avx512_prepare_group_queries) for
 // groups of 13 to 16 f32 heads, or 9 to 16 bf16 ones with vdpbf16ps (dense_head_lanes() there).
 size_t avx512_dense_query_floats(int G, int d, KVType type);
+bool avx512_dense_head_lanes(KVType type, int G);  // whether a group of G takes heads in lanes (reads K as rows)
 void avx512_prepare_dense_queries(const float* q, int heads, int G, int d, float scale, KVType type, float* qs);
 // Pieces [p0, p1): part p = [m[G], l[G], acc[G][d]] at parts + p * part_size (natural order); qs:
 // avx512_prepare_dense_queries'.

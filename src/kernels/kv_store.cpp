@@ -51,9 +51,11 @@ KVStore::KVStore(KVType type, int kv_heads, int head_dim, Eviction evict, int pa
     throw Error("KVStore: eviction sink " + std::to_string(evict.sink) +
                 " without a window keeps everything; set window > 0 or sink = 0");
   row_bytes_ = kernels::row_bytes(type, head_dim);  // validates head_dim for the type
-  if (layout == KVLayout::Tiled16 && (type != KVType::Q8 || page_tokens % 16 != 0 || values_are_keys))
-    throw Error("KVStore: layout tiled16 needs a q8 store with page_tokens % 16 == 0 and separate values; got " +
-                kv_type_name(type) + ", page_tokens " + std::to_string(page_tokens) +
+  if (layout == KVLayout::Tiled16 &&
+      ((type != KVType::Q8 && type != KVType::BF16) || page_tokens % 16 != 0 || values_are_keys || head_dim % 2 != 0))
+    throw Error("KVStore: layout tiled16 needs a q8 or bf16 store with page_tokens % 16 == 0, an even head_dim and separate "
+                "values; got " +
+                kv_type_name(type) + ", page_tokens " + std::to_string(page_tokens) + ", head_dim " + std::to_string(head_dim) +
                 (values_are_keys ? ", values_are_keys" : "") + " (use layout rows)");
   half_page_bytes_ = static_cast<size_t>(kv_heads) * page_tokens * row_bytes_;
   if (layout == KVLayout::Tiled16) tile_row_.resize(row_bytes_);
@@ -189,9 +191,19 @@ void KVStore::append(const float* k, const float* v) {
   ++length_;
 }
 
-// Tiled16 (kv_store.h): a q8 row [nb fp16 scales][d codes] of slot t (in its page) into a run.
+// Tiled16 (kv_store.h): a q8 row [nb fp16 scales][d codes] or a bf16 row of slot t (in its page)
+// into a run.
 void KVStore::write_row(uint8_t* run, int t, const uint8_t* row, bool keys) const {
   const int d = head_dim_, nb = d / kQBlock, g = t / 16, lane = t % 16;
+  if (type_ == KVType::BF16) {
+    if (!keys) {
+      std::memcpy(run + static_cast<size_t>(t) * row_bytes_, row, row_bytes_);
+      return;
+    }
+    uint8_t* group = run + 16 * row_bytes_ * g;
+    for (int i = 0; i < d / 2; ++i) std::memcpy(group + 64 * i + 4 * lane, row + 4 * i, 4);
+    return;
+  }
   uint8_t* scales = run + static_cast<size_t>(page_tokens_) * d + 32 * (static_cast<size_t>(nb) * g);
   for (int b = 0; b < nb; ++b) std::memcpy(scales + 32 * b + 2 * lane, row + 2 * b, 2);
   const uint8_t* codes = row + 2 * nb;
@@ -236,6 +248,15 @@ void KVStore::read_rows(int64_t s0, int n, int head, bool keys, uint8_t* rows) c
   const int d = head_dim_, nb = d / kQBlock;
   for (int t = t0; t < t0 + n; ++t, rows += row_bytes_) {
     const int g = t / 16, lane = t % 16;
+    if (type_ == KVType::BF16) {
+      if (!keys) {
+        std::memcpy(rows, run + static_cast<size_t>(t) * row_bytes_, row_bytes_);
+        continue;
+      }
+      const uint8_t* group = run + 16 * row_bytes_ * g;
+      for (int i = 0; i < d / 2; ++i) std::memcpy(rows + 4 * i, group + 64 * i + 4 * lane, 4);
+      continue;
+    }
     const uint8_t* scales = run + static_cast<size_t>(page_tokens_) * d + 32 * (static_cast<size_t>(nb) * g);
     for (int b = 0; b < nb; ++b) std::memcpy(rows + 2 * b, scales + 32 * b + 2 * lane, 2);
     uint8_t* codes = rows + 2 * nb;

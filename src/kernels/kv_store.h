@@ -18,14 +18,18 @@
 //
 // Layouts of one page's run of rows (one head, K or V; page_tokens P):
 //   Rows       P rows as kv_format writes them (every type).
-//   Tiled16    q8 only, P % 16 == 0, not values_are_keys; P d bytes of codes, then P d / 16 fp16
+//   Tiled16    q8 or bf16, P % 16 == 0, d even, not values_are_keys. The AVX-512 decode loads a
+//              group's word i (of block b) for its 16 tokens as one vector (and q8's scales as
+//              one) instead of transposing 16 rows or summing across lanes
+//              (kernels/decode_attention_avx512.cpp: token_scores, bf16_group_scores). Same bytes
+//              as Rows.
+//              bf16: K words (values 2i, 2i + 1) token-interleaved, word i of slot 16 g + t at
+//              32 d g + 64 i + 4 t; V as rows.
+//              q8: P d bytes of codes, then P d / 16 fp16
 //              scales: per group of 16 slots g and 32-block b, the 16 slots' scales at
 //              P d + 2 (16 nb g + 16 b + t) (nb = d / 32). K codes token-interleaved: byte c of
 //              slot 16 g + t's block b at 16 d g + 512 b + 64 (c / 4) + 4 t + c % 4, stored as
-//              code + 128 (AVX-512's unsigned operand); V codes as rows, slot s's at d s. The
-//              AVX-512 decode loads a group's word i of block b for its 16 tokens as one vector
-//              and its scales as one, instead of transposing 16 rows (kernels/decode_attention_avx512.cpp,
-//              token_scores). Same bytes as Rows.
+//              code + 128 (AVX-512's unsigned operand); V codes as rows, slot s's at d s.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -49,7 +53,7 @@ class KVStore {
  public:
   // values_are_keys: one row per token serves as both key and value (MLA's latent [c | k_R]):
   // V rows alias K rows, append ignores v, and bytes count the rows once.
-  // layout Tiled16 needs q8, page_tokens % 16 == 0 and !values_are_keys (an error names which).
+  // layout Tiled16 needs q8 or bf16, page_tokens % 16 == 0 and !values_are_keys (an error names which).
   KVStore(KVType type, int kv_heads, int head_dim, Eviction evict = {}, int page_tokens = 256,
           bool values_are_keys = false, KVLayout layout = KVLayout::Rows);
   ~KVStore();

@@ -78,7 +78,8 @@ py::array decode_attention(const py::array& q_in, const py::array& k_in, const p
   }
   const auto type = kernels::parse_kv_type(kv_cache);
   kernels::KVStore store(type, static_cast<int>(Hkv), static_cast<int>(d), eviction(sink, window), 256, false,
-                         kernels::decode_kv_layout(type, static_cast<int>(d)));
+                         kernels::decode_kv_layout(type, static_cast<int>(d), false, kernels::DecodeIsa::Auto,
+                                                   static_cast<int>(H / Hkv)));
   append_rows(store, k, &v);
   auto out = torch::empty({H, d}, torch::kFloat32);
   const float s = default_scale(scale, d);

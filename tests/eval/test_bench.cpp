@@ -227,4 +227,5 @@ TEST(DecodeBench, RefusesOptionsThatNameNoMeasurement) {
   refuses([](eval::DecodeBenchOptions& o) { o.lrkv_ranks = {1}; }, "--lrkv rank 1 with a q8 cache");
   refuses([](eval::DecodeBenchOptions& o) { o.isas = {"neon"}; }, "neon");
   refuses([](eval::DecodeBenchOptions& o) { o.q8_layout = "tiled8"; }, "unknown KV store layout 'tiled8'; valid: rows, tiled16");
+  refuses([](eval::DecodeBenchOptions& o) { o.bf16_layout = "tiled"; }, "unknown KV store layout 'tiled'; valid: rows, tiled16");
 }

@@ -229,6 +229,47 @@ TEST(DecodeAttention, Tiled16StoresMatchReference) {
   }
 }
 
+// bf16 stores in the Tiled16 layout (decode_kv_layout's choice for dense groups of up to 8 queries
+// where AVX-512 dots bf16): groupings of 1-8 queries a KV head, tails of 16-token groups and of
+// tiles, pages of 16 to 256, splits, eviction, widths; both back ends (AVX2 reads the rows copied
+// out); run again without BF16 dot products (kernels.decode_without_avx512_bf16): the widened
+// token-lane scores. A group that AVX-512 reads with heads in lanes, from rows, is an error.
+TEST(DecodeAttention, Tiled16Bf16StoresMatchReference) {
+  uint32_t seed = 1900;
+  for (auto [H, Hkv] : std::vector<std::pair<int, int>>{{8, 8}, {8, 4}, {8, 2}, {8, 1}, {6, 3}, {5, 1}, {16, 2}})
+    for (int64_t L : {1, 15, 17, 33, 97})
+      check_case({KVType::BF16, H, Hkv, 128, L, 16, {}, KVLayout::Tiled16}, seed++);
+  for (int d : {32, 40, 96, 256})
+    for (auto [L, page] : std::vector<std::pair<int64_t, int>>{{16, 16}, {47, 32}, {300, 48}, {700, 256}})
+      check_case({KVType::BF16, 8, 2, d, L, page, {}, KVLayout::Tiled16}, seed++);
+  check_case({KVType::BF16, 16, 4, 128, 3000, 256, {}, KVLayout::Tiled16}, seed++);  // chunked pages
+  check_case({KVType::BF16, 8, 2, 128, 300, 32, {5, 100}, KVLayout::Tiled16}, seed++);
+  check_case({KVType::BF16, 4, 4, 64, 200, 16, {3, 37}, KVLayout::Tiled16}, seed++);
+  std::mt19937 rng(2028);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int i = 0; i < 30; ++i) {
+    const int kv_heads = pick(1, 4), group = pick(1, 8);
+    Eviction evict;
+    if (pick(0, 3) == 0) evict = {pick(0, 8), pick(1, 64)};
+    check_case({KVType::BF16, kv_heads * group, kv_heads, 32 * pick(1, 5), pick(1, 400), 16 * pick(1, 8), evict, KVLayout::Tiled16},
+               9600 + i);
+  }
+  if (decode_dots_bf16(DecodeIsa::Avx512) && decode_isa_usable(DecodeIsa::Avx512, 128)) {
+    KVStore s(KVType::BF16, 1, 128, {}, 16, false, KVLayout::Tiled16);
+    std::mt19937 r(5);
+    fill(s, 40, r, 0.0f);
+    const auto q = randn(16 * 128, 1.0f, r);
+    std::vector<float> out(q.size());
+    try {
+      decode_attention(q.data(), 16, s, 0.1f, out.data(), 1);
+      ADD_FAILURE() << "a bf16 tiled16 store was read with heads in lanes";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("tiled16 layout serves up to 8 query heads"), std::string::npos) << e.what();
+    }
+    decode_attention(q.data(), 16, s, 0.1f, out.data(), 1, DecodeIsa::Avx2);  // the rows copied out
+  }
+}
+
 TEST(DecodeAttention, RunningMaxRisesEveryTile) {
   // Scores grow with position, so every tile raises the max and rescales the accumulator. MHA
   // (Hkv = H) runs f32 rows of 128 dims in tiles of 64 rows, here 64 + 36 a page.
@@ -306,6 +347,14 @@ TEST(DecodeAttention, BackEndChoice) {
   EXPECT_EQ(decode_kv_layout(KVType::Q8, 128, false, DecodeIsa::Avx2), KVLayout::Rows);
   EXPECT_EQ(decode_kv_layout(KVType::Q8, 40), KVLayout::Rows);
   for (KVType t : {KVType::F32, KVType::BF16, KVType::Q4}) EXPECT_EQ(decode_kv_layout(t, 128), KVLayout::Rows);
+  // bf16: Tiled16 for dense groups of 1 to 8 queries a KV head where AVX-512 dots bf16; not LRKV's
+  // K_s (group 0) nor groups read with heads in lanes
+  const KVLayout bf16_tiled = avx512 && decode_dots_bf16(DecodeIsa::Avx512) ? KVLayout::Tiled16 : KVLayout::Rows;
+  for (int group : {1, 4, 8}) EXPECT_EQ(decode_kv_layout(KVType::BF16, 128, false, DecodeIsa::Auto, group), bf16_tiled);
+  EXPECT_EQ(decode_kv_layout(KVType::BF16, 128, false, DecodeIsa::Auto, 16), KVLayout::Rows);
+  EXPECT_EQ(decode_kv_layout(KVType::BF16, 128, false, DecodeIsa::Avx2, 4), KVLayout::Rows);
+  EXPECT_EQ(decode_kv_layout(KVType::BF16, 128, true, DecodeIsa::Auto, 4), KVLayout::Rows);
+  EXPECT_EQ(decode_kv_layout(KVType::F32, 128, false, DecodeIsa::Auto, 4), KVLayout::Rows);
   if (!avx512) EXPECT_THROW(decode_kv_layout(KVType::Q8, 128, false, DecodeIsa::Avx512), Error);
 }
 

@@ -254,3 +254,30 @@ TEST(KVStore, Tiled16HoldsTheRowsOfTheRowsLayout) {
   EXPECT_THROW(KVStore(KVType::Q8, H, d, {}, 24, false, KVLayout::Tiled16), Error);
   EXPECT_THROW(KVStore(KVType::Q8, H, d, {}, P, true, KVLayout::Tiled16), Error);
 }
+
+// Tiled16 (bf16): the same rows as the Rows layout, K words token-interleaved at the documented
+// places, V as rows; f32, odd widths and shared K/V rows are errors naming the layout.
+TEST(KVStore, Tiled16Bf16HoldsTheRowsOfTheRowsLayout) {
+  const int H = 2, d = 96, P = 48;
+  const Eviction evict{3, 70};
+  KVStore rows(KVType::BF16, H, d, evict, P), tiled(KVType::BF16, H, d, evict, P, false, KVLayout::Tiled16);
+  const Tokens tk = make_tokens(131, H, d, 10);
+  for (int i = 0; i < 131; ++i) {
+    rows.append(tk.k[i].data(), tk.v[i].data());
+    tiled.append(tk.k[i].data(), tk.v[i].data());
+  }
+  EXPECT_EQ(tiled.bytes(), rows.bytes());
+  EXPECT_EQ(tiled.reserved_bytes(), rows.reserved_bytes());
+  for (int64_t slot = 0; slot < tiled.stored(); ++slot) expect_row(tiled, tk, slot, tiled.position_of(slot));
+  // The documented places, for slot 70 (page 1, group 1, lane 6), head 1, word 29 (values 58, 59).
+  std::vector<uint8_t> k(rows.row_bytes()), v(rows.row_bytes());
+  rows.read_k_rows(70, 1, 1, k.data());
+  rows.read_v_rows(70, 1, 1, v.data());
+  const int g = 1, t = 6, i = 29;
+  EXPECT_EQ(std::memcmp(tiled.k_rows(1, 1) + 32 * d * g + 64 * i + 4 * t, k.data() + 4 * i, 4), 0);
+  EXPECT_EQ(std::memcmp(tiled.v_rows(1, 1) + 2 * d * (16 * g + t), v.data(), v.size()), 0);
+
+  EXPECT_THROW(KVStore(KVType::F32, H, d, {}, P, false, KVLayout::Tiled16), Error);
+  EXPECT_THROW(KVStore(KVType::BF16, H, 33, {}, P, false, KVLayout::Tiled16), Error);
+  EXPECT_THROW(KVStore(KVType::BF16, H, d, {}, P, true, KVLayout::Tiled16), Error);
+}

@@ -289,6 +289,23 @@ TEST(LrkvDecode, MismatchedStoresAreClearErrors) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("different cache types"), std::string::npos) << e.what();
   }
+  // Layouts LRKV decode does not read: a bf16 Tiled16 K_s, a Tiled16 residual.
+  KVStore tiled_shared(KVType::BF16, 1, 32, {}, 16, false, KVLayout::Tiled16), tiled_residual(KVType::Q8, 1, 3 * 32, {}, 16, false, KVLayout::Tiled16),
+      q8_shared(KVType::Q8, 1, 32, {}, 16, false, KVLayout::Tiled16);
+  std::vector<float> wide(3 * 32, 0.5f);
+  tiled_shared.append(ks.data(), ks.data());
+  tiled_residual.append(wide.data(), wide.data());
+  q8_shared.append(ks.data(), ks.data());
+  for (auto [s, r, what] : std::vector<std::tuple<const KVStore*, const KVStore*, std::string>>{
+           {&tiled_shared, nullptr, "bf16 in the tiled16 layout"}, {&q8_shared, &tiled_residual, "residual store is in the tiled16"}}) {
+    std::vector<float> qbw(3 * 32, 0.1f), orw(3 * 32);
+    try {
+      lrkv_decode_attention(q.data(), qbw.data(), 3, *s, r, 1.0f, os.data(), orw.data(), 1);
+      ADD_FAILURE() << "LRKV decode accepted " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
   // Stores whose rings hold different tokens in the same slots, though they store as many: other
   // eviction settings (sink 4 + window 28 against window 32), or one token more in one of them.
   auto filled = [&](Eviction e, int tokens, int width) {
