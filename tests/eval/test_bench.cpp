@@ -200,6 +200,37 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
 }
 
 // Options that name no measurement are refused before anything runs, naming the option.
+// Each row names its store layout: bf16 dense stores as decode_kv_layout picks for their group
+// (Tiled16 where AVX-512 dots bf16), --bf16-layout rows forcing rows, LRKV's K_s / V_s always rows.
+TEST(DecodeBench, RowsNameTheirStoreLayout) {
+  for (const std::string forced : {"auto", "rows"}) {
+    eval::DecodeBenchOptions o;
+    o.contexts = {64};
+    o.types = {"bf16"};
+    o.kv_heads = {4, 1};
+    o.heads = 4;
+    o.head_dim = 32;
+    o.lrkv_ranks = {8};
+    o.gdn_rows = false;
+    o.natsl_kept = {};
+    o.lla_budgets = {};
+    o.seconds_per_point = 0.005;
+    o.whole_model = false;
+    o.bf16_layout = forced;
+    int seen = 0;
+    for (const auto& r : eval::bench_decode(o, false)) {
+      if (!r.contains("layout") || !r.contains("hkv")) continue;
+      const int group = o.heads / r["hkv"].get<int>();
+      const bool lrkv = r.contains("rank");
+      const auto want = lrkv || forced == "rows" ? kernels::KVLayout::Rows
+                                                 : kernels::decode_kv_layout(kernels::KVType::BF16, 32, false, kernels::DecodeIsa::Auto, group);
+      EXPECT_EQ(r["layout"].get<std::string>(), kernels::kv_layout_name(want)) << r.dump();
+      ++seen;
+    }
+    EXPECT_EQ(seen, 3) << forced;  // Hkv 4 and 1, LRKV r = 8
+  }
+}
+
 TEST(DecodeBench, RefusesOptionsThatNameNoMeasurement) {
   auto refuses = [](auto edit, const std::string& what) {
     eval::DecodeBenchOptions o;
