@@ -204,29 +204,37 @@ TEST(DecodeAttention, RandomShapesMatchReference) {
   }
 }
 
-// q8 stores in the Tiled16 layout (decode_kv_layout's choice on AVX-512): every grouping, tails of
-// 16-token groups and of tiles, pages of 16 to 256, splits (piece_cut moves their cuts to groups),
-// eviction, widths of 1 to 8 blocks; both back ends (AVX2 reads the rows copied out).
-TEST(DecodeAttention, Tiled16StoresMatchReference) {
-  uint32_t seed = 900;
-  for (auto [H, Hkv] : std::vector<std::pair<int, int>>{{8, 8}, {8, 4}, {8, 2}, {8, 1}, {6, 3}, {16, 1}, {30, 2}})
-    for (int64_t L : {1, 15, 17, 33, 97})
-      check_case({KVType::Q8, H, Hkv, 128, L, 16, {}, KVLayout::Tiled16}, seed++);
-  for (int d : {32, 96, 256})
+namespace {
+
+// Stores of type t in the Tiled16 layout against the reference: each (H, Hkv) grouping at tails of
+// 16-token groups and of tiles, widths `dims` on pages of 16 to 256, chunked pages, eviction, and
+// `random` cases of 1-8 queries a KV head; check_case runs both back ends and splits.
+void check_tiled16_stores(KVType t, const std::vector<std::pair<int, int>>& groupings, const std::vector<int>& dims,
+                          uint32_t seed, int random) {
+  for (auto [H, Hkv] : groupings)
+    for (int64_t L : {1, 15, 17, 33, 97}) check_case({t, H, Hkv, 128, L, 16, {}, KVLayout::Tiled16}, seed++);
+  for (int d : dims)
     for (auto [L, page] : std::vector<std::pair<int64_t, int>>{{16, 16}, {47, 32}, {300, 48}, {700, 256}})
-      check_case({KVType::Q8, 8, 2, d, L, page, {}, KVLayout::Tiled16}, seed++);
-  check_case({KVType::Q8, 16, 4, 128, 3000, 256, {}, KVLayout::Tiled16}, seed++);  // chunked pages
-  check_case({KVType::Q8, 8, 2, 128, 300, 32, {5, 100}, KVLayout::Tiled16}, seed++);
-  check_case({KVType::Q8, 4, 4, 64, 200, 16, {3, 37}, KVLayout::Tiled16}, seed++);
-  std::mt19937 rng(2027);
+      check_case({t, 8, 2, d, L, page, {}, KVLayout::Tiled16}, seed++);
+  check_case({t, 16, 4, 128, 3000, 256, {}, KVLayout::Tiled16}, seed++);  // chunked pages
+  check_case({t, 8, 2, 128, 300, 32, {5, 100}, KVLayout::Tiled16}, seed++);
+  check_case({t, 4, 4, 64, 200, 16, {3, 37}, KVLayout::Tiled16}, seed++);
+  std::mt19937 rng(seed);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
-  for (int i = 0; i < 40; ++i) {
+  for (int i = 0; i < random; ++i) {
     const int kv_heads = pick(1, 4), group = pick(1, 8);
     Eviction evict;
     if (pick(0, 3) == 0) evict = {pick(0, 8), pick(1, 64)};
-    check_case({KVType::Q8, kv_heads * group, kv_heads, 32 * pick(1, 5), pick(1, 400), 16 * pick(1, 8), evict, KVLayout::Tiled16},
-               9500 + i);
+    check_case({t, kv_heads * group, kv_heads, 32 * pick(1, 5), pick(1, 400), 16 * pick(1, 8), evict, KVLayout::Tiled16}, seed++);
   }
+}
+
+}  // namespace
+
+// q8 stores in the Tiled16 layout (decode_kv_layout's choice on AVX-512): every grouping, splits
+// (piece_cut moves their cuts to groups), widths of 1 to 8 blocks; AVX2 reads the rows copied out.
+TEST(DecodeAttention, Tiled16StoresMatchReference) {
+  check_tiled16_stores(KVType::Q8, {{8, 8}, {8, 4}, {8, 2}, {8, 1}, {6, 3}, {16, 1}, {30, 2}}, {32, 96, 256}, 900, 40);
 }
 
 // bf16 stores in the Tiled16 layout (decode_kv_layout's choice for dense groups of up to 8 queries
@@ -235,25 +243,7 @@ TEST(DecodeAttention, Tiled16StoresMatchReference) {
 // out); run again without BF16 dot products (kernels.decode_without_avx512_bf16): the widened
 // token-lane scores. A group that AVX-512 reads with heads in lanes, from rows, is an error.
 TEST(DecodeAttention, Tiled16Bf16StoresMatchReference) {
-  uint32_t seed = 1900;
-  for (auto [H, Hkv] : std::vector<std::pair<int, int>>{{8, 8}, {8, 4}, {8, 2}, {8, 1}, {6, 3}, {5, 1}, {16, 2}})
-    for (int64_t L : {1, 15, 17, 33, 97})
-      check_case({KVType::BF16, H, Hkv, 128, L, 16, {}, KVLayout::Tiled16}, seed++);
-  for (int d : {32, 40, 96, 256})
-    for (auto [L, page] : std::vector<std::pair<int64_t, int>>{{16, 16}, {47, 32}, {300, 48}, {700, 256}})
-      check_case({KVType::BF16, 8, 2, d, L, page, {}, KVLayout::Tiled16}, seed++);
-  check_case({KVType::BF16, 16, 4, 128, 3000, 256, {}, KVLayout::Tiled16}, seed++);  // chunked pages
-  check_case({KVType::BF16, 8, 2, 128, 300, 32, {5, 100}, KVLayout::Tiled16}, seed++);
-  check_case({KVType::BF16, 4, 4, 64, 200, 16, {3, 37}, KVLayout::Tiled16}, seed++);
-  std::mt19937 rng(2028);
-  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
-  for (int i = 0; i < 30; ++i) {
-    const int kv_heads = pick(1, 4), group = pick(1, 8);
-    Eviction evict;
-    if (pick(0, 3) == 0) evict = {pick(0, 8), pick(1, 64)};
-    check_case({KVType::BF16, kv_heads * group, kv_heads, 32 * pick(1, 5), pick(1, 400), 16 * pick(1, 8), evict, KVLayout::Tiled16},
-               9600 + i);
-  }
+  check_tiled16_stores(KVType::BF16, {{8, 8}, {8, 4}, {8, 2}, {8, 1}, {6, 3}, {5, 1}, {16, 2}}, {32, 40, 96, 256}, 1900, 30);
   if (decode_dots_bf16(DecodeIsa::Avx512) && decode_isa_usable(DecodeIsa::Avx512, 128)) {
     KVStore s(KVType::BF16, 1, 128, {}, 16, false, KVLayout::Tiled16);
     std::mt19937 r(5);

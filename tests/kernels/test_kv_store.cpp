@@ -223,21 +223,31 @@ TEST(KVStore, RangeLimitsPerType) {
   EXPECT_NEAR(append_one(KVType::Q8, 1000.0f), 1000.0f, 1000.0f / 127);
 }
 
-// Tiled16 (q8): the same rows as the Rows layout, at the documented places, across pages and an
-// eviction ring; the layout's preconditions are errors naming the fix.
-TEST(KVStore, Tiled16HoldsTheRowsOfTheRowsLayout) {
-  const int H = 2, d = 64, P = 32, nb = d / 32;
-  const Eviction evict{5, 40};
-  KVStore rows(KVType::Q8, H, d, evict, P), tiled(KVType::Q8, H, d, evict, P, false, KVLayout::Tiled16);
+namespace {
+
+// A Rows and a Tiled16 store of `type` given the same n tokens: the same bytes, and the tiled one
+// reads back every stored row (across pages and the eviction ring).
+std::pair<KVStore, KVStore> rows_and_tiled(KVType type, int H, int d, Eviction evict, int P, int n, uint32_t seed) {
+  KVStore rows(type, H, d, evict, P), tiled(type, H, d, evict, P, false, KVLayout::Tiled16);
   EXPECT_EQ(tiled.layout(), KVLayout::Tiled16);
-  const Tokens tk = make_tokens(97, H, d, 9);
-  for (int i = 0; i < 97; ++i) {
+  const Tokens tk = make_tokens(n, H, d, seed);
+  for (int i = 0; i < n; ++i) {
     rows.append(tk.k[i].data(), tk.v[i].data());
     tiled.append(tk.k[i].data(), tk.v[i].data());
   }
   EXPECT_EQ(tiled.bytes(), rows.bytes());
   EXPECT_EQ(tiled.reserved_bytes(), rows.reserved_bytes());
   for (int64_t slot = 0; slot < tiled.stored(); ++slot) expect_row(tiled, tk, slot, tiled.position_of(slot));
+  return {std::move(rows), std::move(tiled)};
+}
+
+}  // namespace
+
+// Tiled16 (q8): the same rows as the Rows layout, at the documented places, across pages and an
+// eviction ring; the layout's preconditions are errors naming the fix.
+TEST(KVStore, Tiled16HoldsTheRowsOfTheRowsLayout) {
+  const int H = 2, d = 64, P = 32, nb = d / 32;
+  const auto [rows, tiled] = rows_and_tiled(KVType::Q8, H, d, {5, 40}, P, 97, 9);
   // The documented places, for slot 37 (page 1, group 0, lane 5), head 1, block 1, code 13.
   std::vector<uint8_t> k(rows.row_bytes()), v(rows.row_bytes());
   rows.read_k_rows(37, 1, 1, k.data());
@@ -259,16 +269,7 @@ TEST(KVStore, Tiled16HoldsTheRowsOfTheRowsLayout) {
 // places, V as rows; f32, odd widths and shared K/V rows are errors naming the layout.
 TEST(KVStore, Tiled16Bf16HoldsTheRowsOfTheRowsLayout) {
   const int H = 2, d = 96, P = 48;
-  const Eviction evict{3, 70};
-  KVStore rows(KVType::BF16, H, d, evict, P), tiled(KVType::BF16, H, d, evict, P, false, KVLayout::Tiled16);
-  const Tokens tk = make_tokens(131, H, d, 10);
-  for (int i = 0; i < 131; ++i) {
-    rows.append(tk.k[i].data(), tk.v[i].data());
-    tiled.append(tk.k[i].data(), tk.v[i].data());
-  }
-  EXPECT_EQ(tiled.bytes(), rows.bytes());
-  EXPECT_EQ(tiled.reserved_bytes(), rows.reserved_bytes());
-  for (int64_t slot = 0; slot < tiled.stored(); ++slot) expect_row(tiled, tk, slot, tiled.position_of(slot));
+  const auto [rows, tiled] = rows_and_tiled(KVType::BF16, H, d, {3, 70}, P, 131, 10);
   // The documented places, for slot 70 (page 1, group 1, lane 6), head 1, word 29 (values 58, 59).
   std::vector<uint8_t> k(rows.row_bytes()), v(rows.row_bytes());
   rows.read_k_rows(70, 1, 1, k.data());
