@@ -60,7 +60,8 @@ struct DecodeBenchOptions {
   // back ends timed, which would read tiled stores through a copy), rows or tiled16
   std::string q8_layout = "auto";
   // bf16 dense stores' layout: auto (decode_kv_layout: tiled16 for groups of 1-8 queries a KV head
-  // where AVX-512 dots bf16), rows or tiled16 (groups read with heads in lanes stay rows)
+  // where AVX-512 dots bf16; rows when avx2 is among the back ends timed), rows or tiled16 (groups
+  // the AVX-512 back end reads with heads in lanes stay rows)
   std::string bf16_layout = "auto";
   int heads = 16, head_dim = 128;
   double seconds_per_point = 0.4;

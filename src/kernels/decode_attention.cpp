@@ -1341,7 +1341,7 @@ KVLayout decode_kv_layout(KVType type, int head_dim, bool values_are_keys, Decod
   const DecodeIsa resolved = resolve_decode_isa(isa, head_dim);
   if (resolved != DecodeIsa::Avx512) return KVLayout::Rows;
   if (type == KVType::Q8) return KVLayout::Tiled16;
-  return decode_dots_bf16(resolved) && group >= 1 && decode_reads_tiled16(resolved, type, group) ? KVLayout::Tiled16 : KVLayout::Rows;
+  return decode_dots_bf16(resolved) && group >= 1 && group <= 8 ? KVLayout::Tiled16 : KVLayout::Rows;
 }
 
 bool decode_reads_tiled16(DecodeIsa isa, KVType type, int group) {
@@ -1439,9 +1439,9 @@ void decode_attention_splits(const float* q, int heads, const KVStore& kv, float
   const int ns = static_cast<int>(std::clamp<int64_t>(splits, 1, W));
   const bool wide = resolve_decode_isa(isa, d) == DecodeIsa::Avx512;
   if (wide && kv.layout() == KVLayout::Tiled16 && !decode_reads_tiled16(DecodeIsa::Avx512, kv.type(), G))
-    throw Error("decode_attention: a bf16 store in the tiled16 layout serves up to 8 query heads a KV head on the AVX-512 back "
-                "end; this call has " + std::to_string(G) + ", which it reads with heads in lanes from rows. Build the store "
-                "with decode_kv_layout(type, head_dim, false, isa, group) (rows here), or use the avx2 back end");
+    throw Error("decode_attention: the AVX-512 back end reads a group of " + std::to_string(G) + " query heads a KV head with "
+                "heads in lanes, from rows, so it cannot read this bf16 store in the tiled16 layout. Build the store with "
+                "decode_kv_layout(type, head_dim, false, isa, group) (rows here), or use the avx2 back end");
 
   // Caller-side scratch, reused across calls: queries, pieces, partial results, and for the
   // AVX-512 back end its per-split working memory.

@@ -29,7 +29,8 @@
 // Where the CPU has AVX-512 (and head_dim % 32 == 0) a 16-lane back end with the same
 // algorithm runs instead (decode_attention_avx512.cpp), chosen at run time. Its q8/q4 scores
 // put 16 tokens in the lanes (the rows transposed once for all G queries, or loaded so from a q8
-// store in the Tiled16 layout, decode_kv_layout) and dot the int8
+// store in the Tiled16 layout, decode_kv_layout; bf16 stores in that layout score the same way by
+// vdpbf16ps) and dot the int8
 // query with VNNI, so GQA/MQA and LRKV's shared keys stop being bound by the score FMAs. Its
 // f32/bf16 groups of 9 to 16 query heads on one KV head (bf16; f32 from 13) score with heads in
 // lanes, LRKV's kernel at r = 0 (each K row read once, no horizontal sums).
@@ -51,8 +52,8 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim);  // Auto -> the one t
 // The store layout decode (dense and LRKV's shared K_s, V_s) reads fastest with back end `isa`
 // (Auto: the one that runs here): Tiled16 where the AVX-512 back end reads it (its scores load a
 // group's token lanes instead of transposing 16 rows or summing across lanes; kv_store.h): q8,
-// and bf16 (with vdpbf16ps) in a dense layer of `group` = 1 to 8 query heads a KV head (more take
-// heads in lanes, which read rows); else Rows. group 0: not a dense layer's store (LRKV's K_s /
+// and bf16 (with vdpbf16ps) in a dense layer of `group` = 1 to 8 query heads a KV head (the ones
+// measured; 9 to 16 take heads in lanes, which read rows); else Rows. group 0: not a dense layer's store (LRKV's K_s /
 // V_s: bf16 stays Rows). Stores whose rows are read as rows stay Rows: values_are_keys stores
 // (MLA's latents) here, LRKV's residual latents at their call site.
 KVLayout decode_kv_layout(KVType type, int head_dim, bool values_are_keys = false, DecodeIsa isa = DecodeIsa::Auto,

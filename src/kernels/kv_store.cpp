@@ -134,6 +134,10 @@ KVStore::Page KVStore::new_page() {
   const Page page{chunk_next_, static_cast<size_t>(chunk_pages_) * run_bytes};
   chunk_next_ += run_bytes;
   --chunk_pages_left_;
+  // Tiled16: a page's last K group may hold fewer than 16 tokens, and decode loads all 16 lanes
+  // (masking the rest), so its K runs start as zeros rather than uninitialised memory.
+  if (layout_ == KVLayout::Tiled16)
+    for (int h = 0; h < kv_heads_; ++h) std::memset(page.base + h * page.head_stride, 0, run_bytes);
   return page;
 }
 

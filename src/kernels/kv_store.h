@@ -53,7 +53,8 @@ class KVStore {
  public:
   // values_are_keys: one row per token serves as both key and value (MLA's latent [c | k_R]):
   // V rows alias K rows, append ignores v, and bytes count the rows once.
-  // layout Tiled16 needs q8 or bf16, page_tokens % 16 == 0 and !values_are_keys (an error names which).
+  // layout Tiled16 needs q8 or bf16, page_tokens % 16 == 0, an even head_dim and !values_are_keys (an
+  // error names which).
   KVStore(KVType type, int kv_heads, int head_dim, Eviction evict = {}, int page_tokens = 256,
           bool values_are_keys = false, KVLayout layout = KVLayout::Rows);
   ~KVStore();

@@ -201,14 +201,15 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
 
 // Options that name no measurement are refused before anything runs, naming the option.
 // Each row names its store layout: bf16 dense stores as decode_kv_layout picks for their group
-// (Tiled16 where AVX-512 dots bf16), --bf16-layout rows forcing rows, LRKV's K_s / V_s always rows.
+// (Tiled16 for 1 query a KV head where AVX-512 dots bf16, rows for 16), --bf16-layout forcing rows
+// or (where the back end reads it) tiled16, LRKV's K_s / V_s always rows.
 TEST(DecodeBench, RowsNameTheirStoreLayout) {
-  for (const std::string forced : {"auto", "rows"}) {
+  for (const std::string forced : {"auto", "rows", "tiled16"}) {
     eval::DecodeBenchOptions o;
     o.contexts = {64};
     o.types = {"bf16"};
-    o.kv_heads = {4, 1};
-    o.heads = 4;
+    o.kv_heads = {16, 1};
+    o.heads = 16;
     o.head_dim = 32;
     o.lrkv_ranks = {8};
     o.gdn_rows = false;
@@ -222,12 +223,15 @@ TEST(DecodeBench, RowsNameTheirStoreLayout) {
       if (!r.contains("layout") || !r.contains("hkv")) continue;
       const int group = o.heads / r["hkv"].get<int>();
       const bool lrkv = r.contains("rank");
+      const auto isa = kernels::resolve_decode_isa(kernels::DecodeIsa::Auto, 32);
       const auto want = lrkv || forced == "rows" ? kernels::KVLayout::Rows
+                        : forced == "tiled16"    ? (kernels::decode_reads_tiled16(isa, kernels::KVType::BF16, group) ? kernels::KVLayout::Tiled16
+                                                                                                                 : kernels::KVLayout::Rows)
                                                  : kernels::decode_kv_layout(kernels::KVType::BF16, 32, false, kernels::DecodeIsa::Auto, group);
       EXPECT_EQ(r["layout"].get<std::string>(), kernels::kv_layout_name(want)) << r.dump();
       ++seen;
     }
-    EXPECT_EQ(seen, 3) << forced;  // Hkv 4 and 1, LRKV r = 8
+    EXPECT_EQ(seen, 3) << forced;  // Hkv 16 and 1, LRKV r = 8
   }
 }
 
