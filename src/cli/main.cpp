@@ -679,6 +679,8 @@ int main(int argc, char** argv) {
   bench_decode->add_option("--isa", decode_isas, "comma-separated decode back ends: auto, avx2, avx512 (default auto)");
   bench_decode->add_option("--q8-layout", decode_opts.q8_layout,
                            "q8 store layout: auto (tiled16 where the AVX-512 back end runs), rows or tiled16 (default auto)");
+  bench_decode->add_option("--q4-layout", decode_opts.q4_layout,
+                           "q4 store layout: auto (tiled16 where the AVX-512 back end runs), rows or tiled16 (default auto)");
   bench_decode->add_option("--bf16-layout", decode_opts.bf16_layout,
                            "bf16 dense store layout: auto (tiled16 for 1-8 queries a KV head where AVX-512 dots bf16), rows or "
                            "tiled16 (default auto)");

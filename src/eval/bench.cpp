@@ -321,6 +321,7 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   }
   for (const auto& name : o.isas) kernels::parse_decode_isa(name);
   if (o.q8_layout != "auto") kernels::parse_kv_layout(o.q8_layout);
+  if (o.q4_layout != "auto") kernels::parse_kv_layout(o.q4_layout);
   if (o.bf16_layout != "auto") kernels::parse_kv_layout(o.bf16_layout);
   // An LLA row's key and value ranks at a compression: 2 T d_h / budget in all, 3/8 of it for keys.
   auto lla_ranks = [&](double budget) {
@@ -428,12 +429,13 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
     double compute = 0.0;  // G MAC/s, the same for the compute probe
   };
   std::vector<Timing> timings;
-  // Store layouts (DecodeBenchOptions::q8_layout, bf16_layout), one for every back end timed: the
+  // Store layouts (DecodeBenchOptions::q8_layout, q4_layout, bf16_layout), one for every back end timed: the
   // dense stores' per KV head count and type, LRKV's K_s / V_s per type (bf16: rows).
   const bool avx2 = std::find(isas.begin(), isas.end(), kernels::DecodeIsa::Avx2) != isas.end();
   auto layout_of = [&](kernels::KVType type, int group) {
     const auto chosen = kernels::decode_kv_layout(type, o.head_dim, false, avx2 ? kernels::DecodeIsa::Avx2 : kernels::DecodeIsa::Auto, group);
     if (type == kernels::KVType::Q8 && o.q8_layout != "auto") return kernels::parse_kv_layout(o.q8_layout);
+    if (type == kernels::KVType::Q4 && o.q4_layout != "auto") return kernels::parse_kv_layout(o.q4_layout);
     const bool readable = std::all_of(isas.begin(), isas.end(), [&](kernels::DecodeIsa isa) { return kernels::decode_reads_tiled16(isa, type, group); });
     if (type == kernels::KVType::BF16 && o.bf16_layout != "auto" && group >= 1 && readable)
       return kernels::parse_kv_layout(o.bf16_layout);  // (groups read with heads in lanes, from rows, stay rows)

@@ -56,9 +56,9 @@ struct DecodeBenchOptions {
   std::vector<double> natsl_kept{0.25, 0.5};  // NAtS-L attention core at these kept-KV fractions (none: empty)
   std::vector<double> lla_budgets{4, 16};     // LLA reconstruct-on-read rows at these compressions (none: empty)
   int lla_loops = 4;                          // T of the LLA rows (Ouro)
-  // q8 stores' layout (dense, LRKV K_s/V_s): auto (decode_kv_layout; rows when avx2 is among the
-  // back ends timed, which would read tiled stores through a copy), rows or tiled16
-  std::string q8_layout = "auto";
+  // q8 / q4 stores' layout (dense, LRKV K_s/V_s): auto (decode_kv_layout; rows when avx2 is among
+  // the back ends timed, which would read tiled stores through a copy), rows or tiled16
+  std::string q8_layout = "auto", q4_layout = "auto";
   // bf16 dense stores' layout: auto (decode_kv_layout: tiled16 for groups of 1-8 queries a KV head
   // where AVX-512 dots bf16; rows when avx2 is among the back ends timed), rows or tiled16 (groups
   // the AVX-512 back end reads with heads in lanes stay rows)

@@ -1337,16 +1337,16 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim) {
 }
 
 KVLayout decode_kv_layout(KVType type, int head_dim, bool values_are_keys, DecodeIsa isa, int group) {
-  if (values_are_keys || (type != KVType::Q8 && type != KVType::BF16)) return KVLayout::Rows;
+  if (values_are_keys || type == KVType::F32) return KVLayout::Rows;
   const DecodeIsa resolved = resolve_decode_isa(isa, head_dim);
   if (resolved != DecodeIsa::Avx512) return KVLayout::Rows;
-  if (type == KVType::Q8) return KVLayout::Tiled16;
+  if (type != KVType::BF16) return KVLayout::Tiled16;
   return decode_dots_bf16(resolved) && group >= 1 && group <= 8 ? KVLayout::Tiled16 : KVLayout::Rows;
 }
 
 bool decode_reads_tiled16(DecodeIsa isa, KVType type, int group) {
-  if (type != KVType::Q8 && type != KVType::BF16) return false;
-  return isa != DecodeIsa::Avx512 || type == KVType::Q8 || !detail::avx512_dense_head_lanes(type, group);
+  if (type == KVType::F32) return false;
+  return isa != DecodeIsa::Avx512 || type != KVType::BF16 || !detail::avx512_dense_head_lanes(type, group);
 }
 
 namespace {

@@ -51,7 +51,8 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim);  // Auto -> the one t
 
 // The store layout decode (dense and LRKV's shared K_s, V_s) reads fastest with back end `isa`
 // (Auto: the one that runs here): Tiled16 where the AVX-512 back end reads it (its scores load a
-// group's token lanes instead of transposing 16 rows or summing across lanes; kv_store.h): q8,
+// group's token lanes or scales instead of transposing 16 rows or summing across lanes, its q8/q4
+// values widen slot pairs stored interleaved; kv_store.h): q8, q4,
 // and bf16 (with vdpbf16ps) in a dense layer of `group` = 1 to 8 query heads a KV head (the ones
 // measured; 9 to 16 take heads in lanes, which read rows); else Rows. group 0: not a dense layer's store (LRKV's K_s /
 // V_s: bf16 stays Rows). Stores whose rows are read as rows stay Rows: values_are_keys stores
@@ -59,7 +60,7 @@ DecodeIsa resolve_decode_isa(DecodeIsa isa, int head_dim);  // Auto -> the one t
 KVLayout decode_kv_layout(KVType type, int head_dim, bool values_are_keys = false, DecodeIsa isa = DecodeIsa::Auto,
                           int group = 0);
 // Whether dense decode with back end `isa` (resolved) reads a Tiled16 store of `type` at `group`
-// query heads a KV head: q8 always; bf16 unless AVX-512 reads the group with heads in lanes, from
+// query heads a KV head: q8 and q4 always; bf16 unless AVX-512 reads the group with heads in lanes, from
 // rows (9+ queries with vdpbf16ps); AVX2 reads the rows copied out.
 bool decode_reads_tiled16(DecodeIsa isa, KVType type, int group);
 

@@ -425,7 +425,7 @@ KVX_INLINE void bf16_group_scores_all(const uint8_t* group, const float* q, int 
 // LRKV's shared K).
 // q8 stores in the Tiled16 layout (kv_store.h, decode_kv_layout) skip the transposes: a group's
 // word i of block b is one load (TokenGroup), its scales one fp16 vector a block (group_scales).
-// Outputs identical to the Rows layout's; q4 keeps Rows (Tiled16 was within noise).
+// Outputs identical to the Rows layout's. q4 the same (nibbles as stored, split after the load).
 
 // 16 rows `stride` bytes apart from `base`; with kClamp, rows past `last` repeat it (a tile's
 // tail), so nothing past the tile is read.
@@ -512,6 +512,16 @@ KVX_INLINE __m512i dpbusd_broadcast(__m512i acc, __m512i u, const int32_t* w) {
   return acc;
 }
 
+// q4 blocks b and (pair) b + 1 from w[i] lane t = word i of token t's 32 bytes of them (4 words a
+// block): u[8 k .. 8 k + 3] the low nibbles of block b + k's words, u[8 k + 4 ..] the high ones.
+KVX_INLINE void split_nibbles(const __m512i* w, bool pair, __m512i* u) {
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  for (int i = 0; i < (pair ? 8 : 4); ++i) {
+    u[(i / 4) * 8 + i % 4] = _mm512_and_si512(w[i], lo4);
+    u[(i / 4) * 8 + 4 + i % 4] = _mm512_and_si512(_mm512_srli_epi16(w[i], 4), lo4);
+  }
+}
+
 // The rows' blocks b and (pair) b + 1 as 8 vectors each of unsigned 4-byte groups, u[i] pairing
 // with the query's word i (q8: code + 128; q4: the low nibbles of word i, then the high ones); the
 // query in the integer layout of prepare_int_queries (decode_attention_isa.h).
@@ -520,11 +530,7 @@ KVX_INLINE void row_words(const Rows& rows, size_t offset, int nb, int b, bool p
   __m512i w[8];
   if constexpr (R::kNibbles) {  // 16 bytes a block: one 32-byte transpose holds both (b is even)
     transpose16x8(rows, offset + 16 * static_cast<size_t>(b), pair ? 32 : 16, w);
-    const __m512i lo4 = _mm512_set1_epi8(0x0f);
-    for (int i = 0; i < 8; ++i) {
-      u[(i / 4) * 8 + i % 4] = _mm512_and_si512(w[i], lo4);
-      u[(i / 4) * 8 + 4 + i % 4] = _mm512_and_si512(_mm512_srli_epi16(w[i], 4), lo4);
-    }
+    split_nibbles(w, pair, u);
   } else {
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int k = 0; k < (pair ? 2 : 1); ++k) {
@@ -534,17 +540,22 @@ KVX_INLINE void row_words(const Rows& rows, size_t offset, int nb, int b, bool p
   }
 }
 
-// A Tiled16 store's K group of 16 tokens (kv_store.h): word i of block b of its tokens is already
-// one vector (codes + 128), loaded instead of transposed; `offset` is unused (the group starts at
-// its codes).
+// A Tiled16 store's K group of 16 tokens (kv_store.h): word i of each 32 code bytes of its tokens
+// is already one vector (q8: codes + 128), loaded instead of transposed; `offset` is unused (the
+// group starts at its codes).
 struct TokenGroup {
   const uint8_t* codes;
 };
 template <class R>
 KVX_INLINE void row_words(const TokenGroup& group, size_t, int, int b, bool pair, __m512i* u) {
-  static_assert(!R::kNibbles, "Tiled16 holds q8 only");
-  for (int k = 0; k < (pair ? 2 : 1); ++k)
-    for (int i = 0; i < 8; ++i) u[8 * k + i] = _mm512_loadu_si512(group.codes + 512 * static_cast<size_t>(b + k) + 64 * i);
+  if constexpr (R::kNibbles) {  // blocks b, b + 1 (b even): 32 bytes a token
+    __m512i w[8];
+    for (int i = 0; i < (pair ? 8 : 4); ++i) w[i] = _mm512_loadu_si512(group.codes + 256 * static_cast<size_t>(b) + 64 * i);
+    split_nibbles(w, pair, u);
+  } else {
+    for (int k = 0; k < (pair ? 2 : 1); ++k)
+      for (int i = 0; i < 8; ++i) u[8 * k + i] = _mm512_loadu_si512(group.codes + 512 * static_cast<size_t>(b + k) + 64 * i);
+  }
 }
 
 // The fp16 scales of `blocks` blocks of a Tiled16 group (16 per block, 32 bytes apart) -> dst[b *
@@ -1077,21 +1088,33 @@ KVX_INLINE void int_weights_by_token(const float* pt, int pt_stride, int n, cons
   }
 }
 
-// acc (even | odd positions, as Q4Row::val) += sig * the int32 sums of the even and odd values.
-KVX_INLINE void add_int_sums_split(__m512i even, __m512i odd, float sig, float* acc) {
+// acc (its first 16 values, then the next 16: q4's even | odd positions as Q4Row::val, q8 pairs in
+// natural order) += sig * the int32 sums of lo and hi.
+KVX_INLINE void add_int_sums_halves(__m512i lo, __m512i hi, float sig, float* acc) {
   const __m512 sv = _mm512_set1_ps(sig);
-  _mm512_storeu_ps(acc, _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(even), _mm512_loadu_ps(acc)));
-  _mm512_storeu_ps(acc + 16, _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(odd), _mm512_loadu_ps(acc + 16)));
+  _mm512_storeu_ps(acc, _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(lo), _mm512_loadu_ps(acc)));
+  _mm512_storeu_ps(acc + 16, _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(hi), _mm512_loadu_ps(acc + 16)));
 }
 
 // Block j of two rows as int16 pairs (row a's value in the low half): q8 (lo, hi) the unpacks of
 // the sign-extended codes (values 8c + i in lo's lane 4c + i, 8c + 4 + i in hi's, add_int_sums); q4
 // (lo, hi) the even and odd positions, lane k from byte k of each row (its low and high nibble),
-// minus 8 (add_int_sums_split). (One vpermt2b for q4 was barely faster and needs AVX-512 VBMI,
+// minus 8 (add_int_sums_halves). (One vpermt2b for q4 was barely faster and needs AVX-512 VBMI,
 // which some VNNI parts lack.)
-template <class R>
+// kPaired: a Tiled16 store's slot pair, its bytes interleaved (kv_store.h) at ra: one widening
+// gives the pairs, q8's values 0-15 in lo and 16-31 in hi (natural order, add_int_sums_halves), q4's
+// even and odd positions as above.
+template <class R, bool kPaired = false>
 KVX_INLINE void int_value_pairs(const uint8_t* ra, const uint8_t* rb, int j, __m512i& lo, __m512i& hi) {
-  if constexpr (R::kNibbles) {
+  if constexpr (kPaired && R::kNibbles) {
+    const __m512i ab = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + 32 * j)));
+    const __m512i eight = _mm512_set1_epi16(8);
+    lo = _mm512_sub_epi16(_mm512_and_si512(ab, _mm512_set1_epi16(0x0f)), eight);
+    hi = _mm512_sub_epi16(_mm512_srli_epi16(ab, 4), eight);
+  } else if constexpr (kPaired) {
+    lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + 64 * j)));
+    hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + 64 * j + 32)));
+  } else if constexpr (R::kNibbles) {
     const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ra + 16 * j)));
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rb + 16 * j)));
     const __m512i ab = _mm512_or_si512(a, _mm512_slli_epi32(b, 16)), nib = _mm512_set1_epi16(0x0f), eight = _mm512_set1_epi16(8);
@@ -1106,8 +1129,9 @@ KVX_INLINE void int_value_pairs(const uint8_t* ra, const uint8_t* rb, int j, __m
 }
 
 // acc[g][group j] += sig_g,j sum_t c_g,j,t v_t[group j] for groups j0 .. j0 + JB - 1 (q8/q4 codes at
-// v0, rb bytes a row; past n the last row again, its code 0). pf: as value_pass's.
-template <class R, int GB, int JB, bool kByToken>
+// v0, rb bytes a row; past n the last row again, its code 0; kPaired: slot pairs interleaved, 2 rb
+// bytes a pair, past n the pair's other slot, its code 0). pf: as value_pass's.
+template <class R, int GB, int JB, bool kByToken, bool kPaired = false>
 KVX_INLINE void int_value_pass(const uint8_t* v0, size_t rb, int n, const IntWeights& iw, float* acc, int d, int j0,
                                const Prefetch* pf, size_t pf_lo, size_t pf_hi) {
   static_assert(GB * 2 * JB <= 16, "int_value_pass holds up to 16 accumulators");
@@ -1121,7 +1145,7 @@ KVX_INLINE void int_value_pass(const uint8_t* v0, size_t rb, int n, const IntWei
     for (int jj = 0; jj < JB; ++jj) {
       const int j = j0 + jj;
       __m512i lo, hi;
-      int_value_pairs<R>(ra, rb1, j, lo, hi);
+      int_value_pairs<R, kPaired>(ra, rb1, j, lo, hi);
 #pragma GCC unroll 16
       for (int g = 0; g < GB; ++g) {
         const __m512i w = _mm512_set1_epi32(kByToken ? iw.words[(static_cast<size_t>(k) * iw.nb + j) * 16 + g]
@@ -1137,8 +1161,8 @@ KVX_INLINE void int_value_pass(const uint8_t* v0, size_t rb, int n, const IntWei
     for (int jj = 0; jj < JB; ++jj) {
       const float sig = iw.sig[j0 + jj];
       float* ag = acc + static_cast<size_t>(g) * d + 32 * (j0 + jj);
-      if constexpr (R::kNibbles)
-        add_int_sums_split(a[g][2 * jj], a[g][2 * jj + 1], sig, ag);
+      if constexpr (R::kNibbles || kPaired)
+        add_int_sums_halves(a[g][2 * jj], a[g][2 * jj + 1], sig, ag);
       else
         add_int_sums(a[g][2 * jj], a[g][2 * jj + 1], sig, ag);
     }
@@ -1269,8 +1293,9 @@ KVX_INLINE void latent_row_values(const uint8_t* v0, size_t rb, int n, const flo
 // next V tile: f32/bf16 passes (kUnrolledValuePass) and q8 MHA's (kMhaValuePrefetchSteps) fetch
 // their share in steps of 8 rows (faster when memory is slow), the rest at the pass's start (steps
 // were slower).
-// kCodesByToken: iw laid out by token (int_weights_by_token).
-template <class R, int GB, bool kCodesByToken = false>
+// kCodesByToken: iw laid out by token (int_weights_by_token). kPaired: q8/q4 V codes in slot pairs
+// (Tiled16; int_value_pairs).
+template <class R, int GB, bool kCodesByToken = false, bool kPaired = false>
 KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, size_t wg, float* acc, int d,
                            const Prefetch* pf, const PairWords* pairs = nullptr, const IntWeights* iw = nullptr) {
   constexpr int JB = 8 / GB;
@@ -1287,7 +1312,7 @@ KVX_INLINE void value_tile(const uint8_t* v0, size_t rb, int n, const float* w, 
       const Prefetch* step_pf = steps ? pf : nullptr;
       const size_t lo = bytes * j / nj, hi = bytes * (j + B) / nj;
       if (!steps && pf) pf->range(lo, hi);
-      int_value_pass<R, GB, B, kCodesByToken>(v0, rb, n, *iw, acc, d, j, step_pf, lo, hi);
+      int_value_pass<R, GB, B, kCodesByToken, kPaired>(v0, rb, n, *iw, acc, d, j, step_pf, lo, hi);
     } else if constexpr (R::kUnrolledValuePass || (GB == 1 && R::kMhaValuePrefetchSteps)) {
       value_pass<R, GB, B>(v0, rb, n, w, wg, acc, d, j, pf, bytes * j / nj, bytes * (j + B) / nj);
     } else {
@@ -1848,13 +1873,14 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
   // were no faster this way.
   const bool straddle_lanes = lane_values && latent_straddle;
   const int ahead = straddle_lanes ? 8 : 0;
-  // Tiled16 (q8): K scored from its token groups, the scales of K and V read per group, V's codes
-  // as rows of d bytes (kv_store.h); tiles start on groups (pieces do: piece_cut) and span whole ones.
-  const bool tiled = R::kQuant && !R::kNibbles && kv.layout() == KVLayout::Tiled16;
+  // Tiled16 (q8/q4): the scales of K and V read per group, K scored from its token groups, V's
+  // codes in slot pairs (kv_store.h); tiles start on groups (pieces do: piece_cut) and span whole
+  // ones.
+  const bool tiled = R::kQuant && kv.layout() == KVLayout::Tiled16;
   // Tiled16 (bf16): K scored from its token groups (bf16_group_scores), V as rows; same row stride.
   // (decode_attention refuses such stores where heads in lanes would read them, lrkv_decode_attention always)
   const bool bf16_tiled = !kLrkv && !R::kQuant && kv.type() == KVType::BF16 && kv.layout() == KVLayout::Tiled16;
-  const size_t kstride = tiled ? static_cast<size_t>(d) : rb;  // bytes a row of the K and V code streams
+  const size_t kstride = tiled ? static_cast<size_t>(R::kNibbles ? d / 2 : d) : rb;  // bytes a row of the K and V code streams
   const int row_tile = straddle_lanes ? 8
                        : rst || (hl && R::kDotBF16) ? lrkv_tile_rows(rb + rrb, kv.type(), R::kQuant, pairs, hl)
                                                     : tile_rows(rb, G, R::kQuant, pairs);
@@ -1909,7 +1935,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     const uint8_t* kb = kv.k_rows(page, pc.head) + off * kstride;
     const uint8_t* vb = kv.v_rows(page, pc.head) + off * kstride;
     // Tiled16: the tile's first group's K and V scales
-    const size_t scale_off = static_cast<size_t>(P) * d + 2 * static_cast<size_t>(nb) * off;
+    const size_t scale_off = P * kstride + 2 * static_cast<size_t>(nb) * off;
     const uint8_t* ks = tiled ? kv.k_rows(page, pc.head) + scale_off : nullptr;
     const uint8_t* vs = tiled ? kv.v_rows(page, pc.head) + scale_off : nullptr;
     const uint8_t* rkb = rst ? rst->k_rows(page, 0) + off * rrb : nullptr;
@@ -1928,7 +1954,7 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
     Prefetch kpf = prefetcher(kb, has_next ? kv.k_rows(page + 1, pc.head) : nullptr, kstride);
     Prefetch vpf = prefetcher(vb, has_next ? kv.v_rows(page + 1, pc.head) : nullptr, kstride);
     if (tiled) {  // the next tile's scales (2 nb bytes a row): a few lines, fetched at once (q8 MHA 1.17x against none, 1.12x)
-      const size_t next_scales = static_cast<size_t>(P) * d;
+      const size_t next_scales = P * kstride;
       prefetcher(ks, has_next ? kv.k_rows(page + 1, pc.head) + next_scales : nullptr, 2 * nb).range(0, 2 * nb * static_cast<size_t>(n));
       prefetcher(vs, has_next ? kv.v_rows(page + 1, pc.head) + next_scales : nullptr, 2 * nb).range(0, 2 * nb * static_cast<size_t>(n));
     }
@@ -1957,16 +1983,13 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
         const int last = n - 1 - t0;
         const Rows16<kClamp> krow{kb + t0 * rb, rb, last}, vrow{vb + t0 * rb, rb, last};
         kpf.range(t0 * kstride, imin(t0 + 16, n) * kstride);
-        if constexpr (!R::kNibbles) {
-          if (tiled) {
-            const __mmask16 live = kClamp ? static_cast<__mmask16>((1u << (last + 1)) - 1) : static_cast<__mmask16>(0xffff);
-            const size_t group = static_cast<size_t>(t0 / 16) * 32 * nb;
-            group_scales(ks + group, nb, live, sc.kT + t0);
-            group_scales(vs + group, nb, live, sc.vT + t0);
-            token_scores<R>(TokenGroup{kb + t0 * kstride}, 0, nb, qi, qbytes, G, sc.kT + t0, sc.s + t0, false);
-          }
-        }
-        if (!tiled) {
+        if (tiled) {
+          const __mmask16 live = kClamp ? static_cast<__mmask16>((1u << (last + 1)) - 1) : static_cast<__mmask16>(0xffff);
+          const size_t group = static_cast<size_t>(t0 / 16) * 32 * nb;
+          group_scales(ks + group, nb, live, sc.kT + t0);
+          group_scales(vs + group, nb, live, sc.vT + t0);
+          token_scores<R>(TokenGroup{kb + t0 * kstride}, 0, nb, qi, qbytes, G, sc.kT + t0, sc.s + t0, false);
+        } else {
           if (nb <= 8) {
             transpose_kv_scales(krow, vrow, nb, sc.kT + t0, sc.vT + t0);
           } else {
@@ -2155,16 +2178,19 @@ void run_piece(const KVStore& kv, const DecodePiece& pc, const float* q, int G, 
                                 : IntWeights{reinterpret_cast<const int32_t*>(wcodes + static_cast<size_t>(g0) * nb * kMaxTile), wsig, nb};
       const IntWeights* iwp = R::kIntValues ? &iw : nullptr;
       const uint8_t* v0 = tiled ? vb : vb + codes;  // the tile's first V codes, kstride bytes a row
-      auto values = [&](auto by_token) {
-        constexpr bool kByToken = decltype(by_token)::value != 0;
+      auto values = [&](auto by_token, auto paired) {
+        constexpr bool kByToken = decltype(by_token)::value != 0, kPaired = decltype(paired)::value != 0;
         switch (gb) {
-          case 8: value_tile<R, 8, kByToken>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
-          case 4: value_tile<R, 4, kByToken>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
-          case 2: value_tile<R, 2, kByToken>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
-          default: value_tile<R, 1, kByToken>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
+          case 8: value_tile<R, 8, kByToken, kPaired>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
+          case 4: value_tile<R, 4, kByToken, kPaired>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
+          case 2: value_tile<R, 2, kByToken, kPaired>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
+          default: value_tile<R, 1, kByToken, kPaired>(v0, kstride, n, wgp, wg, ag, d, pf, pwp, iwp); break;
         }
       };
-      with_flag<kLrkv && R::kIntValues>(codes_by_token, values);  // (the dense kernel compiles only the codes by head)
+      // (the dense kernel compiles only the codes by head)
+      with_flag<kLrkv && R::kIntValues>(codes_by_token, [&](auto by_token) {
+        with_flag<R::kIntValues>(tiled, [&](auto paired) { values(by_token, paired); });
+      });
     }
     if (latent_straddle) {  // + a_h R_h^V, whole rows; the numerators by token first
       for (int h0 = 0; h0 < G && !hl && !codes_by_token; h0 += 16)  // (heads in lanes: already by token)

@@ -51,9 +51,8 @@ KVStore::KVStore(KVType type, int kv_heads, int head_dim, Eviction evict, int pa
     throw Error("KVStore: eviction sink " + std::to_string(evict.sink) +
                 " without a window keeps everything; set window > 0 or sink = 0");
   row_bytes_ = kernels::row_bytes(type, head_dim);  // validates head_dim for the type
-  if (layout == KVLayout::Tiled16 &&
-      ((type != KVType::Q8 && type != KVType::BF16) || page_tokens % 16 != 0 || values_are_keys || head_dim % 2 != 0))
-    throw Error("KVStore: layout tiled16 needs a q8 or bf16 store with page_tokens % 16 == 0, an even head_dim and separate "
+  if (layout == KVLayout::Tiled16 && (type == KVType::F32 || page_tokens % 16 != 0 || values_are_keys || head_dim % 2 != 0))
+    throw Error("KVStore: layout tiled16 needs a q8, q4 or bf16 store with page_tokens % 16 == 0, an even head_dim and separate "
                 "values; got " +
                 kv_type_name(type) + ", page_tokens " + std::to_string(page_tokens) + ", head_dim " + std::to_string(head_dim) +
                 (values_are_keys ? ", values_are_keys" : "") + " (use layout rows)");
@@ -135,9 +134,10 @@ KVStore::Page KVStore::new_page() {
   chunk_next_ += run_bytes;
   --chunk_pages_left_;
   // Tiled16: a page's last K group may hold fewer than 16 tokens, and decode loads all 16 lanes
-  // (masking the rest), so its K runs start as zeros rather than uninitialised memory.
+  // (masking the rest), and q8/q4 V pairs both slots (the missing one weighed 0), so its runs
+  // start as zeros rather than uninitialised memory.
   if (layout_ == KVLayout::Tiled16)
-    for (int h = 0; h < kv_heads_; ++h) std::memset(page.base + h * page.head_stride, 0, run_bytes);
+    for (int h = 0; h < streams * kv_heads_; ++h) std::memset(page.base + h * page.head_stride, 0, run_bytes);
   return page;
 }
 
@@ -195,10 +195,11 @@ void KVStore::append(const float* k, const float* v) {
   ++length_;
 }
 
-// Tiled16 (kv_store.h): a q8 row [nb fp16 scales][d codes] or a bf16 row of slot t (in its page)
-// into a run.
+// Tiled16 (kv_store.h): a q8/q4 row [nb fp16 scales][c codes] or a bf16 row of slot t (in its
+// page) into a run.
 void KVStore::write_row(uint8_t* run, int t, const uint8_t* row, bool keys) const {
   const int d = head_dim_, nb = d / kQBlock, g = t / 16, lane = t % 16;
+  const size_t c = type_ == KVType::Q4 ? d / 2 : d;  // code bytes a row
   if (type_ == KVType::BF16) {
     if (!keys) {
       std::memcpy(run + static_cast<size_t>(t) * row_bytes_, row, row_bytes_);
@@ -208,16 +209,17 @@ void KVStore::write_row(uint8_t* run, int t, const uint8_t* row, bool keys) cons
     for (int i = 0; i < d / 2; ++i) std::memcpy(group + 64 * i + 4 * lane, row + 4 * i, 4);
     return;
   }
-  uint8_t* scales = run + static_cast<size_t>(page_tokens_) * d + 32 * (static_cast<size_t>(nb) * g);
+  uint8_t* scales = run + page_tokens_ * c + 32 * (static_cast<size_t>(nb) * g);
   for (int b = 0; b < nb; ++b) std::memcpy(scales + 32 * b + 2 * lane, row + 2 * b, 2);
   const uint8_t* codes = row + 2 * nb;
-  if (!keys) {
-    std::memcpy(run + static_cast<size_t>(t) * d, codes, d);
+  if (!keys) {  // slot pairs, byte-interleaved
+    uint8_t* pair = run + 2 * c * (t / 2) + t % 2;
+    for (size_t i = 0; i < c; ++i) pair[2 * i] = codes[i];
     return;
   }
-  uint8_t* group = run + static_cast<size_t>(16) * d * g;
-  for (int c = 0; c < d; ++c)
-    group[512 * (c / 32) + 64 * (c % 32 / 4) + 4 * lane + c % 4] = static_cast<uint8_t>(codes[c] ^ 0x80);
+  const uint8_t flip = type_ == KVType::Q8 ? 0x80 : 0;  // (q8: unsigned)
+  uint8_t* group = run + 16 * c * g;
+  for (size_t i = 0; i < c; ++i) group[512 * (i / 32) + 64 * (i % 32 / 4) + 4 * lane + i % 4] = static_cast<uint8_t>(codes[i] ^ flip);
 }
 
 const uint8_t* KVStore::k_rows(int64_t page, int head) const {
@@ -250,6 +252,7 @@ void KVStore::read_rows(int64_t s0, int n, int head, bool keys, uint8_t* rows) c
     return;
   }
   const int d = head_dim_, nb = d / kQBlock;
+  const size_t c = type_ == KVType::Q4 ? d / 2 : d;  // code bytes a row (q8/q4)
   for (int t = t0; t < t0 + n; ++t, rows += row_bytes_) {
     const int g = t / 16, lane = t % 16;
     if (type_ == KVType::BF16) {
@@ -261,15 +264,17 @@ void KVStore::read_rows(int64_t s0, int n, int head, bool keys, uint8_t* rows) c
       for (int i = 0; i < d / 2; ++i) std::memcpy(rows + 4 * i, group + 64 * i + 4 * lane, 4);
       continue;
     }
-    const uint8_t* scales = run + static_cast<size_t>(page_tokens_) * d + 32 * (static_cast<size_t>(nb) * g);
+    const uint8_t* scales = run + page_tokens_ * c + 32 * (static_cast<size_t>(nb) * g);
     for (int b = 0; b < nb; ++b) std::memcpy(rows + 2 * b, scales + 32 * b + 2 * lane, 2);
     uint8_t* codes = rows + 2 * nb;
     if (!keys) {
-      std::memcpy(codes, run + static_cast<size_t>(t) * d, d);
+      const uint8_t* pair = run + 2 * c * (t / 2) + t % 2;
+      for (size_t i = 0; i < c; ++i) codes[i] = pair[2 * i];
       continue;
     }
-    const uint8_t* group = run + static_cast<size_t>(16) * d * g;
-    for (int c = 0; c < d; ++c) codes[c] = static_cast<uint8_t>(group[512 * (c / 32) + 64 * (c % 32 / 4) + 4 * lane + c % 4] ^ 0x80);
+    const uint8_t flip = type_ == KVType::Q8 ? 0x80 : 0;
+    const uint8_t* group = run + 16 * c * g;
+    for (size_t i = 0; i < c; ++i) codes[i] = static_cast<uint8_t>(group[512 * (i / 32) + 64 * (i % 32 / 4) + 4 * lane + i % 4] ^ flip);
   }
 }
 

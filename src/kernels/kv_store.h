@@ -18,18 +18,20 @@
 //
 // Layouts of one page's run of rows (one head, K or V; page_tokens P):
 //   Rows       P rows as kv_format writes them (every type).
-//   Tiled16    q8 or bf16, P % 16 == 0, d even, not values_are_keys. The AVX-512 decode loads a
-//              group's word i (of block b) for its 16 tokens as one vector (and q8's scales as
-//              one) instead of transposing 16 rows or summing across lanes
-//              (kernels/decode_attention_avx512.cpp: token_scores, bf16_group_scores). Same bytes
-//              as Rows.
+//   Tiled16    q8, q4 or bf16, P % 16 == 0, d even, not values_are_keys. The AVX-512 decode loads a
+//              group's word i (of block b) for its 16 tokens as one vector (and q8/q4's scales as
+//              one) instead of transposing 16 rows or summing across lanes, and q8/q4 value pairs
+//              by one widening (kernels/decode_attention_avx512.cpp: token_scores,
+//              bf16_group_scores, int_value_pairs). Same bytes as Rows.
 //              bf16: K words (values 2i, 2i + 1) token-interleaved, word i of slot 16 g + t at
 //              32 d g + 64 i + 4 t; V as rows.
-//              q8: P d bytes of codes, then P d / 16 fp16
+//              q8/q4: P c bytes of codes (c = d for q8, d / 2 for q4), then P d / 16 fp16
 //              scales: per group of 16 slots g and 32-block b, the 16 slots' scales at
-//              P d + 2 (16 nb g + 16 b + t) (nb = d / 32). K codes token-interleaved: byte c of
-//              slot 16 g + t's block b at 16 d g + 512 b + 64 (c / 4) + 4 t + c % 4, stored as
-//              code + 128 (AVX-512's unsigned operand); V codes as rows, slot s's at d s.
+//              P c + 2 (16 nb g + 16 b + t) (nb = d / 32). K codes token-interleaved by 4-byte
+//              words: code byte i of slot 16 g + t at 16 c g + 512 (i / 32) + 64 (i % 32 / 4) + 4 t
+//              + i % 4, q8's stored as code + 128 (AVX-512's unsigned operand), q4's as stored (two
+//              nibbles). V codes in slot pairs, byte-interleaved: byte i of slot 2 k + e at
+//              2 c k + 2 i + e.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -53,8 +55,8 @@ class KVStore {
  public:
   // values_are_keys: one row per token serves as both key and value (MLA's latent [c | k_R]):
   // V rows alias K rows, append ignores v, and bytes count the rows once.
-  // layout Tiled16 needs q8 or bf16, page_tokens % 16 == 0, an even head_dim and !values_are_keys (an
-  // error names which).
+  // layout Tiled16 needs q8, q4 or bf16, page_tokens % 16 == 0, an even head_dim and !values_are_keys
+  // (an error names which).
   KVStore(KVType type, int kv_heads, int head_dim, Eviction evict = {}, int page_tokens = 256,
           bool values_are_keys = false, KVLayout layout = KVLayout::Rows);
   ~KVStore();

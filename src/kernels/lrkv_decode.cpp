@@ -29,9 +29,9 @@ void check(const float* q, const float* qb, int heads, const KVStore& shared, co
   if (heads < 1) throw Error(w + ": heads must be positive");
   if (shared.kv_heads() != 1) throw Error(w + ": the shared store must have one KV head (K_s, V_s)");
   if (shared.stored() == 0) throw Error(w + ": the cache is empty; append the current token before attending");
-  if (shared.layout() != KVLayout::Rows && shared.type() != KVType::Q8)
+  if (shared.layout() != KVLayout::Rows && shared.type() != KVType::Q8 && shared.type() != KVType::Q4)
     throw Error(w + ": the shared store is " + kv_type_name(shared.type()) + " in the " + kv_layout_name(shared.layout()) +
-                " layout, which LRKV decode does not read (q8 only); build it with decode_kv_layout(type, head_dim)");
+                " layout, which LRKV decode does not read (q8 and q4 only); build it with decode_kv_layout(type, head_dim)");
   if (residual && residual->layout() != KVLayout::Rows)
     throw Error(w + ": the residual store is in the " + kv_layout_name(residual->layout()) +
                 " layout; LRKV decode reads its latents as rows, so build it with KVLayout::Rows");

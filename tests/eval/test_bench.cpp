@@ -202,7 +202,8 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
 // Options that name no measurement are refused before anything runs, naming the option.
 // Each row names its store layout: bf16 dense stores as decode_kv_layout picks for their group
 // (Tiled16 for 1 query a KV head where AVX-512 dots bf16, rows for 16), --bf16-layout forcing rows
-// or (where the back end reads it) tiled16, LRKV's K_s / V_s always rows.
+// or (where the back end reads it) tiled16, LRKV's K_s / V_s always rows; q4 stores as
+// decode_kv_layout picks, or rows with --q4-layout rows.
 TEST(DecodeBench, RowsNameTheirStoreLayout) {
   for (const std::string forced : {"auto", "rows", "tiled16"}) {
     eval::DecodeBenchOptions o;
@@ -233,6 +234,29 @@ TEST(DecodeBench, RowsNameTheirStoreLayout) {
     }
     EXPECT_EQ(seen, 3) << forced;  // Hkv 16 and 1, LRKV r = 8
   }
+  // q4 (as q8): every store, LRKV's K_s / V_s too, as decode_kv_layout picks, or rows by --q4-layout
+  for (const std::string forced : {"auto", "rows"}) {
+    eval::DecodeBenchOptions o;
+    o.contexts = {64};
+    o.types = {"q4"};
+    o.kv_heads = {4};
+    o.head_dim = 32;
+    o.lrkv_ranks = {8};
+    o.gdn_rows = false;
+    o.natsl_kept = {};
+    o.lla_budgets = {};
+    o.seconds_per_point = 0.005;
+    o.whole_model = false;
+    o.q4_layout = forced;
+    const auto want = forced == "rows" ? kernels::KVLayout::Rows : kernels::decode_kv_layout(kernels::KVType::Q4, 32);
+    int seen = 0;
+    for (const auto& r : eval::bench_decode(o, false)) {
+      if (!r.contains("layout") || !r.contains("hkv")) continue;
+      EXPECT_EQ(r["layout"].get<std::string>(), kernels::kv_layout_name(want)) << r.dump();
+      ++seen;
+    }
+    EXPECT_EQ(seen, 2) << forced;  // Hkv 4, LRKV r = 8
+  }
 }
 
 TEST(DecodeBench, RefusesOptionsThatNameNoMeasurement) {
@@ -262,5 +286,6 @@ TEST(DecodeBench, RefusesOptionsThatNameNoMeasurement) {
   refuses([](eval::DecodeBenchOptions& o) { o.lrkv_ranks = {1}; }, "--lrkv rank 1 with a q8 cache");
   refuses([](eval::DecodeBenchOptions& o) { o.isas = {"neon"}; }, "neon");
   refuses([](eval::DecodeBenchOptions& o) { o.q8_layout = "tiled8"; }, "unknown KV store layout 'tiled8'; valid: rows, tiled16");
+  refuses([](eval::DecodeBenchOptions& o) { o.q4_layout = "tiles"; }, "unknown KV store layout 'tiles'; valid: rows, tiled16");
   refuses([](eval::DecodeBenchOptions& o) { o.bf16_layout = "tiled"; }, "unknown KV store layout 'tiled'; valid: rows, tiled16");
 }

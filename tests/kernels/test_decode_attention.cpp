@@ -231,10 +231,12 @@ void check_tiled16_stores(KVType t, const std::vector<std::pair<int, int>>& grou
 
 }  // namespace
 
-// q8 stores in the Tiled16 layout (decode_kv_layout's choice on AVX-512): every grouping, splits
-// (piece_cut moves their cuts to groups), widths of 1 to 8 blocks; AVX2 reads the rows copied out.
+// q8 and q4 stores in the Tiled16 layout (decode_kv_layout's choice on AVX-512): every grouping,
+// splits (piece_cut moves their cuts to groups), widths of 1 to 8 blocks, odd tails (a V pair's
+// missing slot); AVX2 reads the rows copied out.
 TEST(DecodeAttention, Tiled16StoresMatchReference) {
   check_tiled16_stores(KVType::Q8, {{8, 8}, {8, 4}, {8, 2}, {8, 1}, {6, 3}, {16, 1}, {30, 2}}, {32, 96, 256}, 900, 40);
+  check_tiled16_stores(KVType::Q4, {{8, 8}, {8, 4}, {8, 2}, {8, 1}, {6, 3}, {16, 1}, {30, 2}}, {32, 96, 256}, 950, 40);
 }
 
 // bf16 stores in the Tiled16 layout (decode_kv_layout's choice for dense groups of up to 8 queries
@@ -335,13 +337,17 @@ TEST(DecodeAttention, BackEndChoice) {
   EXPECT_FALSE(decode_rounds_value_weights(DecodeIsa::Avx512, KVType::BF16, 4));
   EXPECT_FALSE(decode_rounds_value_weights(DecodeIsa::Avx512, KVType::F32, 16));
   EXPECT_FALSE(decode_rounds_value_weights(DecodeIsa::Avx2, KVType::BF16, 16));
-  // store layouts: Tiled16 for q8 read by AVX-512 with values of their own (bf16: below)
+  // store layouts: Tiled16 for q8 and q4 read by AVX-512 with values of their own (bf16: below)
   const bool avx512 = decode_isa_usable(DecodeIsa::Avx512, 128);
-  EXPECT_EQ(decode_kv_layout(KVType::Q8, 128), avx512 ? KVLayout::Tiled16 : KVLayout::Rows);
-  EXPECT_EQ(decode_kv_layout(KVType::Q8, 128, true), KVLayout::Rows);
-  EXPECT_EQ(decode_kv_layout(KVType::Q8, 128, false, DecodeIsa::Avx2), KVLayout::Rows);
-  EXPECT_EQ(decode_kv_layout(KVType::Q8, 40), KVLayout::Rows);
-  for (KVType t : {KVType::F32, KVType::BF16, KVType::Q4}) EXPECT_EQ(decode_kv_layout(t, 128), KVLayout::Rows);
+  for (KVType t : {KVType::Q8, KVType::Q4}) {
+    EXPECT_EQ(decode_kv_layout(t, 128), avx512 ? KVLayout::Tiled16 : KVLayout::Rows);
+    EXPECT_EQ(decode_kv_layout(t, 128, true), KVLayout::Rows);
+    EXPECT_EQ(decode_kv_layout(t, 128, false, DecodeIsa::Avx2), KVLayout::Rows);
+    EXPECT_EQ(decode_kv_layout(t, 40), KVLayout::Rows);
+    for (int group : {1, 4, 16}) EXPECT_TRUE(decode_reads_tiled16(DecodeIsa::Avx512, t, group));
+  }
+  for (KVType t : {KVType::F32, KVType::BF16}) EXPECT_EQ(decode_kv_layout(t, 128), KVLayout::Rows);
+  EXPECT_FALSE(decode_reads_tiled16(DecodeIsa::Avx512, KVType::F32, 4));
   // bf16: Tiled16 for dense groups of 1 to 8 queries a KV head where AVX-512 dots bf16; not LRKV's
   // K_s (group 0) nor groups read with heads in lanes
   const KVLayout bf16_tiled = avx512 && decode_dots_bf16(DecodeIsa::Avx512) ? KVLayout::Tiled16 : KVLayout::Rows;

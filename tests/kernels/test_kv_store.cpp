@@ -256,13 +256,33 @@ TEST(KVStore, Tiled16HoldsTheRowsOfTheRowsLayout) {
   const uint8_t* kr = tiled.k_rows(1, 1);
   const uint8_t* vr = tiled.v_rows(1, 1);
   EXPECT_EQ(kr[512 * b + 64 * (c % 32 / 4) + 4 * t + c % 4], static_cast<uint8_t>(k[2 * nb + c] ^ 0x80));
-  EXPECT_EQ(vr[d * t + c], v[2 * nb + c]);
+  EXPECT_EQ(vr[2 * d * (t / 2) + 2 * c + t % 2], v[2 * nb + c]);  // V: slot pairs, byte-interleaved
   EXPECT_EQ(std::memcmp(kr + P * d + 32 * b + 2 * t, k.data() + 2 * b, 2), 0);
   EXPECT_EQ(std::memcmp(vr + P * d + 32 * b + 2 * t, v.data() + 2 * b, 2), 0);
 
-  EXPECT_THROW(KVStore(KVType::Q4, H, d, {}, P, false, KVLayout::Tiled16), Error);
   EXPECT_THROW(KVStore(KVType::Q8, H, d, {}, 24, false, KVLayout::Tiled16), Error);
   EXPECT_THROW(KVStore(KVType::Q8, H, d, {}, P, true, KVLayout::Tiled16), Error);
+}
+
+// Tiled16 (q4): the same rows as the Rows layout, K codes token-interleaved by words as q8's (but
+// not flipped) and V codes in byte-interleaved slot pairs (c = d / 2 bytes a row), scales per group
+// as q8's, at the documented places (d = 96: a last K segment of 16 bytes a token).
+TEST(KVStore, Tiled16Q4HoldsTheRowsOfTheRowsLayout) {
+  const int H = 3, d = 96, P = 16, nb = d / 32, c = d / 2;
+  const auto [rows, tiled] = rows_and_tiled(KVType::Q4, H, d, {2, 51}, P, 120, 11);
+  // The documented places, for slot 27 (page 1, group 0, lane 11), head 2, block 2, code byte 40.
+  std::vector<uint8_t> k(rows.row_bytes()), v(rows.row_bytes());
+  rows.read_k_rows(27, 1, 2, k.data());
+  rows.read_v_rows(27, 1, 2, v.data());
+  const int t = 11, b = 2, i = 40;
+  const uint8_t* kr = tiled.k_rows(1, 2);
+  const uint8_t* vr = tiled.v_rows(1, 2);
+  EXPECT_EQ(kr[512 * (i / 32) + 64 * (i % 32 / 4) + 4 * t + i % 4], k[2 * nb + i]);
+  EXPECT_EQ(kr[512 + 64 * 3 + 4 * t + 3], k[2 * nb + 47]);  // the last byte, in the half segment
+  EXPECT_EQ(vr[2 * c * (t / 2) + 2 * i + t % 2], v[2 * nb + i]);
+  EXPECT_EQ(std::memcmp(kr + P * c + 32 * b + 2 * t, k.data() + 2 * b, 2), 0);
+  EXPECT_EQ(std::memcmp(vr + P * c + 32 * b + 2 * t, v.data() + 2 * b, 2), 0);
+  EXPECT_THROW(KVStore(KVType::Q4, H, d, {}, 40, false, KVLayout::Tiled16), Error);
 }
 
 // Tiled16 (bf16): the same rows as the Rows layout, K words token-interleaved at the documented

@@ -258,16 +258,18 @@ TEST(LrkvDecode, LongContextsAndEviction) {
   }
 }
 
-// K_s / V_s in the Tiled16 layout (decode_kv_layout's q8 choice on AVX-512): latents of every kind
-// (none, straddling heads, r = 32, 64), odd pages, eviction, both back ends.
+// K_s / V_s in the Tiled16 layout (decode_kv_layout's q8 and q4 choice on AVX-512): latents of every
+// kind (none, straddling heads, r = 32, 64), odd pages, eviction, both back ends.
 TEST(LrkvDecode, Tiled16SharedStoreMatchesReference) {
   uint32_t seed = 700;
-  for (auto [H, d, r, L, page] : std::vector<std::tuple<int, int, int, int64_t, int>>{
-           {1, 32, 0, 33, 16}, {5, 64, 32, 70, 16}, {16, 128, 8, 515, 256}, {16, 128, 12, 45, 16}, {14, 96, 16, 77, 16},
-           {16, 128, 32, 300, 32}, {16, 128, 64, 301, 256}, {6, 256, 96, 37, 48}})
-    check(KVType::Q8, H, d, r, L, page, {}, seed++, KVLayout::Tiled16);
-  check(KVType::Q8, 10, 64, 16, 301, 48, {3, 120}, seed++, KVLayout::Tiled16);
-  check(KVType::Q8, 16, 128, 32, 200, 64, {5, 100}, seed++, KVLayout::Tiled16);
+  for (KVType t : {KVType::Q8, KVType::Q4}) {
+    for (auto [H, d, r, L, page] : std::vector<std::tuple<int, int, int, int64_t, int>>{
+             {1, 32, 0, 33, 16}, {5, 64, 32, 70, 16}, {16, 128, 8, 515, 256}, {16, 128, 12, 45, 16}, {14, 96, 16, 77, 16},
+             {16, 128, 32, 300, 32}, {16, 128, 64, 301, 256}, {6, 256, 96, 37, 48}})
+      check(t, H, d, r, L, page, {}, seed++, KVLayout::Tiled16);
+    check(t, 10, 64, 16, 301, 48, {3, 120}, seed++, KVLayout::Tiled16);
+    check(t, 16, 128, 32, 200, 64, {5, 100}, seed++, KVLayout::Tiled16);
+  }
 }
 
 TEST(LrkvDecode, MismatchedStoresAreClearErrors) {
