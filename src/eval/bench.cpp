@@ -433,13 +433,12 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   // dense stores' per KV head count and type, LRKV's K_s / V_s per type (bf16: rows).
   const bool avx2 = std::find(isas.begin(), isas.end(), kernels::DecodeIsa::Avx2) != isas.end();
   auto layout_of = [&](kernels::KVType type, int group) {
-    const auto chosen = kernels::decode_kv_layout(type, o.head_dim, false, avx2 ? kernels::DecodeIsa::Avx2 : kernels::DecodeIsa::Auto, group);
     if (type == kernels::KVType::Q8 && o.q8_layout != "auto") return kernels::parse_kv_layout(o.q8_layout);
     if (type == kernels::KVType::Q4 && o.q4_layout != "auto") return kernels::parse_kv_layout(o.q4_layout);
     const bool readable = std::all_of(isas.begin(), isas.end(), [&](kernels::DecodeIsa isa) { return kernels::decode_reads_tiled16(isa, type, group); });
     if (type == kernels::KVType::BF16 && o.bf16_layout != "auto" && group >= 1 && readable)
       return kernels::parse_kv_layout(o.bf16_layout);  // (groups read with heads in lanes, from rows, stay rows)
-    return chosen;
+    return kernels::decode_kv_layout(type, o.head_dim, false, avx2 ? kernels::DecodeIsa::Avx2 : kernels::DecodeIsa::Auto, group);
   };
   std::vector<std::vector<kernels::KVLayout>> dense_layouts(o.kv_heads.size());  // [hkv][type]
   std::vector<kernels::KVLayout> shared_layouts;                               // [type]

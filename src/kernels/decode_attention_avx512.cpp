@@ -63,6 +63,8 @@ KVX_INLINE void with_flag(bool on, F&& f) {
 
 KVX_INLINE int imin(int a, int b) { return a < b ? a : b; }
 KVX_INLINE int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
+// Query heads go in groups of 4, 2, 1 that share each K/V load.
+KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 
 // ---------------------------------------------------------------------------------------------
 // Row readers: val(row, j, a, b) = group j (values 32j .. 32j + 31) as vectors a, b; q8/q4
@@ -409,12 +411,16 @@ KVX_INLINE void bf16_group_scores(const uint8_t* group, const float* q, int d, f
 template <class R>
 KVX_INLINE void bf16_group_scores_all(const uint8_t* group, const float* q, int d, int G, float* s, const Prefetch& kpf,
                                       size_t pf_lo, size_t pf_hi) {
-  const Prefetch* pf = &kpf;
-  int g = 0;
-  for (; g + 8 <= G; g += 8) bf16_group_scores<R, 8>(group, q + g * d, d, s + g * kRow, pf, pf_lo, pf_hi), pf = nullptr;
-  if (G - g >= 4) bf16_group_scores<R, 4>(group, q + g * d, d, s + g * kRow, pf, pf_lo, pf_hi), g += 4, pf = nullptr;
-  if (G - g >= 2) bf16_group_scores<R, 2>(group, q + g * d, d, s + g * kRow, pf, pf_lo, pf_hi), g += 2, pf = nullptr;
-  if (G - g >= 1) bf16_group_scores<R, 1>(group, q + g * d, d, s + g * kRow, pf, pf_lo, pf_hi);
+  for (int g = 0, gb; g < G; g += gb) {
+    gb = G - g >= 8 ? 8 : group_size(G - g);
+    const Prefetch* pf = g == 0 ? &kpf : nullptr;
+    switch (gb) {
+      case 8: bf16_group_scores<R, 8>(group, q + g * d, d, s + g * kRow, pf, pf_lo, pf_hi); break;
+      case 4: bf16_group_scores<R, 4>(group, q + g * d, d, s + g * kRow, pf, pf_lo, pf_hi); break;
+      case 2: bf16_group_scores<R, 2>(group, q + g * d, d, s + g * kRow, pf, pf_lo, pf_hi); break;
+      default: bf16_group_scores<R, 1>(group, q + g * d, d, s + g * kRow, pf, pf_lo, pf_hi); break;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1335,9 +1341,6 @@ template <class R>
 KVX_INLINE size_t query_floats(int d) {
   return R::kQuant ? int_query_floats(d) : static_cast<size_t>(d);  // d % 32 == 0 (latents of r % 32 != 0: FlatLatents)
 }
-
-// Query heads go in groups of 4, 2, 1 that share each K/V load.
-KVX_INLINE int group_size(int left) { return left >= 4 ? 4 : left >= 2 ? 2 : 1; }
 
 // Rows per tile, the fastest measured at long context with the caches emptied (wider float tiles,
 // or rows fetched ahead instead of the next tile, run faster in cache but slower cold):
