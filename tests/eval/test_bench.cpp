@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <string>
@@ -199,66 +200,58 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
   EXPECT_EQ(lrkv, 2 * 2 * 2);   // types x contexts x ranks
 }
 
-// Options that name no measurement are refused before anything runs, naming the option.
+namespace {
+// The rows of a quick bench decode run (64 tokens, H = 16, d_h = 32, LRKV r = 8) of one cache type
+// that carry a store layout, with `set` applied to the options.
+std::vector<nlohmann::json> layout_rows(const std::string& type, std::vector<int> kv_heads,
+                                        const std::function<void(eval::DecodeBenchOptions&)>& set) {
+  eval::DecodeBenchOptions o;
+  o.contexts = {64};
+  o.types = {type};
+  o.kv_heads = std::move(kv_heads);
+  o.heads = 16;
+  o.head_dim = 32;
+  o.lrkv_ranks = {8};
+  o.gdn_rows = false;
+  o.natsl_kept = {};
+  o.lla_budgets = {};
+  o.seconds_per_point = 0.005;
+  o.whole_model = false;
+  set(o);
+  std::vector<nlohmann::json> rows;
+  for (const auto& r : eval::bench_decode(o, false))
+    if (r.contains("layout") && r.contains("hkv")) rows.push_back(r);
+  return rows;
+}
+}  // namespace
+
 // Each row names its store layout: bf16 dense stores as decode_kv_layout picks for their group
 // (Tiled16 for 1 query a KV head where AVX-512 dots bf16, rows for 16), --bf16-layout forcing rows
-// or (where the back end reads it) tiled16, LRKV's K_s / V_s always rows; q4 stores as
-// decode_kv_layout picks, or rows with --q4-layout rows.
+// or (where the back end reads it) tiled16, LRKV's K_s / V_s always rows; q4 stores (as q8's), LRKV's
+// K_s / V_s too, as decode_kv_layout picks, or rows with --q4-layout rows.
 TEST(DecodeBench, RowsNameTheirStoreLayout) {
+  const auto isa = kernels::resolve_decode_isa(kernels::DecodeIsa::Auto, 32);
   for (const std::string forced : {"auto", "rows", "tiled16"}) {
-    eval::DecodeBenchOptions o;
-    o.contexts = {64};
-    o.types = {"bf16"};
-    o.kv_heads = {16, 1};
-    o.heads = 16;
-    o.head_dim = 32;
-    o.lrkv_ranks = {8};
-    o.gdn_rows = false;
-    o.natsl_kept = {};
-    o.lla_budgets = {};
-    o.seconds_per_point = 0.005;
-    o.whole_model = false;
-    o.bf16_layout = forced;
-    int seen = 0;
-    for (const auto& r : eval::bench_decode(o, false)) {
-      if (!r.contains("layout") || !r.contains("hkv")) continue;
-      const int group = o.heads / r["hkv"].get<int>();
-      const bool lrkv = r.contains("rank");
-      const auto isa = kernels::resolve_decode_isa(kernels::DecodeIsa::Auto, 32);
-      const auto want = lrkv || forced == "rows" ? kernels::KVLayout::Rows
-                        : forced == "tiled16"    ? (kernels::decode_reads_tiled16(isa, kernels::KVType::BF16, group) ? kernels::KVLayout::Tiled16
-                                                                                                                 : kernels::KVLayout::Rows)
-                                                 : kernels::decode_kv_layout(kernels::KVType::BF16, 32, false, kernels::DecodeIsa::Auto, group);
+    const auto rows = layout_rows("bf16", {16, 1}, [&](eval::DecodeBenchOptions& o) { o.bf16_layout = forced; });
+    for (const auto& r : rows) {
+      const int group = 16 / r["hkv"].get<int>();
+      const auto want = r.contains("rank") || forced == "rows" ? kernels::KVLayout::Rows
+                        : forced == "tiled16" ? (kernels::decode_reads_tiled16(isa, kernels::KVType::BF16, group) ? kernels::KVLayout::Tiled16
+                                                                                                                  : kernels::KVLayout::Rows)
+                                              : kernels::decode_kv_layout(kernels::KVType::BF16, 32, false, kernels::DecodeIsa::Auto, group);
       EXPECT_EQ(r["layout"].get<std::string>(), kernels::kv_layout_name(want)) << r.dump();
-      ++seen;
     }
-    EXPECT_EQ(seen, 3) << forced;  // Hkv 16 and 1, LRKV r = 8
+    EXPECT_EQ(rows.size(), 3u) << forced;  // Hkv 16 and 1, LRKV r = 8
   }
-  // q4 (as q8): every store, LRKV's K_s / V_s too, as decode_kv_layout picks, or rows by --q4-layout
   for (const std::string forced : {"auto", "rows"}) {
-    eval::DecodeBenchOptions o;
-    o.contexts = {64};
-    o.types = {"q4"};
-    o.kv_heads = {4};
-    o.head_dim = 32;
-    o.lrkv_ranks = {8};
-    o.gdn_rows = false;
-    o.natsl_kept = {};
-    o.lla_budgets = {};
-    o.seconds_per_point = 0.005;
-    o.whole_model = false;
-    o.q4_layout = forced;
+    const auto rows = layout_rows("q4", {4}, [&](eval::DecodeBenchOptions& o) { o.q4_layout = forced; });
     const auto want = forced == "rows" ? kernels::KVLayout::Rows : kernels::decode_kv_layout(kernels::KVType::Q4, 32);
-    int seen = 0;
-    for (const auto& r : eval::bench_decode(o, false)) {
-      if (!r.contains("layout") || !r.contains("hkv")) continue;
-      EXPECT_EQ(r["layout"].get<std::string>(), kernels::kv_layout_name(want)) << r.dump();
-      ++seen;
-    }
-    EXPECT_EQ(seen, 2) << forced;  // Hkv 4, LRKV r = 8
+    for (const auto& r : rows) EXPECT_EQ(r["layout"].get<std::string>(), kernels::kv_layout_name(want)) << r.dump();
+    EXPECT_EQ(rows.size(), 2u) << forced;  // Hkv 4, LRKV r = 8
   }
 }
 
+// Options that name no measurement are refused before anything runs, naming the option.
 TEST(DecodeBench, RefusesOptionsThatNameNoMeasurement) {
   auto refuses = [](auto edit, const std::string& what) {
     eval::DecodeBenchOptions o;
