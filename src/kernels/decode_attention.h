@@ -28,9 +28,9 @@
 // multiply-adds per row pair, the same as f32), so they gain less than their size ratio.
 // Where the CPU has AVX-512 (and head_dim % 32 == 0) a 16-lane back end with the same
 // algorithm runs instead (decode_attention_avx512.cpp), chosen at run time. Its q8/q4 scores
-// put 16 tokens in the lanes (the rows transposed once for all G queries, or loaded so from a q8
-// store in the Tiled16 layout, decode_kv_layout; bf16 stores in that layout score the same way by
-// vdpbf16ps) and dot the int8
+// put 16 tokens in the lanes (the rows transposed once for all G queries, or loaded so from a q8/q4
+// store in the Tiled16 layout, decode_kv_layout, whose values come in token pairs; bf16 stores in
+// that layout score the same way by vdpbf16ps) and dot the int8
 // query with VNNI, so GQA/MQA and LRKV's shared keys stop being bound by the score FMAs. Its
 // f32/bf16 groups of 9 to 16 query heads on one KV head (bf16; f32 from 13) score with heads in
 // lanes, LRKV's kernel at r = 0 (each K row read once, no horizontal sums).
