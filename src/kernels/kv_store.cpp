@@ -21,6 +21,13 @@ namespace kvx::kernels {
 namespace {
 constexpr size_t kHugePage = size_t{2} << 20;
 constexpr size_t kHeadRun = size_t{1} << 20;  // contiguous bytes per head and stream in a large store
+
+// Tiled16 q8/q4 (kv_store.h): code bytes a row; where code byte i of lane t's key sits in its
+// group of 16; where slot t's value codes start in its run (byte i then 2 i on: slot pairs).
+size_t tiled_code_bytes(KVType type, int d) { return type == KVType::Q4 ? d / 2 : d; }
+size_t tiled_key_byte(size_t i, int lane) { return 512 * (i / 32) + 64 * (i % 32 / 4) + 4 * lane + i % 4; }
+size_t tiled_value_start(size_t c, int t) { return 2 * c * (t / 2) + t % 2; }
+uint8_t tiled_key_flip(KVType type) { return type == KVType::Q8 ? 0x80 : 0; }  // (q8: unsigned)
 }
 
 std::string kv_layout_name(KVLayout layout) { return layout == KVLayout::Tiled16 ? "tiled16" : "rows"; }
@@ -199,7 +206,7 @@ void KVStore::append(const float* k, const float* v) {
 // page) into a run.
 void KVStore::write_row(uint8_t* run, int t, const uint8_t* row, bool keys) const {
   const int d = head_dim_, nb = d / kQBlock, g = t / 16, lane = t % 16;
-  const size_t c = type_ == KVType::Q4 ? d / 2 : d;  // code bytes a row
+  const size_t c = tiled_code_bytes(type_, d);
   if (type_ == KVType::BF16) {
     if (!keys) {
       std::memcpy(run + static_cast<size_t>(t) * row_bytes_, row, row_bytes_);
@@ -213,13 +220,12 @@ void KVStore::write_row(uint8_t* run, int t, const uint8_t* row, bool keys) cons
   for (int b = 0; b < nb; ++b) std::memcpy(scales + 32 * b + 2 * lane, row + 2 * b, 2);
   const uint8_t* codes = row + 2 * nb;
   if (!keys) {  // slot pairs, byte-interleaved
-    uint8_t* pair = run + 2 * c * (t / 2) + t % 2;
+    uint8_t* pair = run + tiled_value_start(c, t);
     for (size_t i = 0; i < c; ++i) pair[2 * i] = codes[i];
     return;
   }
-  const uint8_t flip = type_ == KVType::Q8 ? 0x80 : 0;  // (q8: unsigned)
   uint8_t* group = run + 16 * c * g;
-  for (size_t i = 0; i < c; ++i) group[512 * (i / 32) + 64 * (i % 32 / 4) + 4 * lane + i % 4] = static_cast<uint8_t>(codes[i] ^ flip);
+  for (size_t i = 0; i < c; ++i) group[tiled_key_byte(i, lane)] = static_cast<uint8_t>(codes[i] ^ tiled_key_flip(type_));
 }
 
 const uint8_t* KVStore::k_rows(int64_t page, int head) const {
@@ -252,7 +258,7 @@ void KVStore::read_rows(int64_t s0, int n, int head, bool keys, uint8_t* rows) c
     return;
   }
   const int d = head_dim_, nb = d / kQBlock;
-  const size_t c = type_ == KVType::Q4 ? d / 2 : d;  // code bytes a row (q8/q4)
+  const size_t c = tiled_code_bytes(type_, d);  // (q8/q4)
   for (int t = t0; t < t0 + n; ++t, rows += row_bytes_) {
     const int g = t / 16, lane = t % 16;
     if (type_ == KVType::BF16) {
@@ -268,13 +274,12 @@ void KVStore::read_rows(int64_t s0, int n, int head, bool keys, uint8_t* rows) c
     for (int b = 0; b < nb; ++b) std::memcpy(rows + 2 * b, scales + 32 * b + 2 * lane, 2);
     uint8_t* codes = rows + 2 * nb;
     if (!keys) {
-      const uint8_t* pair = run + 2 * c * (t / 2) + t % 2;
+      const uint8_t* pair = run + tiled_value_start(c, t);
       for (size_t i = 0; i < c; ++i) codes[i] = pair[2 * i];
       continue;
     }
-    const uint8_t flip = type_ == KVType::Q8 ? 0x80 : 0;
     const uint8_t* group = run + 16 * c * g;
-    for (size_t i = 0; i < c; ++i) codes[i] = static_cast<uint8_t>(group[512 * (i / 32) + 64 * (i % 32 / 4) + 4 * lane + i % 4] ^ flip);
+    for (size_t i = 0; i < c; ++i) codes[i] = static_cast<uint8_t>(group[tiled_key_byte(i, lane)] ^ tiled_key_flip(type_));
   }
 }
 
