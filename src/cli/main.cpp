@@ -294,6 +294,12 @@ void print_decode_table(const nlohmann::json& rows) {
                   "lower where it is shared, which slows the compute-bound rows while the multiply-add probe reads its peak): "
                   "%s G adds/s at the start, %s at the end\n",
                   list(r["thread_scalar_rates_start"]).c_str(), list(r["thread_scalar_rates_end"]).c_str());
+      if (r.contains("thread_wake_us"))
+        std::printf("thread wake (an empty OpenMP region of all threads, OMP_WAIT_POLICY=%s): %.1f us right after a region "
+                    "(as each timed call here follows the cache eviction's), %.1f us after 1 ms alone; every call's time "
+                    "includes it\n",
+                    r["omp_wait_policy"].get<std::string>().c_str(), r["thread_wake_us"].get<double>(),
+                    r["thread_wake_after_1ms_us"].get<double>());
     }
   for (const auto& r : rows)
     if (r.contains("fma_peak_gmacs"))

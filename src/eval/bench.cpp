@@ -4,6 +4,7 @@
 #include <chrono>
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <random>
 #include <filesystem>
@@ -396,6 +397,9 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   // Each thread's scalar rate at the start and the end (measure_thread_scalar_rates: a vCPU whose core
   // is shared slows the compute-bound rows while the multiply-add probe reads its full peak).
   const std::vector<double> scalar_start = kernels::measure_thread_scalar_rates(threads, 0.1);
+  // What starting a call's threads costs (measure_thread_wake_us): right after a region, as each
+  // timed call here follows the cache eviction's, and after 1 ms alone; every row's time includes it.
+  const double wake_us = kernels::measure_thread_wake_us(threads, 0.0), wake_idle_us = kernels::measure_thread_wake_us(threads, 1000.0, 50);
   if (verbose) std::cerr << "bench decode: measuring read bandwidth ...\n";
   const kernels::ReadBandwidthProbe probe(size_t{1} << 30, threads);
   std::vector<double> probes = {probe.measure(1.0)};
@@ -537,7 +541,9 @@ nlohmann::json bench_decode(const DecodeBenchOptions& o, bool verbose) {
   rows.push_back({{"stream_gbps", stream}, {"stream_probes_gbps", probes}, {"threads", threads}, {"evict_bytes", probe.evict_bytes()},
                   {"compute_probes_gmacs", compute_probes}, {"compute_probe_isa", kernels::decode_isa_name(probe_isa)},
                   {"compute_peak_gmacs", peak_gmacs[probe_isa]}, {"thread_scalar_rates_start", scalar_start},
-                  {"thread_scalar_rates_end", kernels::measure_thread_scalar_rates(threads, 0.1)}});
+                  {"thread_scalar_rates_end", kernels::measure_thread_scalar_rates(threads, 0.1)}, {"thread_wake_us", wake_us},
+                  {"thread_wake_after_1ms_us", wake_idle_us},
+                  {"omp_wait_policy", std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "unset"}});
 
   // GDN: a whole layer's decode step (projections, convolutions, state update) at each context.
   if (o.gdn_rows) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "util/error.h"
@@ -176,6 +177,29 @@ std::vector<double> measure_thread_scalar_rates(int threads, double seconds) {
     rates[t] = static_cast<double>(x) / elapsed / 1e9;
   }
   return rates;
+}
+
+double measure_thread_wake_us(int threads, double idle_us, int samples) {
+  const int T = std::max(1, threads <= 0 ? omp_get_max_threads() : threads);
+  if (T == 1 || samples < 1) return 0.0;
+  using Clock = std::chrono::steady_clock;
+  auto since_us = [](Clock::time_point t) { return std::chrono::duration<double, std::micro>(Clock::now() - t).count(); };
+  std::vector<double> us;
+  auto region = [T] {
+#pragma omp parallel num_threads(T)
+    if (omp_get_thread_num() >= T) std::abort();  // (never: keeps the region's body)
+  };
+  for (int i = 0; i < samples; ++i) {
+    region();  // the last region before the caller runs alone
+    const auto idle = Clock::now();
+    while (since_us(idle) < idle_us) {
+    }
+    const auto t0 = Clock::now();
+    region();
+    us.push_back(since_us(t0));
+  }
+  std::nth_element(us.begin(), us.begin() + us.size() / 2, us.end());
+  return us[us.size() / 2];
 }
 
 }  // namespace kvx::kernels

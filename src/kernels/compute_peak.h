@@ -34,4 +34,13 @@ double measure_int16_dot_peak_gmacs(int threads = 0, double seconds = 0.5);
 // H = 16, caches in L2: f32/bf16/q8/q4 GQA, f32 and q8 LRKV r = 8).
 std::vector<double> measure_thread_scalar_rates(int threads = 0, double seconds = 0.05);
 
+// Microseconds an empty OpenMP parallel region of `threads` threads (0: all) takes when the caller
+// has run alone for `idle_us` since the last region ended: the fixed cost each decode call pays to
+// start its threads, which depends on the process's OpenMP wait policy. With
+// OMP_WAIT_POLICY=PASSIVE (what kvx runs with: README, Threads) idle threads sleep at once and each
+// region wakes them: on this project's Zen 5 VM a median ~20 us right after a region and 50-60 us
+// after 1 ms alone, against ~4 us while they still spin (GOMP_SPINCOUNT). Median of `samples`; 0
+// with one thread.
+double measure_thread_wake_us(int threads = 0, double idle_us = 0.0, int samples = 200);
+
 }  // namespace kvx::kernels

@@ -106,6 +106,12 @@ TEST(DecodeBench, LrkvRowsCompareWithTheDenseKernelOfTheirRounds) {
         ASSERT_TRUE(r.contains(key)) << key;
         EXPECT_EQ(r[key].size(), static_cast<size_t>(r["threads"].get<int>())) << key;
       }
+      for (const char* key : {"thread_wake_us", "thread_wake_after_1ms_us"}) {  // 0 with one thread, else a positive time
+        ASSERT_TRUE(r.contains(key)) << key;
+        const double us = r[key].get<double>();
+        EXPECT_TRUE(r["threads"].get<int>() == 1 ? us == 0.0 : std::isfinite(us) && us > 0.0) << key << " " << us;
+      }
+      EXPECT_TRUE(r.contains("omp_wait_policy"));
     }
   // One at the start; per context, one before its rounds and one after each kernel's calls in
   // each of 5 rounds (2 types x 2 Hkv dense kernels, 2 types x 2 ranks LRKV); a compute probe beside each.

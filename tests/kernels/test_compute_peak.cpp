@@ -45,3 +45,13 @@ TEST(ComputePeak, ThreadScalarRatesOnePerThread) {
     for (double g : rates) EXPECT_TRUE(std::isfinite(g) && g > 0.05 && g < 20.0) << g;
   }
 }
+
+// The wake cost of a parallel region: 0 with one thread, else a finite positive time well under a
+// second, right after a region and after running alone (a broken probe reads 0, inf or NaN).
+TEST(ComputePeak, ThreadWakeIsAShortPositiveTime) {
+  EXPECT_EQ(kernels::measure_thread_wake_us(1, 0.0, 5), 0.0);
+  for (double idle : {0.0, 200.0}) {
+    const double us = kernels::measure_thread_wake_us(2, idle, 9);
+    EXPECT_TRUE(std::isfinite(us) && us > 0.0 && us < 1e5) << us << " us after " << idle << " us alone";
+  }
+}
