@@ -109,6 +109,12 @@ struct ProcessGroup::Impl {
 
 ProcessGroup::ProcessGroup(const DistributedOptions& options) : options_(options), impl_(std::make_unique<Impl>()) {
   options_.validate();
+  // Gloo and the TCP store write to their peers' sockets without MSG_NOSIGNAL (Python ignores
+  // SIGPIPE for them): a write to a worker that died would kill this one by SIGPIPE, silently,
+  // instead of failing the collective with the error wait_for gives (seen once in
+  // DataParallel.WithoutTheLauncherASurvivingWorkerStopsWithAClearError). Ignored, the write fails
+  // with EPIPE.
+  ::signal(SIGPIPE, SIG_IGN);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(options_.timeout_seconds * 1000));
   try {
     c10d::TCPStoreOptions so;
