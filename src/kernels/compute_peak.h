@@ -38,7 +38,7 @@ std::vector<double> measure_thread_scalar_rates(int threads = 0, double seconds 
 // has run alone for `idle_us` since the last region ended: the fixed cost each decode call pays to
 // start its threads, which depends on the process's OpenMP wait policy. With
 // OMP_WAIT_POLICY=PASSIVE (what kvx runs with: README, Threads) idle threads sleep at once and each
-// region wakes them: on this project's Zen 5 VM a median ~20 us right after a region and 50-60 us
+// region wakes them: on this project's Zen 5 VM a median 20-24 us right after a region and 50-76 us
 // after 1 ms alone, against ~4 us while they still spin (GOMP_SPINCOUNT). Median of `samples`; 0
 // with one thread.
 double measure_thread_wake_us(int threads = 0, double idle_us = 0.0, int samples = 200);
